@@ -1,0 +1,44 @@
+# tokencap: the front door. `make help` lists the targets.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/demo.toml
+WORKERS ?= 8
+N ?= 4
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: help install up down workers status test lint bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(BIN)/tokencap: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+install: $(BIN)/tokencap ## Create .venv and install tokencap with its test tools
+
+up: install ## Start Redis, the engine (simulator unless SGLANG_URL), writer, budget service, WORKERS consumers; run CONFIG to completion
+	$(BIN)/tokencap up $(CONFIG) --workers $(WORKERS)
+
+down: ## Stop everything `make up` started
+	@if [ -x $(BIN)/tokencap ]; then $(BIN)/tokencap down; else echo "nothing to stop"; fi
+
+workers: install ## Add N consumers to the running stack (make workers N=8)
+	$(BIN)/tokencap add-workers $(N)
+
+status: install ## Show the run's status (after make up)
+	@set -a; source .run/env; set +a; $(BIN)/tokencap status
+
+test: install ## Run every test (starts its own redis-server instances)
+	$(BIN)/pytest -q
+
+lint: install ## ruff
+	$(BIN)/ruff check .
+
+clean: down ## Remove .run/ and out/
+	rm -rf .run out

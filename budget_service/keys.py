@@ -1,0 +1,74 @@
+"""Every Redis key and queue name tokencap uses, in one place.
+
+Per-category keys carry a hash tag `{run:category}` so that a Redis Cluster keeps a
+category on one slot (each Lua script touches one category only).
+
+| key (prefix `P:run`)        | type   | writer                  | reader                  | lifetime |
+|-----------------------------|--------|-------------------------|-------------------------|----------|
+| `P:run:meta`                | hash   | producer (init)         | all                     | run      |
+| `P:run:{cat}:state`         | hash   | admit/commit/fail/close | status, producer        | run      |
+| `P:run:{cat}:pending`       | hash   | producer (feed)         | admit (payload), reaper | until terminal |
+| `P:run:{cat}:leases`        | zset   | feed, admit, heartbeat  | reaper                  | until terminal |
+| `P:run:{cat}:parked`        | zset   | admit ("wait")          | producer (unpark)       | until unparked |
+| `P:run:{cat}:reserved`      | hash   | admit, heartbeat        | commit, fail            | while in flight |
+| `P:run:{cat}:final`         | hash   | commit, fail, skip      | admit, feed, reconcile  | run      |
+| `P:run:{cat}:hist`          | hash   | commit, reconcile       | workers (estimates)     | run      |
+| `P:run:{cat}:results`       | stream | commit                  | writer (group `writer`) | until written |
+| `P:run:{cat}:dead`          | stream | fail                    | writer (group `writer`) | until written |
+
+State hash fields: cap, used, reserved, inflight, samples, skipped, failed, rejected,
+waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s),
+dup_prompts. `final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
+RQ queue names: `<run>.<category>` (so `rq info` shows one queue per category).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+WRITER_GROUP = "writer"
+HIST_BUCKET_TOKENS = 16
+
+
+class CategoryKeys(NamedTuple):
+    state: str
+    pending: str
+    leases: str
+    parked: str
+    reserved: str
+    final: str
+    hist: str
+    results: str
+    dead: str
+
+
+class Keys:
+    """Key names for one run under one prefix."""
+
+    def __init__(self, prefix: str, run: str) -> None:
+        self.prefix = prefix
+        self.run = run
+        self.base = f"{prefix}:{run}"
+
+    @property
+    def meta(self) -> str:
+        return f"{self.base}:meta"
+
+    def cat(self, category: str) -> CategoryKeys:
+        tag = f"{self.base}:{{{self.run}:{category}}}"
+        return CategoryKeys(*(f"{tag}:{name}" for name in CategoryKeys._fields))
+
+    def queue_name(self, category: str) -> str:
+        return f"{self.run}.{category}"
+
+    def queue_names(self, categories: Iterable[str]) -> list[str]:
+        return [self.queue_name(c) for c in categories]
+
+    def job_id(self, category: str, sample_id: str, seq: int) -> str:
+        """Deterministic RQ job id: (run, category, sample, feed sequence number)."""
+        return f"{self.run}.{category}.{sample_id}.{seq}"
+
+    @staticmethod
+    def runs_pattern(prefix: str) -> str:
+        return f"{prefix}:*:meta"

@@ -1,0 +1,54 @@
+-- admit.lua: decide whether a worker may send a sample to the engine, and reserve for it.
+-- KEYS[1] state  KEYS[2] pending  KEYS[3] leases  KEYS[4] parked  KEYS[5] reserved  KEYS[6] final
+-- ARGV[1] sample id  ARGV[2] estimate (tokens to reserve)  ARGV[3] lease deadline (ms)
+-- ARGV[4] now (ms)
+-- Returns {'ok', payload} | {'done'} | {'closed'} | {'wait'} | {'unknown'}.
+-- Rule: admit while used + reserved + estimate < cap, or when nothing is in flight and
+-- used < cap (so a category never stops below its cap); close once used >= cap.
+local s = ARGV[1]
+local function forget()
+  local r = redis.call('HGET', KEYS[5], s)
+  if r then
+    redis.call('HDEL', KEYS[5], s)
+    redis.call('HINCRBY', KEYS[1], 'reserved', -tonumber(r))
+  end
+  redis.call('HDEL', KEYS[2], s)
+  redis.call('ZREM', KEYS[3], s)
+  redis.call('ZREM', KEYS[4], s)
+end
+local function skip()
+  forget()
+  redis.call('HSET', KEYS[6], s, 's')
+  redis.call('HINCRBY', KEYS[1], 'skipped', 1)
+  return {'closed'}
+end
+if redis.call('HEXISTS', KEYS[6], s) == 1 then
+  forget()
+  return {'done'}
+end
+local payload = redis.call('HGET', KEYS[2], s)
+if not payload then return {'unknown'} end
+local st = redis.call('HMGET', KEYS[1], 'cap', 'used', 'reserved', 'closed')
+local cap = tonumber(st[1]) or 0
+local used = tonumber(st[2]) or 0
+local res = tonumber(st[3]) or 0
+if st[4] == '1' then return skip() end
+if redis.call('HEXISTS', KEYS[5], s) == 1 then
+  redis.call('ZADD', KEYS[3], ARGV[3], s)
+  return {'ok', payload}
+end
+local est = tonumber(ARGV[2])
+if (used + res + est < cap) or (res == 0 and used < cap) then
+  redis.call('HSET', KEYS[5], s, est)
+  redis.call('HINCRBY', KEYS[1], 'reserved', est)
+  redis.call('ZADD', KEYS[3], ARGV[3], s)
+  redis.call('ZREM', KEYS[4], s)
+  return {'ok', payload}
+end
+if used >= cap then
+  redis.call('HSET', KEYS[1], 'closed', '1')
+  return skip()
+end
+redis.call('ZADD', KEYS[4], ARGV[4], s)
+redis.call('ZREM', KEYS[3], s)
+return {'wait'}

@@ -1,0 +1,20 @@
+-- fail.lua: end a sample as rejected or dead-lettered (terminal; never counted).
+-- KEYS[1] state  KEYS[2] reserved  KEYS[3] final  KEYS[4] pending  KEYS[5] leases
+-- KEYS[6] parked  KEYS[7] dead (stream)
+-- ARGV[1] sample id  ARGV[2] final value ('r:<reason>' or 'd:<kind>')
+-- ARGV[3] state counter to bump ('rejected' or 'failed')  ARGV[4] dead-letter JSON
+-- Returns 1, or 0 if the sample already had a terminal state.
+local s = ARGV[1]
+if redis.call('HEXISTS', KEYS[3], s) == 1 then return 0 end
+local r = redis.call('HGET', KEYS[2], s)
+if r then
+  redis.call('HDEL', KEYS[2], s)
+  redis.call('HINCRBY', KEYS[1], 'reserved', -tonumber(r))
+end
+redis.call('HSET', KEYS[3], s, ARGV[2])
+redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+redis.call('HDEL', KEYS[4], s)
+redis.call('ZREM', KEYS[5], s)
+redis.call('ZREM', KEYS[6], s)
+redis.call('XADD', KEYS[7], '*', 'r', ARGV[4])
+return 1

@@ -1,0 +1,28 @@
+"""Loads the `.lua` files once and registers them with redis-py (EVALSHA, NOSCRIPT reload)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from redis import Redis
+from redis.commands.core import Script
+
+LUA_DIR = Path(__file__).with_name("lua")
+NAMES = ("feed", "admit", "heartbeat", "commit", "fail", "release", "close", "reconcile")
+
+
+class Scripts:
+    """One registered `Script` per `.lua` file, as attributes named after the file."""
+
+    feed: Script
+    admit: Script
+    heartbeat: Script
+    commit: Script
+    fail: Script
+    release: Script
+    close: Script
+    reconcile: Script
+
+    def __init__(self, redis: Redis) -> None:
+        for name in NAMES:
+            setattr(self, name, redis.register_script((LUA_DIR / f"{name}.lua").read_text()))

@@ -1,0 +1,1 @@
+"""RQ consumers: the job that sends one sample to SGLang, the worker class, the writer."""

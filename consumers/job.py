@@ -1,0 +1,192 @@
+"""The RQ job: admit -> `/generate` with `input_ids` -> validate -> commit.
+
+`process` is the only function a tokencap worker runs. Its argument is a `JobRef` (msgspec
+JSON); the prompt comes from the category ledger in the same Lua call that admits it.
+Per-process state (Redis client, engine client, length models) lives in a `Context` set up
+by the worker at start, or from the environment at first call, never at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from budget_service.budget import Budget, now_ms
+from budget_service.estimator import LengthModel
+from budget_service.keys import Keys
+from consumers.client import EngineClient, EngineError, Generation
+from tokencap.config import Category, RunConfig
+from tokencap.redisconn import connect
+from tokencap.wire import DeadLetter, JobRef, Pending, Result
+
+log = logging.getLogger(__name__)
+
+JOB_FUNC = "consumers.job.process"
+MODEL_REFRESH_S = 5.0
+DEFAULT_DECODE_TOK_S = 20.0  # per-request decode rate assumed before any commit
+RETRY_DELAY_S = 2.0
+
+
+class RunContext:
+    """What a worker process caches for one run."""
+
+    def __init__(self, budget: Budget, cfg: RunConfig, engines: list[str]) -> None:
+        self.budget = budget
+        self.cfg = cfg
+        self.client = EngineClient(
+            engines,
+            connect_timeout_s=cfg.connect_timeout_s,
+            read_timeout_s=cfg.read_timeout_s,
+            retries=cfg.http_retries,
+            backoff_max_s=cfg.backoff_max_s,
+        )
+        self._models: dict[str, tuple[float, LengthModel, float]] = {}
+
+    def model(self, cat: Category) -> tuple[LengthModel, float]:
+        """(length model, per-request decode tok/s), refreshed every MODEL_REFRESH_S."""
+        hit = self._models.get(cat.name)
+        now = time.monotonic()
+        if hit is None or now - hit[0] > MODEL_REFRESH_S:
+            keys = self.budget.keys.cat(cat.name)
+            pipe = self.budget.redis.pipeline(transaction=False)
+            pipe.hgetall(keys.hist)
+            pipe.hget(keys.state, "rate")
+            raw, rate = pipe.execute()
+            model = LengthModel.from_redis(
+                raw, self.cfg.expected_for(cat), cat.sampling.max_new_tokens
+            )
+            hit = (now, model, float(rate) if rate else DEFAULT_DECODE_TOK_S)
+            self._models[cat.name] = hit
+        return hit[1], hit[2]
+
+
+class Context:
+    """Per-process: one Redis connection, engine URLs, and a RunContext per run."""
+
+    def __init__(self, redis_url: str, engines: list[str]) -> None:
+        self.redis_url = redis_url
+        self.engines = engines
+        self.redis = connect(redis_url)
+        self._runs: dict[tuple[str, str], RunContext] = {}
+        self.prefix = "tokencap"
+
+    def run(self, run: str) -> RunContext:
+        key = (self.prefix, run)
+        if key not in self._runs:
+            budget = Budget(self.redis, Keys(self.prefix, run))
+            cfg = budget.load_config()
+            if cfg is None:
+                raise LookupError(f"run {run!r} not found in Redis (prefix {self.prefix!r})")
+            self._runs[key] = RunContext(budget, cfg, self.engines)
+        return self._runs[key]
+
+
+_ctx: Context | None = None
+
+
+def configure(redis_url: str, engines: list[str], prefix: str = "tokencap") -> Context:
+    """Set this process's context (the worker calls it once at start)."""
+    global _ctx
+    _ctx = Context(redis_url, engines)
+    _ctx.prefix = prefix
+    return _ctx
+
+
+def _context() -> Context:
+    if _ctx is None:
+        urls = [u for u in os.environ.get("SGLANG_URL", "").split(",") if u]
+        return configure(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), urls)
+    return _ctx
+
+
+class _Heartbeat(threading.Thread):
+    """Extends the sample's lease and moves its reservation to E[L | L > g] while in flight."""
+
+    def __init__(self, rc: RunContext, cat: Category, sample_id: str, extra: int) -> None:
+        super().__init__(daemon=True, name=f"hb-{sample_id}")
+        self.rc, self.cat, self.sample_id, self.extra = rc, cat, sample_id, extra
+        self.stop_event = threading.Event()
+        self.t0 = time.monotonic()
+        self.interval_s = rc.cfg.lease_s / 3
+
+    def run(self) -> None:
+        lease_ms = int(self.rc.cfg.lease_s * 1000)
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                model, rate = self.rc.model(self.cat)
+                progressed = (time.monotonic() - self.t0) * rate
+                est = model.conditional(progressed) + self.extra
+                self.rc.budget.heartbeat(self.cat.name, self.sample_id, est, lease_ms)
+            except Exception as exc:  # a missed beat only shortens the lease
+                log.warning("heartbeat failed for %s/%s: %s", self.cat.name, self.sample_id, exc)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+def process(ref: dict[str, Any]) -> str:
+    """Run one sample. Returns the outcome: committed, dup, done, closed, wait, released,
+    rejected, dead or unknown."""
+    job = msgspec.convert(ref, JobRef)
+    rc = _context().run(job.run)
+    cat = rc.cfg.by_name(job.category)
+    budget = rc.budget
+    extra = job.prompt_tokens if rc.cfg.count == "total" else 0
+    model, _rate = rc.model(cat)
+    lease_ms = int(rc.cfg.lease_s * 1000)
+    status, pending = budget.admit(cat.name, job.sample_id, model.mean() + extra, lease_ms)
+    if status != "ok":
+        log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
+        return status
+    assert pending is not None
+    hb = _Heartbeat(rc, cat, job.sample_id, extra)
+    hb.start()
+    try:
+        gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name)
+    except EngineError as exc:
+        return _failed(rc, cat, pending, exc)
+    finally:
+        hb.stop()
+    return _commit(rc, cat, pending, gen)
+
+
+def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
+    failures = p.failures + 1
+    if not exc.retryable or failures >= rc.cfg.max_attempts:
+        outcome = "dead" if exc.retryable else "rejected"
+        log.warning("%s/%s %s after %d attempt(s): %s", cat.name, p.sample_id, outcome,
+                    failures, exc)
+        rc.budget.fail(DeadLetter(
+            id=p.sample_id, category=cat.name, outcome=outcome, reason=exc.kind.value,
+            message=str(exc), where=p.where, attempts=failures,
+        ))
+        return outcome
+    log.info("%s/%s attempt %d failed (%s), will retry: %s", cat.name, p.sample_id, failures,
+             exc.kind.value, exc)
+    retry_at = now_ms() + int(RETRY_DELAY_S * 1000 * failures)
+    rc.budget.release(cat.name, msgspec.structs.replace(p, failures=failures), retry_at)
+    return "released"
+
+
+def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
+    truncated = gen.finish_reason == "length"
+    counted = gen.completion_tokens + (gen.prompt_tokens if rc.cfg.count == "total" else 0)
+    waste = gen.completion_tokens if truncated else 0
+    if truncated and not rc.cfg.count_truncated:
+        counted = 0
+    result = Result(
+        id=p.sample_id, category=cat.name, prompt_ids=p.prompt_ids, output_ids=gen.output_ids,
+        prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+        finish_reason=gen.finish_reason, text=gen.text, sampling=p.sampling,
+        counted_tokens=counted, ordinal=p.ordinal, source_id=p.source_id, where=p.where,
+        finish=gen.finish, engine=gen.engine, latency_s=round(gen.latency_s, 4),
+    )
+    rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
+    status, used = rc.budget.commit(result, waste, rate)
+    log.debug("%s/%s %s: %d tokens, used %d", cat.name, p.sample_id, status, counted, used)
+    return "committed" if status == "ok" else status

@@ -1,0 +1,67 @@
+"""The tokencap worker: an RQ `SimpleWorker` that runs only tokencap's job function and
+reads only msgspec JSON payloads.
+
+`SimpleWorker` keeps one process (and one HTTP keep-alive session) across jobs; its lack of
+RQ heartbeats during a job is covered by tokencap's own lease, extended by the job's
+heartbeat thread, and by the producer's reaper.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+from rq.worker import DequeueStrategy, SimpleWorker
+
+from consumers.job import JOB_FUNC
+from tokencap.wire import MsgspecSerializer, encode
+
+log = logging.getLogger(__name__)
+
+ALLOWED_FUNCS = frozenset({JOB_FUNC})
+REFUSED_STREAM_MAXLEN = 10_000
+
+
+def refused_key(prefix: str) -> str:
+    return f"{prefix}:refused"
+
+
+class TokencapWorker(SimpleWorker):
+    """Refuses (records, fails, never imports) any job that is not `consumers.job.process`."""
+
+    key_prefix_tokencap = "tokencap"
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            name = job.func_name
+        except Exception as exc:  # undecodable payload: pickle, garbage
+            self._refuse(job, queue, f"payload refused: {exc}")
+            return
+        if name not in ALLOWED_FUNCS:
+            self._refuse(job, queue, f"function {name!r} is not a tokencap job")
+            return
+        super().execute_job(job, queue)
+
+    def _refuse(self, job: Job, queue: Queue, reason: str) -> None:
+        log.error("refused job %s from queue %s: %s", job.id, queue.name, reason)
+        record = {"job_id": job.id, "queue": queue.name, "reason": reason, "ts": time.time()}
+        self.connection.xadd(
+            refused_key(self.key_prefix_tokencap), {"r": encode(record)},
+            maxlen=REFUSED_STREAM_MAXLEN, approximate=True,
+        )
+        self.handle_job_failure(job=job, queue=queue, exc_string=f"refused by tokencap: {reason}")
+
+
+def make_worker(redis: Redis, queue_names: list[str], name: str | None = None) -> TokencapWorker:
+    queues = [Queue(q, connection=redis, serializer=MsgspecSerializer) for q in queue_names]
+    return TokencapWorker(queues, connection=redis, serializer=MsgspecSerializer, name=name)
+
+
+def run_worker(worker: TokencapWorker, *, burst: bool = False) -> bool:
+    return worker.work(
+        burst=burst, dequeue_strategy=DequeueStrategy.ROUND_ROBIN, with_scheduler=False,
+        logging_level="WARNING",
+    )

@@ -1,0 +1,202 @@
+"""The writer: drains each category's result and dead-letter streams into JSONL files.
+
+Order per batch: append lines, flush, fsync, then XACK + XDEL. A crash between fsync and
+ack redelivers entries that are already on disk: the writer keeps the ids it has written
+(read back from the files at start) and skips them, so no id is written twice. A torn last
+line from a crash mid-write is cut off at start.
+
+Layout: `<out>/<category>/part-NNNNN.jsonl` (results, rotated at `PART_MAX_BYTES`) and
+`<out>/<category>/dead-letter.jsonl` (rejected and dead samples).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import msgspec
+from redis import Redis
+
+from budget_service.keys import WRITER_GROUP, Keys
+
+log = logging.getLogger(__name__)
+
+PART_MAX_BYTES = 256 * 1024 * 1024
+READ_COUNT = 512
+BLOCK_MS = 500
+DEAD_FILE = "dead-letter.jsonl"
+PART_GLOB = "part-*.jsonl"
+
+
+class _Id(msgspec.Struct):
+    id: str
+
+
+_id_decoder = msgspec.json.Decoder(_Id)
+
+
+def repair_tail(path: Path) -> int:
+    """Cut a partial last line (no trailing newline). Returns bytes removed."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with path.open("rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos = size
+        chunk = 65536
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            buf = f.read(pos - start)
+            nl = buf.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        f.truncate(keep)
+        os.fsync(f.fileno())
+        return size - keep
+
+
+def iter_lines(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                yield line
+
+
+class CategorySink:
+    """Append-only files of one category, with the set of ids already written."""
+
+    def __init__(self, root: Path, category: str) -> None:
+        self.dir = root / category
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.seen: set[str] = set()
+        self.dead_seen: set[str] = set()
+        parts = sorted(self.dir.glob(PART_GLOB))
+        for p in parts + [self.dir / DEAD_FILE]:
+            if p.exists() and repair_tail(p):
+                log.warning("cut a torn last line in %s", p)
+        for p in parts:
+            self.seen.update(_id_decoder.decode(line).id for line in iter_lines(p))
+        dead = self.dir / DEAD_FILE
+        if dead.exists():
+            self.dead_seen.update(_id_decoder.decode(line).id for line in iter_lines(dead))
+        self.part_no = len(parts)
+        self._part: IO[bytes] | None = None
+        self._dead: IO[bytes] | None = None
+
+    def _part_file(self) -> IO[bytes]:
+        if self._part is None or self._part.tell() >= PART_MAX_BYTES:
+            if self._part is not None:
+                self._part.close()
+            path = self.dir / f"part-{self.part_no:05d}.jsonl"
+            if path.exists() and path.stat().st_size >= PART_MAX_BYTES:
+                self.part_no += 1
+                path = self.dir / f"part-{self.part_no:05d}.jsonl"
+            self._part = path.open("ab")
+        return self._part
+
+    def write(self, payloads: list[bytes], dead: bool) -> int:
+        """Append payloads not written before; fsync. Returns the number appended."""
+        seen = self.dead_seen if dead else self.seen
+        new: list[bytes] = []
+        for raw in payloads:
+            sid = _id_decoder.decode(raw).id
+            if sid not in seen:
+                seen.add(sid)
+                new.append(raw)
+        if not new:
+            return 0
+        if dead:
+            if self._dead is None:
+                self._dead = (self.dir / DEAD_FILE).open("ab")
+            f = self._dead
+        else:
+            f = self._part_file()
+        f.write(b"".join(raw.rstrip(b"\n") + b"\n" for raw in new))
+        f.flush()
+        os.fsync(f.fileno())
+        return len(new)
+
+    def close(self) -> None:
+        for f in (self._part, self._dead):
+            if f is not None:
+                f.close()
+
+
+class Writer:
+    """Reads the run's streams with one consumer group and writes them to disk."""
+
+    def __init__(self, redis: Redis, keys: Keys, categories: list[str], out_dir: Path,
+                 consumer: str = "writer-1") -> None:
+        self.redis = redis
+        self.keys = keys
+        self.out_dir = out_dir
+        self.consumer = consumer
+        self.sinks = {c: CategorySink(out_dir, c) for c in categories}
+        self.streams: dict[str, tuple[str, bool]] = {}
+        for c in categories:
+            ck = keys.cat(c)
+            self.streams[ck.results] = (c, False)
+            self.streams[ck.dead] = (c, True)
+        self.written = 0
+        self.stop_event = threading.Event()
+
+    def drain_once(self, block_ms: int | None = BLOCK_MS, pending: bool = False) -> int:
+        """One XREADGROUP round over every stream. `pending` re-reads unacked entries."""
+        start = "0" if pending else ">"
+        reply = self.redis.xreadgroup(
+            WRITER_GROUP, self.consumer, {s: start for s in self.streams},
+            count=READ_COUNT, block=None if pending else block_ms,
+        )
+        n = 0
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            category, dead = self.streams[name]
+            if not entries:
+                continue
+            ids = [eid for eid, _ in entries]
+            payloads = [fields[b"r"] for _, fields in entries if fields]
+            n += self.sinks[category].write(payloads, dead)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(name, WRITER_GROUP, *ids)
+            pipe.xdel(name, *ids)
+            pipe.execute()
+        self.written += n
+        return n
+
+    def recover(self) -> int:
+        """Write entries delivered before a crash and never acked."""
+        total = 0
+        while True:
+            reply = self.redis.xreadgroup(
+                WRITER_GROUP, self.consumer, {s: "0" for s in self.streams}, count=READ_COUNT
+            )
+            if not any(entries for _, entries in reply or []):
+                return total
+            total += self.drain_once(pending=True)
+
+    def lag(self) -> int:
+        """Entries not yet written and acked, over all streams."""
+        pipe = self.redis.pipeline(transaction=False)
+        for s in self.streams:
+            pipe.xlen(s)
+        return sum(pipe.execute())
+
+    def run(self) -> None:
+        self.recover()
+        while not self.stop_event.is_set():
+            self.drain_once()
+
+    def close(self) -> None:
+        for s in self.sinks.values():
+            s.close()

@@ -1,0 +1,328 @@
+"""The producer loop: feed each open category, reap lost jobs, unpark, detect the end.
+
+Per tick and category:
+1. reap: ledger entries whose lease expired and whose job is not in the queue are
+   re-enqueued (a worker died, or a retry is due); a sample lost `max_attempts` times is
+   dead-lettered;
+2. unpark samples that admission deferred, once they fit (or skip them once closed);
+3. feed new samples from the seeded shuffled order while the category is open,
+   `used + reserved < cap`, and fewer than `high_water` samples wait;
+4. mark the category exhausted when its source is used up and nothing is pending.
+The run ends when every category is closed or exhausted, nothing is pending and the writer
+has written every result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from redis import Redis
+from rq import Queue, Worker
+
+from budget_service.budget import Budget, now_ms
+from budget_service.estimator import LengthModel
+from budget_service.keys import Keys
+from consumers.job import JOB_FUNC
+from producer.formats import Rejected
+from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
+from tokencap.config import Category, RunConfig
+from tokencap.wire import DeadLetter, ErrorKind, JobRef, MsgspecSerializer, Pending
+
+log = logging.getLogger(__name__)
+
+REAP_BATCH = 256
+RESULT_TTL_S = 0  # tokencap keeps outcomes in its ledger; RQ's job hash is not needed
+FAILURE_TTL_S = 7 * 24 * 3600
+WORKER_COUNT_REFRESH_S = 2.0
+IDLE_TICK_S = 0.05
+
+
+class CategoryFeed:
+    """Feeding state of one category: its source index, shuffled order and cursor."""
+
+    def __init__(self, cfg: RunConfig, cat: Category, index: SourceIndex) -> None:
+        self.cfg = cfg
+        self.cat = cat
+        self.index = index
+        self.order: array = shuffled_order(len(index), cfg.seed)
+        self.cursor = 0
+        self.kwargs = {**cfg.chat_template_kwargs, **cat.chat_template_kwargs}
+
+    @property
+    def exhausted(self) -> bool:
+        return self.cursor >= len(self.order)
+
+
+class Producer:
+    """Feeds one run. `renderer` is None when every category is pre-tokenized."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        redis: Redis,
+        renderer: Any,
+        context_length: int | None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.redis = redis
+        self.keys = Keys(cfg.key_prefix, cfg.run)
+        self.budget = Budget(redis, self.keys)
+        self.renderer = renderer
+        self.context_length = context_length
+        self.on_progress = on_progress
+        self.feeds: dict[str, CategoryFeed] = {}
+        self.queues = {
+            c.name: Queue(self.keys.queue_name(c.name), connection=redis,
+                          serializer=MsgspecSerializer)
+            for c in cfg.category
+        }
+        self.lease_ms = int(cfg.lease_s * 1000)
+        self._workers = 0
+        self._workers_at = 0.0
+
+    # -- setup -------------------------------------------------------------------------
+    def add_feed(self, feed: CategoryFeed) -> None:
+        self.feeds[feed.cat.name] = feed
+        raw = self.redis.hget(self.keys.cat(feed.cat.name).state, "cursor")
+        feed.cursor = int(raw or 0)
+
+    # -- the loop ----------------------------------------------------------------------
+    def tick(self) -> int:
+        """One pass over every category. Returns how much work was done (0 = idle)."""
+        work = 0
+        status = self.budget.status(list(self.feeds))["categories"]
+        for name, feed in self.feeds.items():
+            st = status[name]
+            done = self.reap(feed) + self.unpark(feed, st)
+            if st["state"] == "open":
+                done += self.feed(feed, st)
+                if feed.exhausted and st["pending"] == 0 and done == 0:
+                    self.budget.close(name, "exhausted")
+                    log.info("%s: source exhausted (%d samples committed)", name, st["samples"])
+            work += done
+        return work
+
+    def finished(self, writer_lag: int | None) -> bool:
+        status = self.budget.status(list(self.feeds))["categories"]
+        done = all(
+            st["state"] in ("closed", "exhausted") and st["pending"] == 0 for st in status.values()
+        )
+        return done and not writer_lag
+
+    def writer_lag(self) -> int:
+        pipe = self.redis.pipeline(transaction=False)
+        for name in self.feeds:
+            ck = self.keys.cat(name)
+            pipe.xlen(ck.results)
+            pipe.xlen(ck.dead)
+        return sum(pipe.execute())
+
+    def run(self, poll_s: float = IDLE_TICK_S, progress_s: float = 2.0,
+            should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        last = 0.0
+        while not should_stop():
+            work = self.tick()
+            now = time.monotonic()
+            if self.on_progress and now - last >= progress_s:
+                last = now
+                self.on_progress(self.budget.status(list(self.feeds)))
+            if work == 0:
+                if self.finished(self.writer_lag()):
+                    break
+                time.sleep(poll_s)
+        return self.budget.status(list(self.feeds))
+
+    # -- pieces ------------------------------------------------------------------------
+    def high_water(self) -> int:
+        now = time.monotonic()
+        if now - self._workers_at > WORKER_COUNT_REFRESH_S:
+            q = next(iter(self.queues.values()))
+            self._workers = Worker.count(connection=self.redis, queue=q)
+            self._workers_at = now
+        open_cats = max(1, len(self.feeds))
+        return max(self.cfg.high_water, math.ceil(2 * self._workers / open_cats))
+
+    def feed(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+        if st["used"] + st["reserved"] >= st["cap"] or feed.exhausted:
+            return 0
+        waiting = st["pending"] - st["in_flight"]
+        room = self.high_water() - waiting
+        if room <= 0:
+            return 0
+        ck = self.keys.cat(feed.cat.name)
+        fed = 0
+        while room > 0 and not feed.exhausted:
+            take = feed.order[feed.cursor : feed.cursor + room]
+            positions = list(take)
+            samples, rejected = self._read(feed, positions)
+            self._known_filter(feed, samples)
+            prepared, too_long = self._render(feed, samples)
+            rejected.extend(too_long)
+            pipe = self.redis.pipeline(transaction=True)
+            deadline = now_ms() + self.lease_ms
+            jobs = []
+            for p, n_prompt in prepared:
+                self.budget.feed(feed.cat.name, p, deadline, pipe=pipe)
+                jobs.append(self._job_data(feed.cat.name, p, n_prompt))
+            for dead in rejected:
+                self.budget.fail(dead, pipe=pipe)
+            if jobs:
+                self.queues[feed.cat.name].enqueue_many(jobs, pipeline=pipe)
+            feed.cursor += len(positions)
+            pipe.hset(ck.state, "cursor", feed.cursor)
+            pipe.execute()
+            fed += len(prepared)
+            room -= max(1, len(prepared))
+        return fed + 1
+
+    def _read(self, feed: CategoryFeed, positions: list[int]):
+        samples, rejected = [], []
+        cat = feed.cat
+        for pos in positions:
+            try:
+                s = read_sample(feed.index, pos, cat.format, cat.turns, cat.system_prompt,
+                                cat.field_map or None)
+                samples.append(s)
+            except Rejected as exc:
+                where = getattr(exc, "where", None) or feed.index.where(pos)
+                sid = sample_id(feed.index, pos)
+                log.warning("%s: skipped record at %s: %s", cat.name, where, exc)
+                rejected.append(DeadLetter(id=sid, category=cat.name, outcome="rejected",
+                                           reason=exc.reason, message=str(exc), where=where))
+        return samples, rejected
+
+    def _known_filter(self, feed: CategoryFeed, samples: list) -> None:
+        """Drop samples already final or pending (resume)."""
+        if not samples:
+            return
+        ck = self.keys.cat(feed.cat.name)
+        pipe = self.redis.pipeline(transaction=False)
+        for s in samples:
+            pipe.hexists(ck.final, s.sample_id)
+            pipe.hexists(ck.pending, s.sample_id)
+        flags = pipe.execute()
+        keep = [s for i, s in enumerate(samples) if not (flags[2 * i] or flags[2 * i + 1])]
+        samples[:] = keep
+
+    def _render(self, feed: CategoryFeed, samples: list):
+        cat = feed.cat
+        chat = [s for s in samples if s.prompt and isinstance(s.prompt[0], dict)]
+        rendered: dict[str, Any] = {}
+        if chat:
+            outs = self.renderer.render_many([s.prompt for s in chat], feed.kwargs or None)
+            rendered = {s.sample_id: o for s, o in zip(chat, outs, strict=True)}
+        sampling = msgspec.to_builtins(cat.sampling)
+        max_new = cat.sampling.max_new_tokens
+        prepared, rejected = [], []
+        for s in samples:
+            out = rendered.get(s.sample_id)
+            if isinstance(out, Rejected):
+                rejected.append(DeadLetter(id=s.sample_id, category=cat.name, outcome="rejected",
+                                           reason=out.reason, message=str(out), where=s.where))
+                log.warning("%s: skipped record at %s: %s", cat.name, s.where, out)
+                continue
+            ids = list(out[1]) if out is not None else list(s.prompt)
+            ctx = self.context_length
+            if not ids or (ctx is not None and len(ids) + max_new > ctx):
+                reason = "empty_prompt" if not ids else "prompt_too_long"
+                msg = (f"prompt has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds "
+                       f"the engine context of {ctx} tokens") if ids else "prompt has no tokens"
+                rejected.append(DeadLetter(id=s.sample_id, category=cat.name, outcome="rejected",
+                                           reason=reason, message=msg, where=s.where))
+                continue
+            prepared.append((Pending(sample_id=s.sample_id, ordinal=s.ordinal, prompt_ids=ids,
+                                     sampling=sampling, where=s.where,
+                                     source_id=s.source_id), len(ids)))
+        return prepared, rejected
+
+    def _job_data(self, category: str, p: Pending, n_prompt: int) -> Any:
+        ref = JobRef(run=self.cfg.run, category=category, sample_id=p.sample_id, seq=p.seq,
+                     prompt_tokens=n_prompt)
+        return Queue.prepare_data(
+            JOB_FUNC,
+            args=(msgspec.to_builtins(ref),),
+            job_id=self.keys.job_id(category, p.sample_id, p.seq),
+            timeout=self.cfg.job_timeout_s(),
+            result_ttl=RESULT_TTL_S,
+            failure_ttl=FAILURE_TTL_S,
+            description=f"{category}/{p.sample_id}#{p.seq}",
+        )
+
+    def _enqueue_again(self, category: str, p: Pending, pipe: Any) -> None:
+        ck = self.keys.cat(category)
+        n_prompt = len(p.prompt_ids)
+        pipe.hset(ck.pending, p.sample_id, msgspec.json.encode(p))
+        pipe.zadd(ck.leases, {p.sample_id: now_ms() + self.lease_ms})
+        self.queues[category].enqueue_many([self._job_data(category, p, n_prompt)], pipeline=pipe)
+
+    def reap(self, feed: CategoryFeed) -> int:
+        """Re-enqueue samples whose lease expired and that are not waiting in the queue."""
+        name = feed.cat.name
+        ck = self.keys.cat(name)
+        expired = self.redis.zrangebyscore(ck.leases, "-inf", now_ms(), start=0, num=REAP_BATCH)
+        if not expired:
+            return 0
+        queue_key = self.queues[name].key
+        n = 0
+        for raw_sid in expired:
+            sid = raw_sid.decode()
+            raw = self.redis.hget(ck.pending, sid)
+            if raw is None:
+                self.redis.zrem(ck.leases, sid)
+                continue
+            p = msgspec.json.decode(raw, type=Pending)
+            job_id = self.keys.job_id(name, sid, p.seq)
+            if self.redis.lpos(queue_key, job_id) is not None:
+                self.redis.zadd(ck.leases, {sid: now_ms() + self.lease_ms}, xx=True)
+                continue
+            lost_in_flight = self.redis.hexists(ck.reserved, sid)
+            failures = p.failures + (1 if lost_in_flight else 0)
+            if failures >= self.cfg.max_attempts:
+                self.budget.fail(DeadLetter(id=sid, category=name, outcome="dead",
+                                            reason=ErrorKind.LOST.value, where=p.where,
+                                            message="worker lost the sample too often",
+                                            attempts=failures))
+                continue
+            if lost_in_flight:
+                log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)
+            p = msgspec.structs.replace(p, seq=p.seq + 1, failures=failures)
+            self.budget.release(name, p, now_ms() + self.lease_ms)
+            pipe = self.redis.pipeline(transaction=True)
+            self._enqueue_again(name, p, pipe)
+            pipe.execute()
+            n += 1
+        return n
+
+    def unpark(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+        """Re-enqueue deferred samples that now fit, or all of them once closed."""
+        if not st["parked"]:
+            return 0
+        name = feed.cat.name
+        ck = self.keys.cat(name)
+        if st["state"] == "closed":
+            count = st["parked"]
+        else:
+            model = LengthModel.from_redis(self.redis.hgetall(ck.hist),
+                                           self.cfg.expected_for(feed.cat),
+                                           feed.cat.sampling.max_new_tokens)
+            free = st["cap"] - st["used"] - st["reserved"]
+            count = int(free // max(1.0, model.mean())) if st["reserved"] else 1
+            if count <= 0:
+                return 0
+        popped = self.redis.zpopmin(ck.parked, count)
+        pipe = self.redis.pipeline(transaction=True)
+        for raw_sid, _score in popped:
+            raw = self.redis.hget(ck.pending, raw_sid)
+            if raw is None:
+                continue
+            p = msgspec.json.decode(raw, type=Pending)
+            self._enqueue_again(name, msgspec.structs.replace(p, seq=p.seq + 1), pipe)
+        pipe.execute()
+        return len(popped)

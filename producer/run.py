@@ -1,0 +1,94 @@
+"""Producer start-up: lock the run, create or check it, reconcile, index sources, feed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from producer.feeder import CategoryFeed, Producer
+from producer.readers import SourceIndex
+from producer.reconcile import reconcile
+from tokencap.config import RunConfig
+from tokencap.errors import ConfigError, TokencapError
+
+log = logging.getLogger(__name__)
+
+LOCK_TTL_MS = 15_000
+LOCK_WAIT_S = 20.0
+
+
+class ProducerBusy(TokencapError):
+    exit_code = 6
+
+
+class RunLock:
+    """One producer per run: a Redis key with a TTL, renewed while the producer lives."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.key = f"{keys.base}:producer"
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
+        deadline = time.monotonic() + wait_s
+        while not self.redis.set(self.key, self.token, nx=True, px=LOCK_TTL_MS):
+            holder = self.redis.get(self.key)
+            if time.monotonic() > deadline:
+                raise ProducerBusy(
+                    f"another producer holds run lock {self.key} ({holder!r}); "
+                    "stop it first, or wait for its lock to expire"
+                )
+            time.sleep(0.5)
+
+    def renew(self) -> None:
+        if self.redis.get(self.key) != self.token.encode():
+            raise ProducerBusy("lost the run lock to another producer")
+        self.redis.pexpire(self.key, LOCK_TTL_MS)
+
+    def release(self) -> None:
+        if self.redis.get(self.key) == self.token.encode():
+            self.redis.delete(self.key)
+
+
+def build_producer(
+    cfg: RunConfig,
+    redis: Redis,
+    context_length: int | None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    renderer: Any = None,
+) -> Producer:
+    """Create/check the run in Redis, reconcile with the output files, index every source."""
+    keys = Keys(cfg.key_prefix, cfg.run)
+    budget = Budget(redis, keys)
+    created = budget.init_run(cfg)
+    out = Path(cfg.output_dir)
+    added = reconcile(budget, out, [c.name for c in cfg.category])
+    if created and any(added.values()):
+        log.warning("run %s was not in Redis; rebuilt from %s: %s", cfg.run, out, added)
+    if renderer is None and any(c.format != "input_ids" for c in cfg.category):
+        from producer.render import Renderer, TokenizerError
+
+        try:
+            renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
+        except TokenizerError as exc:
+            raise ConfigError("tokenizer", str(exc)) from None
+    producer = Producer(cfg, redis, renderer, context_length, on_progress)
+    for cat in cfg.category:
+        t0 = time.monotonic()
+        try:
+            index = SourceIndex.build([Path(p) for p in cat.paths])
+        except OSError as exc:
+            raise ConfigError(cat.name, f"cannot read source: {exc}") from None
+        log.info("%s: indexed %d records in %.1f s", cat.name, len(index), time.monotonic() - t0)
+        producer.add_feed(CategoryFeed(cfg, cat, index))
+    return producer

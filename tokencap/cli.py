@@ -1,0 +1,306 @@
+"""The `tokencap` command: wiring only. Every option has an environment twin.
+
+Exit codes: 0 done; 1 error; 2 bad config; 3 Redis unreachable; 4 Redis refused (evicting
+policy); 5 run mismatch; 6 another producer holds the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tokencap import logs
+from tokencap.errors import TokencapError
+
+log = logging.getLogger("tokencap")
+
+REDIS_OPT = click.option("--redis-url", envvar="REDIS_URL", default="redis://127.0.0.1:6379/0",
+                         show_default=True, help="Redis URL (redis://, rediss://, unix://). "
+                         "Env: REDIS_URL.")
+SGLANG_OPT = click.option("--sglang-url", envvar="SGLANG_URL", default="",
+                          help="SGLang engine URL(s), comma separated. Env: SGLANG_URL.")
+RUN_OPT = click.option("--run", "run_name", envvar="TOKENCAP_RUN", default=None,
+                       help="Run name (default: the only run in Redis). Env: TOKENCAP_RUN.")
+PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default="tokencap",
+                          show_default=True, help="Redis key prefix. Env: TOKENCAP_PREFIX.")
+
+
+def _fail(exc: TokencapError) -> None:
+    click.echo(f"tokencap: error: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TokencapError as exc:
+            _fail(exc)
+
+
+@click.group(cls=_Group)
+@click.option("--log-level", envvar="TOKENCAP_LOG_LEVEL", default="INFO", show_default=True,
+              help="Logging level. Env: TOKENCAP_LOG_LEVEL.")
+@click.version_option(package_name="tokencap")
+def main(log_level: str) -> None:
+    """tokencap: token-budgeted LLM data generation over Redis queues.
+
+    A producer tokenizes prompts and feeds one RQ queue per category; workers send them to
+    SGLang's /generate with input_ids and count tokens exactly once per category; each
+    category stops at its token cap. Start everything locally with `tokencap up CONFIG`.
+    """
+    logs.setup(log_level)
+
+
+def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
+    from budget_service.keys import Keys
+    from tokencap.errors import TokencapError
+
+    if run_name:
+        return run_name
+    runs = sorted(
+        k.decode().removeprefix(prefix + ":").removesuffix(":meta")
+        for k in redis.scan_iter(match=Keys.runs_pattern(prefix), count=1000)
+    )
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        raise TokencapError(f"no tokencap run in this Redis (prefix {prefix!r})")
+    raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")
+
+
+def _budget(redis_url: str, prefix: str, run_name: str | None):
+    from budget_service.budget import Budget
+    from budget_service.keys import Keys
+    from tokencap.redisconn import connect
+
+    redis = connect(redis_url)
+    run = _resolve_run(redis, prefix, run_name)
+    budget = Budget(redis, Keys(prefix, run))
+    if not budget.has_run():
+        raise TokencapError(f"run {run!r} not found in Redis (prefix {prefix!r})")
+    return budget
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@REDIS_OPT
+@SGLANG_OPT
+@click.option("--progress-s", default=2.0, show_default=True, help="Seconds between progress lines.")
+def run(config: str, redis_url: str, sglang_url: str, progress_s: float) -> None:
+    """Run the producer for CONFIG until every category is closed or exhausted.
+
+    Creates (or resumes) the run in Redis, rebuilds counters from the output files, feeds
+    each open category, re-enqueues lost samples, and waits for the writer to catch up.
+    Safe to stop and restart: committed samples are never fed again.
+    """
+    from producer.run import RunLock, build_producer
+    from tokencap.config import load_config
+    from tokencap.engines import context_length, parse_urls
+    from tokencap.progress import ProgressPrinter, summary_table
+    from tokencap.redisconn import connect
+
+    cfg = load_config(config)
+    redis = connect(redis_url)
+    from budget_service.keys import Keys
+
+    lock = RunLock(redis, Keys(cfg.key_prefix, cfg.run))
+    lock.acquire()
+    stop = {"flag": False}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        ctx = cfg.context_length or context_length(parse_urls(sglang_url))
+        producer = build_producer(cfg, redis, ctx, ProgressPrinter())
+
+        def should_stop() -> bool:
+            lock.renew()
+            return stop["flag"]
+
+        status = producer.run(progress_s=progress_s, should_stop=should_stop)
+    finally:
+        lock.release()
+    click.echo(summary_table(status))
+    if stop["flag"]:
+        click.echo("stopped before the end; run the same command again to resume", err=True)
+        sys.exit(130)
+
+
+@main.command()
+@RUN_OPT
+@REDIS_OPT
+@SGLANG_OPT
+@PREFIX_OPT
+@click.option("--burst", is_flag=True, help="Exit when the queues are empty.")
+@click.option("--name", default=None, help="Worker name (default: RQ's).")
+def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, burst: bool,
+           name: str | None) -> None:
+    """Start one consumer: an RQ worker on every category queue of the run.
+
+    Sends each admitted sample to SGLang /generate and commits the result. Add more of these
+    (on any host that reaches Redis and SGLang) to raise concurrency. SIGTERM finishes the
+    current sample, then exits.
+    """
+    from consumers.job import configure
+    from consumers.worker import TokencapWorker, make_worker, run_worker
+    from tokencap.engines import parse_urls
+
+    urls = parse_urls(sglang_url)
+    if not urls:
+        raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
+    budget = _budget(redis_url, prefix, run_name)
+    cfg = budget.load_config()
+    assert cfg is not None
+    configure(redis_url, urls, prefix)
+    TokencapWorker.key_prefix_tokencap = prefix
+    w = make_worker(budget.redis, budget.keys.queue_names(c.name for c in cfg.category), name)
+    run_worker(w, burst=burst)
+
+
+@main.command()
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+@click.option("--out", "out_dir", envvar="TOKENCAP_OUT", default=None,
+              help="Output folder (default: the run config's output_dir). Env: TOKENCAP_OUT.")
+def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | None) -> None:
+    """Write committed results to <out>/<category>/part-*.jsonl (fsync, then ack).
+
+    Also writes rejected and dead-lettered samples to <out>/<category>/dead-letter.jsonl.
+    Run exactly one writer per run.
+    """
+    from consumers.writer import Writer
+
+    budget = _budget(redis_url, prefix, run_name)
+    cfg = budget.load_config()
+    assert cfg is not None
+    w = Writer(budget.redis, budget.keys, [c.name for c in cfg.category],
+               Path(out_dir or cfg.output_dir))
+    signal.signal(signal.SIGTERM, lambda *_: w.stop_event.set())
+    try:
+        w.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        w.close()
+
+
+@main.command()
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+@click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
+def status(run_name: str | None, redis_url: str, prefix: str, as_json: bool) -> None:
+    """Show each category's cap, used, reserved, samples and state."""
+    from tokencap.progress import summary_table
+
+    st = _budget(redis_url, prefix, run_name).status()
+    click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
+
+
+@main.command()
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+@click.option("--host", envvar="TOKENCAP_HOST", default="127.0.0.1", show_default=True,
+              help="Address to bind. Env: TOKENCAP_HOST.")
+@click.option("--port", envvar="TOKENCAP_PORT", default=8321, show_default=True,
+              help="Port. Env: TOKENCAP_PORT.")
+@click.option("--token", envvar="TOKENCAP_TOKEN", default=None,
+              help="Bearer token for POST /cap; without one caps cannot change over HTTP. "
+              "Env: TOKENCAP_TOKEN.")
+def serve(run_name: str | None, redis_url: str, prefix: str, host: str, port: int,
+          token: str | None) -> None:
+    """Serve GET /status (JSON), GET /metrics (Prometheus) and POST /cap (token)."""
+    from budget_service.server import make_server
+
+    server = make_server(_budget(redis_url, prefix, run_name), host, port, token)
+    log.info("budget service on http://%s:%d", host, server.server_address[1])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.serve_forever()
+
+
+@main.group()
+def cap() -> None:
+    """Change a category's cap while the run goes on."""
+
+
+@cap.command("set")
+@click.argument("category")
+@click.argument("tokens", type=click.IntRange(min=0))
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+def cap_set(category: str, tokens: int, run_name: str | None, redis_url: str,
+            prefix: str) -> None:
+    """Set CATEGORY's cap to TOKENS: raising it reopens a closed category, lowering it
+    below what is used closes it at once."""
+    budget = _budget(redis_url, prefix, run_name)
+    if category not in budget.status()["categories"]:
+        raise TokencapError(f"no category {category!r} in run {budget.keys.run!r}")
+    closed, _exh, old = budget.close(category, "cap", tokens)
+    log.warning("cap of %s changed from %d to %d", category, old, tokens)
+    click.echo(f"{category}: cap {old} -> {tokens} ({'closed' if closed else 'open'})")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def sim(ctx: click.Context) -> None:
+    """Start the SGLang simulator (no GPU); arguments go to `python -m sglang_sim`."""
+    from sglang_sim.__main__ import main as sim_main
+
+    sys.argv = ["sglang_sim", *ctx.args]
+    sim_main()
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--workers", "n_workers", envvar="WORKERS", default=8, show_default=True,
+              help="Consumers to start. Env: WORKERS.")
+@click.option("--state-dir", default=".run", show_default=True, help="Pids, logs, Redis data.")
+@click.option("--sim-time-scale", default=20.0, show_default=True,
+              help="Speed-up of the simulator when no SGLANG_URL is given.")
+def up(config: str, n_workers: int, state_dir: str, sim_time_scale: float) -> None:
+    """Start what is missing (Redis, engine, budget service, writer, workers) and run CONFIG
+    to completion with progress, then print a summary. Uses REDIS_URL / SGLANG_URL if set,
+    else a local redis-server with AOF (or an embedded one) and the simulator."""
+    from tokencap.launcher import Stack
+
+    stack = Stack(Path(state_dir))
+    code = stack.up(config, n_workers, os.environ.get("REDIS_URL"),
+                    os.environ.get("SGLANG_URL"), sim_time_scale)
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--state-dir", default=".run", show_default=True)
+def down(state_dir: str) -> None:
+    """Stop every process `tokencap up` started (Redis data stays under the state dir)."""
+    from tokencap.launcher import Stack
+
+    Stack(Path(state_dir)).down()
+
+
+@main.command("add-workers")
+@click.argument("n", type=click.IntRange(min=1))
+@click.option("--state-dir", default=".run", show_default=True)
+def add_workers(n: int, state_dir: str) -> None:
+    """Add N consumers to the stack `tokencap up` started."""
+    from tokencap.launcher import Stack
+
+    Stack(Path(state_dir)).add_workers(n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The run config: TOML decoded by msgspec into frozen structs, validated once.
+
+A run config names the run, where results go, the tokenizer, the budget rules and one
+`[[category]]` table per prompt category. Relative paths are resolved against the config
+file's folder. Every error names the file and the field (`$.category[1].cap_tokens`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from tokencap.errors import ConfigError
+
+DEFAULT_CAP_TOKENS = 10_000_000
+NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+Name = Annotated[str, Meta(pattern=NAME_RE)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+FORMATS = (
+    "auto",
+    "messages",
+    "sharegpt",
+    "alpaca",
+    "question_answer",
+    "problem_solution",
+    "instruction_response",
+    "input_output",
+    "input_ids",
+)
+
+
+class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """SGLang sampling params sent with every request. Unset fields are not sent.
+
+    `max_new_tokens` is required: SGLang's own default is 128, which silently truncates.
+    Unknown keys are refused here because SGLang answers them with an HTTP 500.
+    """
+
+    max_new_tokens: PositiveInt
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: int | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = None
+    min_new_tokens: NonNegInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    sampling_seed: int | None = None
+
+
+class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One prompt category with its own queue, budget and output folder."""
+
+    name: Name
+    sampling: SamplingParams
+    source: str | None = None
+    sources: list[str] = []
+    format: Literal[FORMATS] = "auto"  # type: ignore[valid-type]
+    cap_tokens: NonNegInt | None = None
+    expected_tokens: PositiveInt | None = None
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    turns: Literal["first", "last"] = "first"
+    field_map: dict[str, str] = {}
+
+    @property
+    def paths(self) -> list[str]:
+        return ([self.source] if self.source else []) + list(self.sources)
+
+
+class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole run. Units are in the field names."""
+
+    run: Name
+    output_dir: str
+    tokenizer: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    count: Literal["output", "total"] = "output"
+    count_truncated: bool = True
+    cap_tokens: NonNegInt = DEFAULT_CAP_TOKENS
+    seed: int = 0
+    context_length: PositiveInt | None = None
+    expected_tokens: PositiveInt = 512
+    high_water: PositiveInt = 16
+    lease_s: PositiveFloat = 30.0
+    max_attempts: PositiveInt = 4
+    connect_timeout_s: PositiveFloat = 3.05
+    read_timeout_s: PositiveFloat = 1800.0
+    http_retries: NonNegInt = 5
+    backoff_max_s: PositiveFloat = 30.0
+    key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "tokencap"
+    category: list[Category] = []
+
+    def cap_for(self, cat: Category) -> int:
+        return self.cap_tokens if cat.cap_tokens is None else cat.cap_tokens
+
+    def expected_for(self, cat: Category) -> int:
+        return cat.expected_tokens or min(self.expected_tokens, cat.sampling.max_new_tokens)
+
+    def by_name(self, name: str) -> Category:
+        for cat in self.category:
+            if cat.name == name:
+                return cat
+        raise KeyError(name)
+
+    def job_timeout_s(self) -> int:
+        """RQ job timeout: longer than the worst HTTP retry budget (reliability.md 5.4)."""
+        attempts = self.http_retries + 1
+        backoff = self.http_retries * self.backoff_max_s
+        return int(attempts * (self.connect_timeout_s + self.read_timeout_s) + backoff + 60)
+
+
+_FIELD_RE = re.compile(r"at `(\$[^`]*)`")
+
+
+def _field(msg: str) -> str:
+    m = _FIELD_RE.search(msg)
+    return m.group(1) if m else "$"
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read, decode and validate a run config; raise ConfigError naming file and field."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read config: {exc.strerror or exc}") from None
+    try:
+        cfg = msgspec.toml.decode(raw, type=RunConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(path), f"invalid field {_field(str(exc))}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from None
+    return _resolve(cfg, path)
+
+
+def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
+    base = path.resolve().parent
+
+    def rel(p: str) -> str:
+        return str((base / p).resolve()) if not Path(p).is_absolute() else p
+
+    if not cfg.category:
+        raise ConfigError(str(path), "no [[category]] defined")
+    seen: set[str] = set()
+    cats = []
+    for i, cat in enumerate(cfg.category):
+        where = f"$.category[{i}]"
+        if cat.name in seen:
+            raise ConfigError(str(path), f"{where}.name: duplicate category {cat.name!r}")
+        seen.add(cat.name)
+        if not cat.paths:
+            raise ConfigError(str(path), f"{where}: needs `source` or `sources`")
+        paths = [rel(p) for p in cat.paths]
+        for p in paths:
+            if not Path(p).is_file():
+                raise ConfigError(str(path), f"{where}.source: no such file: {p}")
+        if cat.format != "input_ids" and cfg.tokenizer is None:
+            raise ConfigError(str(path), f"{where}.format: needs a top-level `tokenizer` path")
+        cats.append(msgspec.structs.replace(cat, source=None, sources=paths))
+    tok = cfg.tokenizer
+    if tok is not None:
+        tok = rel(tok)
+        if not Path(tok).is_dir():
+            raise ConfigError(str(path), f"$.tokenizer: not a directory: {tok}")
+    return msgspec.structs.replace(
+        cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir)
+    )
+
+
+def config_to_json(cfg: RunConfig) -> bytes:
+    return msgspec.json.encode(cfg)
+
+
+def config_from_json(data: bytes) -> RunConfig:
+    return msgspec.json.decode(data, type=RunConfig)

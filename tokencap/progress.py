@@ -1,0 +1,41 @@
+"""Plain-text progress lines and the end-of-run summary (safe without a TTY)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+class ProgressPrinter:
+    """Prints one line per category every call, with tok/s since the previous call."""
+
+    def __init__(self, out: TextIO = sys.stdout) -> None:
+        self.out = out
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, status: dict[str, Any]) -> None:
+        now = time.monotonic()
+        parts = []
+        for name, st in status["categories"].items():
+            t, used = self._last.get(name, (now, st["used"]))
+            rate = (st["used"] - used) / (now - t) if now > t else 0.0
+            self._last[name] = (now, st["used"])
+            pct = 100.0 * st["used"] / st["cap"] if st["cap"] else 100.0
+            parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%) {rate:.0f} tok/s "
+                         f"{st['state']}")
+        self.out.write("[progress] " + " | ".join(parts) + "\n")
+        self.out.flush()
+
+
+def summary_table(status: dict[str, Any]) -> str:
+    cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
+            "waste_tokens", "state")
+    names = list(status["categories"])
+    width = max([len("category")] + [len(n) for n in names])
+    head = "category".ljust(width) + "  " + "  ".join(c.rjust(10) for c in cols)
+    rows = [f"run {status['run']}", head, "-" * len(head)]
+    for n in names:
+        st = status["categories"][n]
+        rows.append(n.ljust(width) + "  " + "  ".join(str(st[c]).rjust(10) for c in cols))
+    return "\n".join(rows)
