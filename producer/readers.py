@@ -1,0 +1,412 @@
+"""Random-access index over the records of a prompt source (JSONL, JSON array, Parquet).
+
+`SourceIndex.build` makes one streaming pass over the files and keeps only where each
+record lies: byte offset, byte length and line number in `array('q')`s for JSON files
+(24 bytes a record), the row-group layout for Parquet (nothing per row). Records are read
+back one at a time by seeking, so memory stays flat however large the source is, and a
+seeded `shuffled_order` can visit them in any order.
+
+Containers, by extension: ``.jsonl`` is one JSON object per non-blank line; ``.json`` is
+a JSON array when its first non-space byte is ``[`` and JSONL when it is ``{``;
+``.parquet`` is read through pyarrow. An index is not thread-safe: give each thread its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from array import array
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any, NamedTuple, Self
+
+from producer.formats import Rejected, to_prompt
+
+log = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 64 * 1024 * 1024  # a longer record is rejected as line_too_long
+SCAN_CHUNK_BYTES = 1024 * 1024  # read size of the build-time scan
+MAX_OPEN_FILES = 16  # file handles kept open for random reads
+UTF8_BOM = b"\xef\xbb\xbf"
+WHITESPACE = b" \t\r\n"
+JSON_EXTENSIONS = (".json", ".jsonl")
+PARQUET_EXTENSIONS = (".parquet",)
+
+# A whole string when it ends inside the chunk, else its opening quote alone.
+_STRING = rb'"(?:[^"\\]++|\\.)*+"|"'
+# Directly in the top-level array every token matters: strings, brackets, commas, scalars.
+_TOP_TOKEN = re.compile(_STRING + rb'|[\[\]{},]|[^\s\[\]{},"]+', re.DOTALL)
+# Deeper inside an element only strings and brackets matter.
+_NESTED_TOKEN = re.compile(_STRING + rb"|[\[\]{}]", re.DOTALL)
+_INSIDE_TOKEN = re.compile(rb'["\\]')  # inside strings only quotes and escapes matter
+
+
+class SourceRef(NamedTuple):
+    """Where a record lies: for Parquet, offset is the row group, length the row in it."""
+
+    file_no: int
+    offset: int
+    length: int
+    line: int
+
+
+class Sample(NamedTuple):
+    """One record normalised into a prompt, with its ids and location."""
+
+    sample_id: str
+    ordinal: int
+    where: str
+    source_id: str | None
+    prompt: list[dict] | list[int]
+
+
+class _Span:
+    """Byte ranges and start lines of the records of one JSON or JSONL file."""
+
+    def __init__(self) -> None:
+        self.offsets = array("q")
+        self.lengths = array("q")
+        self.lines = array("q")
+
+    def add(self, offset: int, length: int, line: int) -> None:
+        self.offsets.append(offset)
+        self.lengths.append(length)
+        self.lines.append(line)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+class _Segment(NamedTuple):
+    path: Path
+    start: int  # global index of the file's first record
+    span: _Span | None  # json only
+    row_group_starts: list[int] | None  # parquet only: first row of each row group
+
+
+class SourceIndex:
+    """Positions of every record of a source's files; `read(i)` decodes record i."""
+
+    def __init__(self, segments: list[_Segment], total: int) -> None:
+        self._segments = segments
+        self._starts = [seg.start for seg in segments]
+        self._total = total
+        stems = [seg.path.stem for seg in segments]
+        counts = Counter(stems)
+        self._id_prefixes = [
+            stem if counts[stem] == 1 else f"{stem}.{no}" for no, stem in enumerate(stems)
+        ]
+        self._handles: dict[int, IO[bytes]] = {}
+        self._parquet: dict[int, Any] = {}
+        self._row_group: tuple[int, int, Any] | None = None  # (file_no, group, table)
+
+    @classmethod
+    def build(cls, paths: Iterable[Path | str]) -> SourceIndex:
+        """Index `paths` in one streaming pass; no record is kept in memory.
+
+        Raises `OSError` (`FileNotFoundError`, ...) naming the path of a file that cannot
+        be opened, and `ValueError` naming it for a file of unknown type or a JSON array
+        whose brackets do not balance.
+        """
+        segments: list[_Segment] = []
+        total = 0
+        for raw in paths:
+            path = Path(raw)
+            seg = _index_file(path, total)
+            segments.append(seg)
+            count = len(seg.span) if seg.span is not None else seg.row_group_starts[-1]
+            log.debug("indexed %s: %d records", path, count)
+            total += count
+        return cls(segments, total)
+
+    def __len__(self) -> int:
+        return self._total
+
+    @property
+    def paths(self) -> list[Path]:
+        """The indexed files, in file_no order."""
+        return [seg.path for seg in self._segments]
+
+    def ref(self, i: int) -> SourceRef:
+        """Location of record `i` (0 <= i < len)."""
+        file_no, j = self._locate(i)
+        seg = self._segments[file_no]
+        if seg.span is not None:
+            return SourceRef(file_no, seg.span.offsets[j], seg.span.lengths[j], seg.span.lines[j])
+        group = bisect_right(seg.row_group_starts, j) - 1
+        return SourceRef(file_no, group, j - seg.row_group_starts[group], j + 1)
+
+    def where(self, i: int) -> str:
+        """``path:line`` of record `i` (for Parquet the line is the row number + 1)."""
+        ref = self.ref(i)
+        return f"{self._segments[ref.file_no].path}:{ref.line}"
+
+    def id_prefix(self, file_no: int) -> str:
+        """The sample-id prefix of a file: its stem, plus ``.file_no`` if stems clash."""
+        return self._id_prefixes[file_no]
+
+    def line_rank(self, i: int) -> int | None:
+        """Rank of record `i` among records starting on the same line, or None if alone."""
+        file_no, j = self._locate(i)
+        span = self._segments[file_no].span
+        if span is None:
+            return None
+        line = span.lines[j]
+        first = bisect_left(span.lines, line, 0, j)
+        if first == j and (j + 1 >= len(span) or span.lines[j + 1] != line):
+            return None
+        return j - first
+
+    def read(self, i: int) -> dict:
+        """Decode record `i`; raises `Rejected` for bytes that are not a JSON object."""
+        ref = self.ref(i)
+        seg = self._segments[ref.file_no]
+        if seg.span is None:
+            return self._read_parquet(ref)
+        if ref.length > MAX_RECORD_BYTES:
+            raise Rejected(
+                "line_too_long", f"record is {ref.length} bytes, over {MAX_RECORD_BYTES}"
+            )
+        handle = self._handle(ref.file_no)
+        handle.seek(ref.offset)
+        raw = handle.read(ref.length)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Rejected("invalid_utf8", f"{exc.reason} at byte {exc.start}") from None
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise Rejected("invalid_json", str(exc)) from None
+        except RecursionError:
+            raise Rejected("invalid_json", "nested too deeply") from None
+        if not isinstance(record, dict):
+            raise Rejected("not_an_object", f"expected a JSON object, got {_json_kind(record)}")
+        return record
+
+    def close(self) -> None:
+        """Close the open file handles and drop the cached row group."""
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+        self._parquet.clear()
+        self._row_group = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < self._total:
+            raise IndexError(f"record {i} out of range 0..{self._total - 1}")
+        file_no = bisect_right(self._starts, i) - 1
+        return file_no, i - self._starts[file_no]
+
+    def _handle(self, file_no: int) -> IO[bytes]:
+        handle = self._handles.get(file_no)
+        if handle is None:
+            if len(self._handles) >= MAX_OPEN_FILES:
+                self._handles.pop(next(iter(self._handles))).close()
+            handle = open(self._segments[file_no].path, "rb")  # noqa: SIM115 - kept open
+            self._handles[file_no] = handle
+        return handle
+
+    def _read_parquet(self, ref: SourceRef) -> dict:
+        cached = self._row_group
+        if cached is None or cached[:2] != (ref.file_no, ref.offset):
+            pf = self._parquet.get(ref.file_no)
+            if pf is None:
+                import pyarrow.parquet as pq
+
+                self._parquet.clear()
+                pf = self._parquet[ref.file_no] = pq.ParquetFile(self._segments[ref.file_no].path)
+            cached = self._row_group = (ref.file_no, ref.offset, pf.read_row_group(ref.offset))
+        return cached[2].slice(ref.length, 1).to_pylist()[0]
+
+
+def sample_id(index: SourceIndex, i: int) -> str:
+    """Stable positional id ``stem:line`` of record `i`.
+
+    The stem is the file name without its extension, followed by ``.file_no`` when two
+    files of the source share a stem. When several records of a JSON array start on the
+    same line (a minified array) the id adds their rank on it: ``stem:line.rank``. Ids stay
+    the same while the files are unchanged.
+    """
+    ref = index.ref(i)
+    rank = index.line_rank(i)
+    suffix = "" if rank is None else f".{rank}"
+    return f"{index.id_prefix(ref.file_no)}:{ref.line}{suffix}"
+
+
+def shuffled_order(n: int, seed: int) -> array:
+    """A seeded uniform permutation of range(n) in an ``array('q')`` (8 bytes a record)."""
+    order = array("q", range(n))
+    random.Random(seed).shuffle(order)  # Fisher-Yates, in place
+    return order
+
+
+def read_sample(
+    index: SourceIndex,
+    i: int,
+    fmt: str,
+    turns: str,
+    system_prompt: str | None,
+    field_map: dict[str, str] | None = None,
+) -> Sample:
+    """Read record `i` and normalise it with `formats.to_prompt`.
+
+    Raises `Rejected` with `where` and `sample_id` filled in. `source_id` is the record's
+    own ``id`` field as a string (None when absent or not a string or integer).
+    """
+    sid = sample_id(index, i)
+    try:
+        record = index.read(i)
+        prompt = to_prompt(record, fmt, turns, system_prompt, field_map)
+    except Rejected as exc:
+        exc.where = index.where(i)
+        exc.sample_id = sid
+        raise
+    own = record.get("id")
+    source_id = str(own) if isinstance(own, str | int) and not isinstance(own, bool) else None
+    return Sample(sid, i, index.where(i), source_id, prompt)
+
+
+def _index_file(path: Path, start: int) -> _Segment:
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_EXTENSIONS:
+        return _Segment(path, start, None, _parquet_row_groups(path))
+    if suffix not in JSON_EXTENSIONS:
+        raise ValueError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)")
+    span = _Span()
+    with open(path, "rb") as f:
+        first = _first_byte(f)
+        if suffix == ".json" and first == b"[":
+            _scan_json_array(f, span, path)
+        else:
+            _scan_jsonl(f, span)
+    return _Segment(path, start, span, None)
+
+
+def _first_byte(f: IO[bytes]) -> bytes:
+    """The first non-space byte after an optional BOM; leaves `f` after the BOM."""
+    head = f.read(len(UTF8_BOM))
+    f.seek(len(UTF8_BOM) if head == UTF8_BOM else 0)
+    at = f.tell()
+    while chunk := f.read(SCAN_CHUNK_BYTES):
+        stripped = chunk.lstrip(WHITESPACE)
+        if stripped:
+            f.seek(at)
+            return stripped[:1]
+    f.seek(at)
+    return b""
+
+
+def _scan_jsonl(f: IO[bytes], span: _Span) -> None:
+    """Record the byte range of every non-blank line; never holds more than one chunk."""
+    pos = f.tell()  # file offset of the current chunk
+    line = 1
+    rec_start = pos  # offset of the current line
+    blank = True  # the current line has only whitespace so far
+    while chunk := f.read(SCAN_CHUNK_BYTES):
+        at = 0
+        while (nl := chunk.find(b"\n", at)) >= 0:
+            if blank and chunk[at:nl].strip(WHITESPACE):
+                blank = False
+            if not blank:
+                span.add(rec_start, pos + nl - rec_start, line)
+            line += 1
+            rec_start, blank, at = pos + nl + 1, True, nl + 1
+        if blank and chunk[at:].strip(WHITESPACE):
+            blank = False
+        pos += len(chunk)
+    if not blank:
+        span.add(rec_start, pos - rec_start, line)
+
+
+def _scan_json_array(f: IO[bytes], span: _Span, path: Path) -> None:
+    """Record the byte range and start line of each top-level element of a JSON array.
+
+    Tracks strings (with escapes) and bracket depth across chunks; elements are not
+    parsed, so a malformed element is found when it is read, not here.
+    """
+    base = f.tell()  # file offset of the current chunk
+    line, counted = 1, 0  # line at chunk offset `counted`
+    depth, in_string, skip = 0, False, 0  # skip: bytes still to skip after a backslash
+    elem_start, elem_end, elem_line, done = -1, -1, 0, False
+    while chunk := f.read(SCAN_CHUNK_BYTES):
+        at = skip
+        skip = 0
+        size = len(chunk)
+        while at < size:
+            if in_string:
+                m = _INSIDE_TOKEN.search(chunk, at)
+                if m is None:
+                    break
+                at = m.end()
+                if m.group() == b"\\":
+                    at += 1
+                    skip = max(0, at - size)
+                else:
+                    in_string = False
+                    elem_end = base + at
+                continue
+            m = (_NESTED_TOKEN if depth > 1 else _TOP_TOKEN).search(chunk, at)
+            if m is None:
+                break
+            token, here, at = m.group(), m.start(), m.end()
+            if done or (depth == 0 and token != b"["):
+                raise ValueError(f"{path}: unexpected {token[:20]!r} outside the top-level array")
+            if depth == 1 and elem_start < 0 and token not in (b",", b"]"):
+                line += chunk.count(b"\n", counted, here)
+                counted = here
+                elem_start, elem_line = base + here, line
+            if token == b'"':  # a string that goes on in the next chunk
+                in_string = True
+            elif token in (b"[", b"{"):
+                depth += 1
+            elif token in (b"]", b"}"):
+                depth -= 1
+                if depth == 0:
+                    done = True
+                else:
+                    elem_end = base + at
+            elif token != b",":
+                elem_end = base + at  # a whole string or a scalar run
+            if (token == b"," and depth == 1) or done:
+                if elem_start >= 0:
+                    span.add(elem_start, elem_end - elem_start, elem_line)
+                elif token == b",":
+                    raise ValueError(f"{path}:{line}: empty element in the top-level array")
+                elem_start = -1
+        line += chunk.count(b"\n", counted)
+        counted = 0
+        base += size
+    if not done:
+        raise ValueError(f"{path}: the top-level JSON array is not closed")
+
+
+def _parquet_row_groups(path: Path) -> list[int]:
+    """First row of each row group, then the row count; reads metadata only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as f:  # raises FileNotFoundError naming the path
+        try:
+            meta = pq.ParquetFile(f).metadata
+        except pa.ArrowException as exc:
+            raise ValueError(f"{path}: not a readable Parquet file: {exc}") from None
+        starts = [0]
+        for g in range(meta.num_row_groups):
+            starts.append(starts[-1] + meta.row_group(g).num_rows)
+    return starts
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")

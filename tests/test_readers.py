@@ -1,0 +1,381 @@
+"""Dataset readers and record normalisation, against the shared fixtures and generated files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from producer import readers
+from producer.formats import FORMATS, Rejected, detect_format, to_prompt
+from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+DATASETS = FIXTURES / "datasets"
+
+# (file, records, detected format)
+FIXTURE_FILES = [
+    ("alpaca/llamafactory_alpaca_en_demo.json", 999, "alpaca"),
+    ("messages/xtuner_mllm_sft_text_example_data.jsonl", 200, "messages"),
+    ("question_answer/gsm8k_test_first200.jsonl", 200, "question_answer"),
+    ("problem_solution/qwen25math_minerva_math_test.jsonl", 272, "problem_solution"),
+    ("sharegpt/fastchat_dummy_conversation.json", 500, "sharegpt"),
+    ("sharegpt/torchtune_chat_tiny.json", 1, "sharegpt"),
+]
+
+
+def _expected_records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(("name", "count", "fmt"), FIXTURE_FILES)
+def test_fixture_indexes_reads_and_detects(name: str, count: int, fmt: str) -> None:
+    path = DATASETS / name
+    with SourceIndex.build([path]) as index:
+        assert len(index) == count
+        records = [index.read(i) for i in range(count)]
+        assert records == _expected_records(path)
+        assert {detect_format(r) for r in records} == {fmt}
+        ids = [sample_id(index, i) for i in range(count)]
+        assert len(set(ids)) == count
+        assert all(s.startswith(f"{path.stem}:") for s in ids)
+        for i in range(count):
+            sample = read_sample(index, i, "auto", "last", None)
+            assert sample.prompt[-1]["role"] == "user"
+            assert sample.where == index.where(i)
+
+
+def test_json_array_lines_point_at_element_starts() -> None:
+    path = DATASETS / "sharegpt/fastchat_dummy_conversation.json"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    with SourceIndex.build([path]) as index:
+        for i in (0, 1, 250, len(index) - 1):
+            ref = index.ref(i)
+            assert lines[ref.line - 1].strip() == "{"
+            assert index.where(i) == f"{path}:{ref.line}"
+        sample = read_sample(index, 0, "auto", "first", None)
+    assert sample.source_id == "identity_0"
+    assert sample.sample_id == f"fastchat_dummy_conversation:{index.ref(0).line}"
+
+
+def test_sharegpt_system_turn_in_conversations_is_kept() -> None:
+    path = DATASETS / "sharegpt/torchtune_chat_tiny.json"
+    with SourceIndex.build([path]) as index:
+        first = read_sample(index, 0, "auto", "first", None).prompt
+        last = read_sample(index, 0, "auto", "last", None).prompt
+        replaced = read_sample(index, 0, "auto", "first", "Be brief.").prompt
+    assert first == [
+        {"role": "system", "content": "You are an AI assistant."},
+        {"role": "user", "content": "What is the meaning of life?"},
+    ]
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "user"]
+    assert last[-1]["content"] == "That's ridiculous."
+    assert replaced[0] == {"role": "system", "content": "Be brief."}
+    assert len(replaced) == 2
+
+
+def test_turns_first_and_last_on_multi_turn_messages() -> None:
+    path = DATASETS / "messages/xtuner_mllm_sft_text_example_data.jsonl"
+    with SourceIndex.build([path]) as index:
+        i = next(i for i in range(len(index)) if len(index.read(i)["messages"]) >= 6)
+        record = index.read(i)
+        first = read_sample(index, i, "messages", "first", None).prompt
+        last = read_sample(index, i, "messages", "last", None).prompt
+    original = record["messages"]
+    assert first == original[:1]
+    last_user = max(k for k, m in enumerate(original) if m["role"] == "user")
+    assert last == original[: last_user + 1]
+    assert len(last) > len(first)
+    assert last[-1]["role"] == "user"
+
+
+# (line bytes, format, reason, field); None means the line reads as a good sample.
+MALFORMED = [
+    (b'{"question": "fine 1"}', "auto", None, None),
+    (b'{"messages": [', "auto", "invalid_json", None),
+    (b"[1, 2]", "auto", "not_an_object", None),
+    (b'{"id": 7, "conversation": []}', "sharegpt", "missing_field", "conversations"),
+    (
+        b'{"conversations": [{"from": "robot", "value": "x"}]}',
+        "auto",
+        "unknown_role",
+        "conversations[0].from",
+    ),
+    (
+        b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": " "}]}',
+        "auto",
+        "empty_turn",
+        "messages[1].content",
+    ),
+    (b'{"question": "caf\xe9"}', "auto", "invalid_utf8", None),
+    (b'{"input_ids": [1, "2", 3]}', "auto", "wrong_type", "input_ids[1]"),
+    (b'{"conversations": [{"from": "gpt", "value": "hello"}]}', "auto", "no_user_turn", None),
+    (b'{"foo": 1}', "auto", "unknown_format", None),
+    (b'{"question": "fine 2"}', "auto", None, None),
+]
+
+
+def test_malformed_records_are_rejected_and_reading_continues(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(line for line, *_ in MALFORMED) + b"\n")
+    with SourceIndex.build([path]) as index:
+        assert len(index) == len(MALFORMED)
+        for i, (_, fmt, reason, field) in enumerate(MALFORMED):
+            if reason is None:
+                assert read_sample(index, i, fmt, "first", None).prompt[0]["role"] == "user"
+                continue
+            with pytest.raises(Rejected) as info:
+                read_sample(index, i, fmt, "first", None)
+            assert (info.value.reason, info.value.field) == (reason, field), i
+            assert info.value.where == f"{path}:{i + 1}"
+            assert info.value.sample_id == f"bad:{i + 1}"
+            if field is not None:
+                assert str(info.value).startswith(f"{reason} ({field}): ")
+
+
+def test_blank_lines_bom_and_json_extension_with_objects(tmp_path: Path) -> None:
+    path = tmp_path / "objects.json"
+    path.write_bytes(b'\xef\xbb\xbf{"question": "a"}\n\n  \r\n{"question": "b"}')
+    with SourceIndex.build([path]) as index:
+        assert len(index) == 2
+        assert [index.read(i)["question"] for i in range(2)] == ["a", "b"]
+        assert [index.ref(i).line for i in range(2)] == [1, 4]
+        assert sample_id(index, 1) == "objects:4"
+
+
+def test_record_over_the_size_limit_is_line_too_long(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"question": "short"}\n{"question": "' + "x" * 100 + '"}\n')
+    monkeypatch.setattr(readers, "MAX_RECORD_BYTES", 64)
+    with SourceIndex.build([path]) as index:
+        assert index.read(0) == {"question": "short"}
+        with pytest.raises(Rejected) as info:
+            index.read(1)
+    assert info.value.reason == "line_too_long"
+
+
+TRICKY_ARRAY = r"""[
+  {"a": "x]}[{\"", "b": [1, {"c": "\\"}], "d": "\\\"]"},
+  {"e": "line\nbreak ] , {", "f": {"g": [[], {}]}},
+    3.5e2 , "str,]", null, true,
+  {"h": "caf\u00e9 ☕", "i": []}
+]
+"""
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 7, 1024 * 1024])
+def test_json_array_scanner_handles_strings_escapes_and_brackets(
+    tmp_path: Path, monkeypatch, chunk_bytes: int
+) -> None:
+    path = tmp_path / "tricky.json"
+    path.write_text(TRICKY_ARRAY, encoding="utf-8")
+    monkeypatch.setattr(readers, "SCAN_CHUNK_BYTES", chunk_bytes)
+    expected = json.loads(TRICKY_ARRAY)
+    with SourceIndex.build([path]) as index:
+        assert len(index) == len(expected)
+        assert [index.ref(i).line for i in range(len(index))] == [2, 3, 4, 4, 4, 4, 5]
+        for i, value in enumerate(expected):
+            if isinstance(value, dict):
+                assert index.read(i) == value
+            else:
+                with pytest.raises(Rejected, match="not_an_object"):
+                    index.read(i)
+
+
+def test_minified_array_ids_are_unique_per_element(tmp_path: Path) -> None:
+    path = tmp_path / "mini.json"
+    path.write_text(json.dumps([{"question": str(k)} for k in range(5)]))
+    with SourceIndex.build([path]) as index:
+        ids = [sample_id(index, i) for i in range(len(index))]
+    assert ids == [f"mini:1.{k}" for k in range(5)]
+
+
+@pytest.mark.parametrize("text", ["[{}", '[{"a": 1},, {}]', "[{}] {}", '["unclosed]'])
+def test_broken_json_array_fails_at_build(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="broken.json"):
+        SourceIndex.build([path])
+
+
+def test_missing_file_and_unknown_type_name_the_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        SourceIndex.build([tmp_path / "nowhere.jsonl"])
+    with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
+        SourceIndex.build([tmp_path / "nowhere.parquet"])
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="junk.parquet"):
+        SourceIndex.build([tmp_path / "junk.parquet"])
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="data.csv"):
+        SourceIndex.build([tmp_path / "data.csv"])
+
+
+def test_several_files_and_shared_stems(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "train.jsonl", tmp_path / "b" / "train.jsonl"
+    first.write_text('{"question": "a1"}\n{"question": "a2"}\n')
+    second.write_text('{"question": "b1"}\n')
+    with SourceIndex.build([first, second]) as index:
+        assert len(index) == 3
+        assert [sample_id(index, i) for i in range(3)] == ["train.0:1", "train.0:2", "train.1:1"]
+        assert index.read(2) == {"question": "b1"}
+        assert index.where(2) == f"{second}:1"
+
+
+def test_parquet_reads_in_shuffled_order(tmp_path: Path) -> None:
+    rows = [
+        {"id": f"r{k}", "conversations": [{"from": "human", "value": f"q{k}"}]} for k in range(25)
+    ]
+    path = tmp_path / "part.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=10)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 3
+    with SourceIndex.build([path]) as index:
+        assert len(index) == 25
+        assert index.ref(13) == readers.SourceRef(0, 1, 3, 14)
+        order = shuffled_order(len(index), seed=3)
+        samples = [read_sample(index, i, "auto", "first", None) for i in order]
+    assert [s.source_id for s in samples] == [f"r{i}" for i in order]
+    assert [s.prompt for s in samples] == [[{"role": "user", "content": f"q{i}"}] for i in order]
+    assert {s.sample_id for s in samples} == {f"part:{k + 1}" for k in range(25)}
+
+
+def test_shuffled_order_is_a_seeded_permutation() -> None:
+    order = shuffled_order(10_000, seed=7)
+    assert order.typecode == "q"
+    assert sorted(order) == list(range(10_000))
+    assert order == shuffled_order(10_000, seed=7)
+    assert order != shuffled_order(10_000, seed=8)
+    assert list(order) != list(range(10_000))
+    assert len(shuffled_order(0, seed=1)) == 0
+
+
+JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+RECORDS = st.lists(st.dictionaries(st.text(), JSON_VALUES, max_size=5), max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    records=RECORDS,
+    indent=st.sampled_from([None, 0, 2]),
+    separator=st.sampled_from([",", ",\n", " ,\n\n  "]),
+    ascii_only=st.booleans(),
+    chunk_bytes=st.sampled_from([1, 5, 64, 1 << 20]),
+)
+def test_jsonl_and_json_array_index_to_the_same_records(
+    tmp_path_factory: pytest.TempPathFactory,
+    records: list[dict],
+    indent: int | None,
+    separator: str,
+    ascii_only: bool,
+    chunk_bytes: int,
+) -> None:
+    folder = tmp_path_factory.mktemp("hyp")
+    jsonl, array_file = folder / "r.jsonl", folder / "r.json"
+    lines = [json.dumps(r, ensure_ascii=ascii_only) for r in records]
+    jsonl.write_text("\n\n".join(lines) + "\n", encoding="utf-8")
+    elements = [json.dumps(r, indent=indent, ensure_ascii=ascii_only) for r in records]
+    array_text = "[\n" + separator.join(elements) + "\n]\n"
+    array_file.write_text(array_text, encoding="utf-8")
+    starts, line = [], 2  # line of each element's first byte
+    for element in elements:
+        starts.append(line)
+        line += element.count("\n") + separator.count("\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(readers, "SCAN_CHUNK_BYTES", chunk_bytes)
+        with SourceIndex.build([jsonl]) as a, SourceIndex.build([array_file]) as b:
+            assert len(a) == len(b) == len(records)
+            assert [a.read(i) for i in range(len(a))] == records
+            assert [b.read(i) for i in range(len(b))] == records
+            assert [a.ref(i).line for i in range(len(a))] == [2 * k + 1 for k in range(len(a))]
+            assert [b.ref(i).line for i in range(len(b))] == starts
+            assert len({sample_id(b, i) for i in range(len(b))}) == len(records)
+
+
+# --- formats.to_prompt on records built in place ---
+
+
+def test_single_turn_formats() -> None:
+    assert detect_format({"instruction": "Do", "input": "", "output": "x"}) == "alpaca"
+    alpaca = to_prompt({"instruction": "Sort", "input": "3 1 2", "output": "1 2 3"}, "auto")
+    assert alpaca == [{"role": "user", "content": "Sort\n\n3 1 2"}]
+    assert to_prompt({"instruction": "Sort", "input": " "}, "alpaca")[0]["content"] == "Sort"
+    assert to_prompt({"instruction": "I", "response": "R"}, "auto") == [
+        {"role": "user", "content": "I"}
+    ]
+    assert to_prompt({"input": "code", "output": "x", "id": "1"}, "auto")[0]["content"] == "code"
+    assert to_prompt({"problem": "p", "solution": "s"}, "auto")[0]["content"] == "p"
+    assert to_prompt({"input_ids": [1, 2]}, "auto") == [1, 2]
+    assert set(FORMATS) >= {"auto", "input_ids"}
+
+
+def test_openthoughts_top_level_system_and_system_prompt() -> None:
+    record = {
+        "system": "Think step by step.",
+        "conversations": [
+            {"from": "user", "value": "q1"},
+            {"from": "assistant", "value": "a1"},
+            {"from": "user", "value": "q2"},
+            {"from": "assistant", "value": "a2"},
+        ],
+    }
+    assert to_prompt(record, "auto", "last") == [
+        {"role": "system", "content": "Think step by step."},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    assert to_prompt(record, "auto", "first", system_prompt="S")[0] == {
+        "role": "system",
+        "content": "S",
+    }
+
+
+def test_messages_with_text_parts_and_leading_assistant() -> None:
+    record = {
+        "messages": [
+            {"role": "assistant", "content": "Hi, how can I help?"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    }
+    assert to_prompt(record, "messages", "last") == [{"role": "user", "content": "a\nb"}]
+    record["messages"][1]["content"].append({"type": "image_url", "image_url": "x"})
+    with pytest.raises(Rejected) as info:
+        to_prompt(record, "messages")
+    assert (info.value.reason, info.value.field) == ("wrong_type", "messages[1].content[2]")
+
+
+def test_field_map_shapes() -> None:
+    record = {"prompt": "p", "chat": [{"speaker": "human", "text": "t"}], "sys": "s"}
+    assert to_prompt(record, "auto", field_map={"prompt": "prompt"}) == [
+        {"role": "user", "content": "p"}
+    ]
+    mapped = to_prompt(
+        record,
+        "auto",
+        field_map={"messages": "chat", "role": "speaker", "content": "text", "system": "sys"},
+    )
+    assert mapped == [{"role": "system", "content": "s"}, {"role": "user", "content": "t"}]
+    with pytest.raises(Rejected) as info:
+        to_prompt({"prompt": 3}, "auto", field_map={"prompt": "prompt"})
+    assert (info.value.reason, info.value.field) == ("wrong_type", "prompt")
+    with pytest.raises(ValueError):
+        to_prompt(record, "auto", turns="middle")
