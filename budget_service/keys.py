@@ -24,6 +24,7 @@ RQ queue names: `<run>.<category>` (so `rq info` shows one queue per category).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -66,8 +67,11 @@ class Keys:
         return [self.queue_name(c) for c in categories]
 
     def job_id(self, category: str, sample_id: str, seq: int) -> str:
-        """Deterministic RQ job id: (run, category, sample, feed sequence number)."""
-        return f"{self.run}.{category}.{sample_id}.{seq}"
+        """Deterministic RQ job id from (run, category, sample, feed sequence number).
+
+        RQ allows only letters, digits, `_` and `-` in ids, so the triple is hashed."""
+        digest = hashlib.sha1(f"{self.run}\0{category}\0{sample_id}".encode()).hexdigest()
+        return f"tc-{digest[:24]}-{seq}"
 
     @staticmethod
     def runs_pattern(prefix: str) -> str:
