@@ -38,7 +38,8 @@ class TokencapWorker(SimpleWorker):
         try:
             name = job.func_name
         except Exception as exc:  # undecodable payload: pickle, garbage
-            self._refuse(job, queue, f"payload refused: {exc}")
+            cause = exc.__cause__ or exc.__context__ or exc
+            self._refuse(job, queue, f"payload refused: {cause}")
             return
         if name not in ALLOWED_FUNCS:
             self._refuse(job, queue, f"function {name!r} is not a tokencap job")

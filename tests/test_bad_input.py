@@ -1,0 +1,82 @@
+"""A malformed input line is reported with file and line while the run goes on."""
+
+from __future__ import annotations
+
+import json
+
+from sglang_sim.testing import SimServer
+from tests.conftest import QWEN
+from tests.harness import Pipeline, write_config
+
+GOOD = 30
+
+
+def test_malformed_lines_are_dead_lettered_and_the_run_goes_on(tmp_path, redis_url) -> None:
+    # Given a source with broken lines in between good ones
+    src = tmp_path / "qa.jsonl"
+    lines = [json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)})
+             for i in range(GOOD)]
+    lines.insert(3, '{"question": "unterminated')            # line 4: invalid JSON
+    lines.insert(10, json.dumps(["not", "an", "object"]))      # line 11: not an object
+    lines.insert(20, json.dumps({"question": "   "}))          # line 21: empty turn
+    src.write_bytes("\n".join(lines).encode() + b"\n" + b'{"question": "\xff\xfe"}\n')
+    cfg = write_config(tmp_path, f"""
+run = "bad"
+output_dir = "{tmp_path / 'out'}"
+tokenizer = "{QWEN}"
+cap_tokens = 1000000
+[[category]]
+name = "qa"
+source = "{src}"
+format = "question_answer"
+sampling = {{ max_new_tokens = 64 }}
+""")
+    with SimServer(time_scale=1000.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(2)
+            status = pipe.run()
+        finally:
+            pipe.close()
+    # Then every good line was generated, and each bad one is recorded with file:line
+    pipe.check_invariants(status)
+    st = status["categories"]["qa"]
+    assert st["state"] == "exhausted"
+    assert st["samples"] == GOOD and st["rejected"] == 4
+    dead = {d["where"]: d for d in pipe.dead_letters("qa")}
+    assert dead[f"{src}:4"]["reason"] == "invalid_json"
+    assert dead[f"{src}:11"]["reason"] == "not_an_object"
+    assert dead[f"{src}:21"]["reason"] == "empty_turn"
+    assert dead[f"{src}:34"]["reason"] == "invalid_utf8"
+    assert all(d["outcome"] == "rejected" for d in dead.values())
+
+
+def test_prompt_longer_than_the_context_is_rejected_with_reason(tmp_path, redis_url) -> None:
+    src = tmp_path / "ids.jsonl"
+    src.write_text(json.dumps({"input_ids": list(range(1, 200))}) + "\n"
+                   + json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    cfg = write_config(tmp_path, f"""
+run = "long"
+output_dir = "{tmp_path / 'out'}"
+context_length = 256
+[[category]]
+name = "ids"
+source = "{src}"
+format = "input_ids"
+sampling = {{ max_new_tokens = 100 }}
+""")
+    with SimServer(time_scale=1000.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(1)
+            status = pipe.run()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    assert status["categories"]["ids"]["samples"] == 1
+    (dead,) = pipe.dead_letters("ids")
+    assert dead["reason"] == "prompt_too_long" and "256" in dead["message"]

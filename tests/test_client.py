@@ -1,0 +1,140 @@
+"""The real SGLang client against the simulator: retries, errors, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers.client import (
+    BadRequest,
+    EngineClient,
+    EngineTimeout,
+    InvalidResponse,
+    Overloaded,
+    ServerError,
+    Unreachable,
+    parse_reply,
+)
+from sglang_sim.testing import SimServer
+from tokencap.launcher import free_port
+
+PROMPT = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
+SAMPLING = {"max_new_tokens": 64, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def sim():
+    with SimServer(time_scale=1000.0, context_length=4096) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def clean_faults(sim):
+    sim.set_faults(error_rates={}, error_burst={}, stall_s=0.0, reset_rate=0.0,
+                   bad_counts_rate=0.0, poison_token_id=None)
+    sim.reset_stats()
+
+
+def client(urls, read_timeout_s=10.0, retries=3) -> EngineClient:
+    return EngineClient(urls, connect_timeout_s=1.0, read_timeout_s=read_timeout_s,
+                        retries=retries, backoff_max_s=0.05)
+
+
+def requests_seen(sim) -> int:
+    return sim.stats()["requests_total"]
+
+
+def test_generate_returns_validated_tokens(sim) -> None:
+    gen = client([sim.url]).generate(PROMPT, SAMPLING, "chat")
+    assert gen.completion_tokens == len(gen.output_ids) >= 1
+    assert gen.prompt_tokens == len(PROMPT)
+    assert gen.finish_reason in ("stop", "length")
+    assert gen.engine == sim.url
+
+
+def test_400_is_rejected_not_retried(sim) -> None:
+    too_long = list(range(10, 4100))
+    with pytest.raises(BadRequest) as err:
+        client([sim.url]).generate(too_long, SAMPLING, "chat")
+    assert "context length" in str(err.value)
+    assert not err.value.retryable
+    assert requests_seen(sim) == 1
+
+
+@pytest.mark.parametrize("status", [429, 503, 502, 504])
+def test_overload_bursts_are_retried_with_backoff(sim, status) -> None:
+    sim.set_faults(error_burst={status: 2})
+    gen = client([sim.url]).generate(PROMPT, SAMPLING, "chat")
+    assert gen.completion_tokens >= 1
+    assert requests_seen(sim) == 3  # two refusals, then the answer
+
+
+def test_overload_that_never_ends_gives_up(sim) -> None:
+    sim.set_faults(error_rates={503: 1.0})
+    with pytest.raises(Overloaded) as err:
+        client([sim.url], retries=2).generate(PROMPT, SAMPLING, "chat")
+    assert err.value.retryable
+    assert requests_seen(sim) == 3
+
+
+def test_500_is_a_retryable_server_error_without_http_retry(sim) -> None:
+    sim.set_faults(error_rates={500: 1.0})
+    with pytest.raises(ServerError):
+        client([sim.url]).generate(PROMPT, SAMPLING, "chat")
+    assert requests_seen(sim) == 1  # left to the job-level retry, which survives a crash
+
+
+def test_read_timeout(sim) -> None:
+    sim.set_faults(stall_s=3.0)
+    with pytest.raises(EngineTimeout):
+        client([sim.url], read_timeout_s=0.3).generate(PROMPT, SAMPLING, "chat")
+
+
+def test_counts_that_disagree_are_invalid(sim) -> None:
+    sim.set_faults(bad_counts_rate=1.0)
+    with pytest.raises(InvalidResponse):
+        client([sim.url]).generate(PROMPT, SAMPLING, "chat")
+
+
+def test_connection_reset_is_retryable(sim) -> None:
+    sim.set_faults(reset_rate=1.0)
+    with pytest.raises(ServerError) as err:
+        client([sim.url]).generate(PROMPT, SAMPLING, "chat")
+    assert err.value.retryable
+
+
+def test_dead_engine_is_skipped_for_a_live_one(sim) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    c = client([dead, sim.url])
+    for _ in range(3):
+        assert c.generate(PROMPT, SAMPLING, "chat").engine == sim.url
+
+
+def test_all_engines_down_is_unreachable() -> None:
+    with pytest.raises(Unreachable):
+        client([f"http://127.0.0.1:{free_port()}"], retries=1).generate(PROMPT, SAMPLING, "x")
+
+
+def test_parse_reply_trims_prompt_prefix_bug() -> None:
+    body = (b'{"text":"x","output_ids":[1,2,3,4,5],"meta_info":{"finish_reason":'
+            b'{"type":"stop","matched":5},"prompt_tokens":2,"completion_tokens":3}}')
+    gen = parse_reply(body, 2, "e", 0.1)
+    assert gen.output_ids == [3, 4, 5]
+
+
+@pytest.mark.parametrize("body", [
+    b'{"meta_info":{"finish_reason":null,"prompt_tokens":1,"completion_tokens":1},'
+    b'"output_ids":[1]}',
+    b'{"meta_info":{"finish_reason":{"type":"stop"},"prompt_tokens":1},"output_ids":[1]}',
+    b'{"meta_info":{"finish_reason":{"type":"stop"},"prompt_tokens":1,"completion_tokens":1}}',
+    b'not json',
+])
+def test_parse_reply_refuses_unusable_replies(body) -> None:
+    with pytest.raises(InvalidResponse):
+        parse_reply(body, 1, "e", 0.1)
+
+
+def test_abort_finish_is_a_server_error() -> None:
+    body = (b'{"text":"","output_ids":[],"meta_info":{"finish_reason":{"type":"abort",'
+            b'"message":"Aborted"},"prompt_tokens":1,"completion_tokens":0}}')
+    with pytest.raises(ServerError):
+        parse_reply(body, 1, "e", 0.1)

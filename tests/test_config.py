@@ -1,0 +1,102 @@
+"""Config errors name the file and the field; the CLI prints them without a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import DATASETS, QWEN
+from tokencap.config import load_config
+from tokencap.errors import ConfigError
+
+SRC = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
+
+
+def base(extra: str = "", cat_extra: str = "", sampling: str = "max_new_tokens = 128") -> str:
+    return f"""
+run = "c"
+output_dir = "out"
+tokenizer = "{QWEN}"
+{extra}
+[[category]]
+name = "qa"
+source = "{SRC}"
+sampling = {{ {sampling} }}
+{cat_extra}
+"""
+
+
+@pytest.mark.parametrize("extra,cat_extra,sampling,field", [
+    ("bogus = 1", "", "max_new_tokens = 1", "bogus"),
+    ("", "cap_tokens = -5", "max_new_tokens = 1", "$.category[0].cap_tokens"),
+    ("cap_tokens = 'lots'", "", "max_new_tokens = 1", "$.cap_tokens"),
+    ("", "format = 'csv'", "max_new_tokens = 1", "$.category[0].format"),
+    ("", "", "temperature = 0.5", "max_new_tokens"),
+    ("", "", "max_new_tokens = 8, logprobs = 1", "logprobs"),
+    ("", "", "max_new_tokens = 0", "$.category[0].sampling.max_new_tokens"),
+    ("count = 'input'", "", "max_new_tokens = 1", "$.count"),
+])
+def test_bad_fields_are_named(tmp_path, extra, cat_extra, sampling, field) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(base(extra, cat_extra, sampling))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert field in str(err.value)
+
+
+def test_missing_source_file_is_named(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(base().replace(str(SRC), str(tmp_path / "nope.jsonl")))
+    with pytest.raises(ConfigError, match="nope.jsonl"):
+        load_config(path)
+
+
+def test_unreadable_tokenizer_path_is_named(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(base().replace(str(QWEN), str(tmp_path / "tok")))
+    with pytest.raises(ConfigError, match=r"\$\.tokenizer"):
+        load_config(path)
+
+
+def test_invalid_toml(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("run = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+
+
+def test_relative_paths_resolve_against_the_config(tmp_path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.jsonl").write_text('{"question": "q"}\n')
+    path = tmp_path / "c.toml"
+    path.write_text(base().replace(str(SRC), "data/x.jsonl"))
+    cfg = load_config(path)
+    assert cfg.category[0].paths == [str(tmp_path / "data" / "x.jsonl")]
+    assert cfg.output_dir == str(tmp_path / "out")
+    assert cfg.cap_for(cfg.category[0]) == 10_000_000
+
+
+def test_cli_reports_config_error_without_traceback(tmp_path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(base("", "cap_tokens = -1"))
+    proc = subprocess.run([sys.executable, "-m", "tokencap.cli", "run", str(path),
+                           "--redis-url", "redis://127.0.0.1:1/0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "cap_tokens" in proc.stderr and str(path) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_job_timeout_covers_the_http_retry_budget() -> None:
+    from tokencap.config import Category, RunConfig, SamplingParams
+
+    cfg = RunConfig(run="r", output_dir="o", read_timeout_s=600, connect_timeout_s=3,
+                    http_retries=5, backoff_max_s=30,
+                    category=[Category(name="a", sources=["x"],
+                                       sampling=SamplingParams(max_new_tokens=1))])
+    worst = (cfg.http_retries + 1) * (cfg.connect_timeout_s + cfg.read_timeout_s) \
+        + cfg.http_retries * cfg.backoff_max_s
+    assert cfg.job_timeout_s() > worst

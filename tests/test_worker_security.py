@@ -1,0 +1,37 @@
+"""Workers run only tokencap's job function and read only msgspec JSON payloads."""
+
+from __future__ import annotations
+
+import pickle  # used only to forge a hostile payload for the test
+
+from rq import Queue
+from rq.job import Job, JobStatus
+
+from consumers.worker import make_worker, refused_key, run_worker
+from tokencap.wire import MsgspecSerializer
+
+
+def test_job_naming_another_callable_is_refused(redis, tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    q = Queue("sec.any", connection=redis, serializer=MsgspecSerializer)
+    job = q.enqueue("os.system", f"touch {marker}", job_id="evil1")
+    run_worker(make_worker(redis, ["sec.any"]), burst=True)
+    assert not marker.exists()
+    assert Job.fetch("evil1", connection=redis, serializer=MsgspecSerializer).get_status() \
+        == JobStatus.FAILED
+    (entry,) = redis.xrange(refused_key("tokencap"))
+    assert b"os.system" in entry[1][b"r"]
+    assert job.id == "evil1"
+
+
+def test_pickle_payload_is_refused(redis, tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    q = Queue("sec.pickle", connection=redis, serializer=MsgspecSerializer)
+    job = q.enqueue("consumers.job.process", {"run": "x"}, job_id="evil2")
+    # forge the stored payload into a pickle that would run a command when unpickled
+    forged = pickle.dumps(("os.system", None, (f"touch {marker}",), {}))
+    redis.hset(job.key, "data", forged)
+    run_worker(make_worker(redis, ["sec.pickle"]), burst=True)
+    assert not marker.exists()
+    (entry,) = redis.xrange(refused_key("tokencap"))
+    assert b"not msgspec JSON" in entry[1][b"r"]
