@@ -3,18 +3,20 @@
 Per-category keys carry a hash tag `{run:category}` so that a Redis Cluster keeps a
 category on one slot (each Lua script touches one category only).
 
-| key (prefix `P:run`)        | type   | writer                  | reader                  | lifetime |
-|-----------------------------|--------|-------------------------|-------------------------|----------|
-| `P:run:meta`                | hash   | producer (init)         | all                     | run      |
-| `P:run:{cat}:state`         | hash   | admit/commit/fail/close | status, producer        | run      |
-| `P:run:{cat}:pending`       | hash   | producer (feed)         | admit (payload), reaper | until terminal |
-| `P:run:{cat}:leases`        | zset   | feed, admit, heartbeat  | reaper                  | until terminal |
-| `P:run:{cat}:parked`        | zset   | admit ("wait")          | producer (unpark)       | until unparked |
-| `P:run:{cat}:reserved`      | hash   | admit, heartbeat        | commit, fail            | while in flight |
-| `P:run:{cat}:final`         | hash   | commit, fail, skip      | admit, feed, reconcile  | run      |
-| `P:run:{cat}:hist`          | hash   | commit, reconcile       | workers (estimates)     | run      |
-| `P:run:{cat}:results`       | stream | commit                  | writer (group `writer`) | until written |
-| `P:run:{cat}:dead`          | stream | fail                    | writer (group `writer`) | until written |
+| key (prefix `P:run`)   | type   | writer                  | reader                  | lifetime  |
+|------------------------|--------|-------------------------|-------------------------|-----------|
+| `P:run:meta`           | hash   | producer (init)         | all                     | run       |
+| `P:run:{cat}:state`    | hash   | admit/commit/fail/close | status, producer        | run       |
+| `P:run:{cat}:pending`  | hash   | producer (feed)         | admit, reaper           | to final  |
+| `P:run:{cat}:leases`   | zset   | feed, admit, heartbeat  | reaper                  | to final  |
+| `P:run:{cat}:parked`   | zset   | admit ("wait")          | producer (unpark)       | to unpark |
+| `P:run:{cat}:reserved` | hash   | admit, heartbeat        | commit, fail            | in flight |
+| `P:run:{cat}:final`    | hash   | commit, fail, skip      | admit, feed, reconcile  | run       |
+| `P:run:{cat}:hist`     | hash   | commit, reconcile       | workers (estimates)     | run       |
+| `P:run:{cat}:results`  | stream | commit                  | writer (group `writer`) | to write  |
+| `P:run:{cat}:dead`     | stream | fail                    | writer (group `writer`) | to write  |
+| `P:run:producer`       | string | producer (lock, TTL)    | producer                | 15 s TTL  |
+| `P:refused`            | stream | worker (refused jobs)   | operators               | capped    |
 
 State hash fields: cap, used, reserved, inflight, samples, skipped, failed, rejected,
 waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s),

@@ -17,6 +17,12 @@ from typing import Any
 import msgspec
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    MaxRetryError,
+    NewConnectionError,
+    ReadTimeoutError,
+)
 from urllib3.util.retry import Retry
 
 from tokencap.wire import ErrorKind
@@ -224,7 +230,9 @@ class EngineClient:
         self, url: str, input_ids: list[int], sampling: dict[str, Any], category: str
     ) -> Generation:
         rid = uuid.uuid4().hex  # prefix-free: /abort_request matches by prefix
-        body = msgspec.json.encode({"input_ids": input_ids, "sampling_params": sampling, "rid": rid})
+        body = msgspec.json.encode(
+            {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
+        )
         headers = {"Content-Type": "application/json", CATEGORY_HEADER: category}
         t0 = time.monotonic()
         try:
@@ -237,9 +245,12 @@ class EngineClient:
         except requests.exceptions.RetryError as exc:
             raise Overloaded(f"{url} kept refusing: {exc}") from None
         except requests.exceptions.ConnectionError as exc:
-            if _is_connect_refused(exc):
-                raise Unreachable(f"cannot connect to {url}: {exc}") from None
-            raise ServerError(f"connection to {url} broken: {exc}") from None
+            reason = _reason(exc)
+            if isinstance(reason, ReadTimeoutError):
+                raise EngineTimeout(f"no reply from {url} within {self.timeout[1]} s") from None
+            if isinstance(reason, NewConnectionError | ConnectTimeoutError):
+                raise Unreachable(f"cannot connect to {url}: {reason}") from None
+            raise ServerError(f"connection to {url} broken: {reason or exc}") from None
         except requests.exceptions.ChunkedEncodingError as exc:
             raise ServerError(f"reply from {url} cut off: {exc}") from None
         latency = time.monotonic() - t0
@@ -254,10 +265,12 @@ class EngineClient:
         raise ServerError(msg, code)
 
 
-def _is_connect_refused(exc: Exception) -> bool:
-    text = str(exc)
-    return any(s in text for s in ("Connection refused", "NewConnectionError",
-                                   "Failed to establish"))
+def _reason(exc: Exception) -> BaseException | None:
+    """The urllib3 error under a requests ConnectionError (MaxRetryError.reason)."""
+    inner = exc.args[0] if exc.args else None
+    if isinstance(inner, MaxRetryError):
+        return inner.reason
+    return inner if isinstance(inner, BaseException) else None
 
 
 def jitter(base_s: float) -> float:

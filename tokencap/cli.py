@@ -93,7 +93,8 @@ def _budget(redis_url: str, prefix: str, run_name: str | None):
 @click.argument("config", type=click.Path(dir_okay=False))
 @REDIS_OPT
 @SGLANG_OPT
-@click.option("--progress-s", default=2.0, show_default=True, help="Seconds between progress lines.")
+@click.option("--progress-s", default=2.0, show_default=True,
+              help="Seconds between progress lines.")
 def run(config: str, redis_url: str, sglang_url: str, progress_s: float) -> None:
     """Run the producer for CONFIG until every category is closed or exhausted.
 

@@ -91,7 +91,8 @@ class Stack:
     def _read_env(self) -> dict[str, str]:
         if not self.env_file.exists():
             return {}
-        pairs = (line.split("=", 1) for line in self.env_file.read_text().splitlines() if "=" in line)
+        lines = self.env_file.read_text().splitlines()
+        pairs = (line.split("=", 1) for line in lines if "=" in line)
         return {k: v for k, v in pairs}
 
     def _write_env(self, env: dict[str, str]) -> None:

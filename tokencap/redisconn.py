@@ -51,7 +51,8 @@ def connect(url: str, *, check: bool = True, socket_timeout_s: float = SOCKET_TI
         )
         client.ping()
     except (redis.RedisError, ValueError, OSError) as exc:
-        raise RedisUnavailable(f"cannot reach Redis at {redact(url)}: {scrub(str(exc), url)}") from None
+        msg = scrub(str(exc), url)
+        raise RedisUnavailable(f"cannot reach Redis at {redact(url)}: {msg}") from None
     if check:
         check_policy(client, url)
     return client

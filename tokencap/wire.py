@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Struct
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     """Terminal state of a sample. Every fed sample ends in exactly one."""
 
     COMMITTED = "committed"
@@ -23,7 +23,7 @@ class Outcome(str, enum.Enum):
     DEAD = "dead"
 
 
-class ErrorKind(str, enum.Enum):
+class ErrorKind(enum.StrEnum):
     """Why a request failed; used for dead letters and retry decisions."""
 
     BAD_REQUEST = "bad_request"

@@ -1,0 +1,84 @@
+"""``/metrics`` in Prometheus text format, with SGLang's metric names.
+
+Gauges are read from the engine when scraped. The token and request counters count finished
+requests (aborted ones included), as SGLang increments them on completion. Throughput and
+latency are wall-clock figures, as a client would measure them against this server; the
+simulated-time figures are in ``/_sim/stats``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+# Buckets of SGLang's e2e latency histogram, seconds.
+E2E_LATENCY_BUCKETS_S = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
+    200.0, 400.0, 800.0,
+)  # fmt: skip
+
+
+class LatencyHistogram:
+    """A cumulative Prometheus histogram of request latencies in seconds."""
+
+    def __init__(self, buckets_s: tuple[float, ...] = E2E_LATENCY_BUCKETS_S) -> None:
+        self.buckets_s = buckets_s
+        self.counts = [0] * (len(buckets_s) + 1)  # last one is +Inf
+        self.sum_s = 0.0
+        self.count = 0
+
+    def observe(self, value_s: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets_s, value_s)] += 1
+        self.sum_s += value_s
+        self.count += 1
+
+
+def _fmt(value: float) -> str:
+    return repr(float(value)) if not float(value).is_integer() else f"{float(value):.1f}"
+
+
+def render(
+    stats: dict[str, Any],
+    *,
+    model_name: str,
+    gen_throughput_tok_s: float,
+    e2e: LatencyHistogram,
+) -> str:
+    """The ``/metrics`` page from engine stats, the wall-clock decode rate and latencies."""
+    label = f'model_name="{model_name}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, value: float) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name}{{{label}}} {_fmt(value)}")
+
+    metric("sglang:num_running_reqs", "gauge", "The number of running requests.",
+           stats["running"])  # fmt: skip
+    metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
+           stats["queued"])  # fmt: skip
+    metric("sglang:num_used_tokens", "gauge", "The number of used tokens.",
+           stats["kv_used_tokens"])  # fmt: skip
+    metric("sglang:token_usage", "gauge", "The token usage.", stats["token_usage"])
+    metric("sglang:gen_throughput", "gauge", "The generation throughput (token/s).",
+           gen_throughput_tok_s)  # fmt: skip
+    metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+           stats["finished_prompt_tokens_total"])  # fmt: skip
+    metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",
+           stats["finished_completion_tokens_total"])  # fmt: skip
+    metric("sglang:num_requests_total", "counter", "Number of requests processed.",
+           stats["finished_total"])  # fmt: skip
+    metric("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.",
+           stats["aborted_total"])  # fmt: skip
+
+    name = "sglang:e2e_request_latency_seconds"
+    lines.append(f"# HELP {name} Histogram of End-to-end request latency in seconds")
+    lines.append(f"# TYPE {name} histogram")
+    cumulative = 0
+    for bound, count in zip((*e2e.buckets_s, float("inf")), e2e.counts, strict=True):
+        cumulative += count
+        le = "+Inf" if bound == float("inf") else _fmt(bound)
+        lines.append(f'{name}_bucket{{le="{le}",{label}}} {_fmt(cumulative)}')
+    lines.append(f"{name}_count{{{label}}} {_fmt(e2e.count)}")
+    lines.append(f"{name}_sum{{{label}}} {_fmt(e2e.sum_s)}")
+    return "\n".join(lines) + "\n"

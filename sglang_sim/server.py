@@ -1,0 +1,367 @@
+"""aiohttp app speaking SGLang's native HTTP protocol on top of the simulated engine.
+
+SGLang routes: ``POST|PUT /generate``, ``GET /health`` and ``/health_generate``,
+``GET /server_info`` (alias ``/get_server_info``), ``GET /model_info`` (alias
+``/get_model_info``), ``GET /v1/models``, ``GET /get_load``, ``GET|POST /flush_cache``,
+``POST /abort_request``, ``GET /metrics``. The server calls itself a simulator: model path
+``tokencap-sglang-sim``, ``"simulator": true`` in ``/server_info``, a WARNING at start.
+
+Simulator-only routes (not SGLang):
+
+- ``GET /_sim/stats``: engine counters and histograms (see ``Engine.stats``) plus
+  ``requests_total`` (``/generate`` requests received, whatever their outcome),
+  ``responses_by_status`` and ``faults_injected``;
+- ``POST /_sim/reset_stats``: zero them;
+- ``POST /_sim/pause`` and ``POST /_sim/resume``: freeze and restart the simulated clock
+  (requests are still accepted while paused, so a load can be queued at one instant);
+- ``GET /_sim/faults``: the fault knobs (``FaultConfig`` as JSON);
+- ``POST /_sim/faults``: change the knobs named in the JSON body, keep the others.
+
+The optional request header ``X-Tokencap-Category`` picks the output-length distribution.
+``meta_info.e2e_latency`` is wall-clock seconds, as the client saw them; simulated-time figures
+are in ``/_sim/stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import time
+from collections import Counter
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from sglang_sim import info
+from sglang_sim.config import SimConfig
+from sglang_sim.engine import Engine
+from sglang_sim.faults import FaultInjector
+from sglang_sim.jobs import DuplicateRidError, Job, QueueFullError
+from sglang_sim.metrics import LatencyHistogram, render
+from sglang_sim.outputs import natural_length, output_ids, render_text, request_seed
+from sglang_sim.protocol import (
+    ApiError,
+    ValidRequest,
+    bad_request,
+    parse_generate,
+    queue_full,
+    schema_error,
+    validate_generate,
+)
+
+logger = logging.getLogger(__name__)
+
+CATEGORY_HEADER = "X-Tokencap-Category"
+SHUTDOWN_TIMEOUT_S = 5.0
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a TCP RST
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+FAULTS_KEY = web.AppKey("faults", FaultInjector)
+CONFIG_KEY = web.AppKey("config", SimConfig)
+E2E_KEY = web.AppKey("e2e", LatencyHistogram)
+TASK_KEY = web.AppKey("engine_task", asyncio.Task)
+# "requests_total" and one count per HTTP status of /generate replies.
+HTTP_KEY = web.AppKey("http_counts", Counter)
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+def _error(exc: ApiError) -> web.Response:
+    return _json(exc.body, exc.status, exc.headers)
+
+
+def build_job(valid: ValidRequest, config: SimConfig, category: str | None) -> tuple[Job, int, int]:
+    """The engine job of a validated request, with its output seed and natural length."""
+    seed = request_seed(valid.input_ids, valid.sampling_seed, config.seed)
+    natural = max(natural_length(seed, config.length_for(category)), valid.min_new_tokens)
+    cap = valid.max_new_tokens
+    if valid.ignore_eos or cap <= natural:
+        target, reason = cap, {"type": "length", "length": cap}
+    else:
+        target, reason = natural, {"type": "stop", "matched": config.eos_token_id}
+    job = Job(valid.rid, len(valid.input_ids), cap, target, reason)
+    return job, seed, natural
+
+
+def sim_stats(app: web.Application) -> dict[str, Any]:
+    """The ``/_sim/stats`` body: engine stats plus HTTP and fault counters."""
+    stats = app[ENGINE_KEY].stats()
+    http = app[HTTP_KEY]
+    stats["requests_total"] = http["requests_total"]
+    stats["responses_by_status"] = {k: v for k, v in sorted(http.items()) if k.isdigit()}
+    stats["faults_injected"] = app[FAULTS_KEY].counts()
+    return stats
+
+
+def reset_sim_stats(app: web.Application) -> None:
+    """Zero every counter of ``/_sim/stats``; requests in flight are untouched."""
+    app[ENGINE_KEY].reset_stats()
+    app[FAULTS_KEY].reset_counts()
+    app[HTTP_KEY].clear()
+
+
+def _drop_connection(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    transport.abort()
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """``/generate``, counted in ``requests_total`` and ``responses_by_status``."""
+    http = request.app[HTTP_KEY]
+    http["requests_total"] += 1
+    response = await _generate(request)
+    http[str(response.status)] += 1
+    return response
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    config, engine, faults = app[CONFIG_KEY], app[ENGINE_KEY], app[FAULTS_KEY]
+    try:
+        try:
+            body = await request.json(loads=msgspec.json.decode)
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise schema_error(f"JSON decode error: {exc}") from exc
+        parsed = parse_generate(body, config)
+        fault = faults.before_generate(parsed.input_ids)
+        if fault is not None:
+            raise fault
+        valid = validate_generate(parsed, config)
+        job, seed, natural = build_job(valid, config, request.headers.get(CATEGORY_HEADER))
+        try:
+            done = await engine.generate(job)
+        except QueueFullError as exc:
+            raise queue_full() from exc
+        except DuplicateRidError as exc:
+            raise bad_request(f"Duplicate request ID detected: {job.rid}") from exc
+    except ApiError as exc:
+        return _error(exc)
+    ids = output_ids(
+        seed,
+        done.completion_tokens,
+        natural,
+        vocab_size=config.vocab_size,
+        eos_token_id=config.eos_token_id,
+        ignore_eos=valid.ignore_eos,
+    )
+    app[E2E_KEY].observe(done.e2e_latency_s)
+    if faults.should_reset():
+        logger.info("simulated fault: dropping the connection of %s", done.rid)
+        _drop_connection(request)
+        # End the handler as a cancelled one, so aiohttp writes nothing to the dead socket.
+        raise asyncio.CancelledError
+    reported_tokens = done.completion_tokens + int(faults.should_bad_count())
+    reply = {
+        "text": render_text(ids, config.eos_token_id),
+        "output_ids": ids,
+        "meta_info": {
+            "id": done.rid,
+            "finish_reason": done.finish_reason,
+            "prompt_tokens": done.prompt_tokens,
+            "weight_version": config.weight_version,
+            "num_retractions": done.num_retractions,
+            "reasoning_tokens": 0,
+            "completion_tokens": reported_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": done.e2e_latency_s,
+        },
+    }
+    stall_s = faults.stall_s()
+    if stall_s > 0:
+        await asyncio.sleep(stall_s)
+    return _json(reply)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=503 if request.app[ENGINE_KEY].closed else 200)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    app = request.app
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    rate = app[ENGINE_KEY].decode_rate_tok_per_sim_s() * app[CONFIG_KEY].time_scale
+    return _json(info.server_info(app[CONFIG_KEY], sockname[1] if sockname else None, rate))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return _json(info.model_info(request.app[CONFIG_KEY]))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return _json(info.models_list(request.app[CONFIG_KEY]))
+
+
+async def get_load(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    stats = engine.stats()
+    load = {
+        "dp_rank": 0,
+        "num_reqs": stats["running"] + stats["queued"],
+        "num_waiting_reqs": stats["queued"],
+        "num_tokens": stats["kv_used_tokens"],
+        "num_pending_tokens": engine.pending_prompt_tokens(),
+        "ts_tic": time.time(),
+    }
+    return _json([load])
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    idle = request.app[ENGINE_KEY].is_idle()
+    return web.Response(text=FLUSH_CACHE_TEXT, status=200 if idle else 400)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await request.json(loads=msgspec.json.decode)
+    except (msgspec.DecodeError, ValueError) as exc:
+        return _error(schema_error(f"JSON decode error: {exc}"))
+    if not isinstance(body, dict):
+        return _error(schema_error("Input should be a valid dictionary or object"))
+    rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
+    if not isinstance(rid, str):
+        return _error(schema_error("rid: Input should be a valid string"))
+    if not rid and not abort_all:
+        logger.warning("Empty rid would startswith-match every request; ignored")
+    found = request.app[ENGINE_KEY].abort(rid, abort_all=abort_all)
+    logger.info("abort_request rid=%r abort_all=%s matched %d", rid, abort_all, found)
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    engine, config = app[ENGINE_KEY], app[CONFIG_KEY]
+    text = render(
+        engine.stats(),
+        model_name=config.model_path,
+        gen_throughput_tok_s=engine.decode_rate_tok_per_sim_s() * config.time_scale,
+        e2e=app[E2E_KEY],
+    )
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def get_stats(request: web.Request) -> web.Response:
+    return _json(sim_stats(request.app))
+
+
+async def reset_stats(request: web.Request) -> web.Response:
+    reset_sim_stats(request.app)
+    return _json(sim_stats(request.app))
+
+
+async def pause(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].pause()
+    return _json(sim_stats(request.app))
+
+
+async def resume(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].resume()
+    return _json(sim_stats(request.app))
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return _json(request.app[FAULTS_KEY].config)
+
+
+async def post_faults(request: web.Request) -> web.Response:
+    try:
+        body = await request.json(loads=msgspec.json.decode)
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+        new = request.app[FAULTS_KEY].update(body)
+    except (msgspec.DecodeError, ValueError) as exc:
+        return _error(bad_request(str(exc)))
+    return _json(new)
+
+
+async def _start_engine(app: web.Application) -> None:
+    app[TASK_KEY] = asyncio.create_task(app[ENGINE_KEY].run(), name="sglang_sim.engine")
+
+
+async def _stop_engine(app: web.Application) -> None:
+    app[ENGINE_KEY].close()
+    task = app.get(TASK_KEY)
+    if task is not None:
+        await task
+
+
+def create_app(config: SimConfig) -> web.Application:
+    """The aiohttp application; the engine runs while the app is started."""
+    config.validate()
+    app = web.Application()
+    app[CONFIG_KEY] = config
+    app[ENGINE_KEY] = Engine(config)
+    app[FAULTS_KEY] = FaultInjector(config.faults, config.seed)
+    app[E2E_KEY] = LatencyHistogram()
+    app[HTTP_KEY] = Counter()
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_stop_engine)
+    r = app.router
+    for method in ("POST", "PUT"):
+        r.add_route(method, "/generate", generate)
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, health)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, server_info)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, model_info)
+    r.add_get("/v1/models", list_models)
+    r.add_get("/get_load", get_load)
+    r.add_get("/flush_cache", flush_cache)
+    r.add_post("/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)
+    r.add_get("/metrics", metrics)
+    r.add_get("/_sim/stats", get_stats)
+    r.add_post("/_sim/reset_stats", reset_stats)
+    r.add_post("/_sim/pause", pause)
+    r.add_post("/_sim/resume", resume)
+    r.add_get("/_sim/faults", get_faults)
+    r.add_post("/_sim/faults", post_faults)
+    return app
+
+
+async def start_server(config: SimConfig, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving ``config`` on host:port (0 = any free port); return runner and port.
+
+    Handlers are cancelled when their client disconnects, which aborts the request in the
+    engine, as SGLang does. Stop with ``await runner.cleanup()``.
+    """
+    app = create_app(config)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    logger.warning(
+        "sglang_sim: this is a SIMULATOR, not SGLang: no model runs and outputs are synthetic "
+        "(model_path=%s, time_scale=%g, max_running_requests=%d) on http://%s:%d",
+        config.model_path,
+        config.time_scale,
+        config.max_running_requests,
+        host,
+        bound,
+    )
+    return runner, bound
