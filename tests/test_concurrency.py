@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+from rq import Queue, Worker
+
 from sglang_sim.testing import SimServer
+from tests.conftest import wait_until
 from tests.harness import Pipeline, write_config
 
 WORKERS = 32
@@ -33,6 +36,9 @@ sampling = {{ max_new_tokens = 256 }}
             pipe.build()
             pipe.start_writer()
             pipe.start_workers(WORKERS)
+            queue = Queue("conc.one", connection=pipe.redis)
+            wait_until(lambda: Worker.count(connection=pipe.redis, queue=queue) == WORKERS,
+                       timeout_s=120, what="32 workers to register")
             # When 32 workers commit concurrently
             status = pipe.run()
             engine = sim.stats()

@@ -204,12 +204,18 @@ class Stack:
         if not self.pids.exists():
             print("[down] nothing to stop")
             return
-        files = sorted(self.pids.glob("*.pid"), key=lambda p: p.stem == "redis")
-        for pidfile in files:
+        files = list(self.pids.glob("*.pid"))
+        # stop Redis last: workers finishing their sample still need it
+        self._stop([p for p in files if p.stem != "redis"])
+        self._stop([p for p in files if p.stem == "redis"])
+        self.env_file.unlink(missing_ok=True)
+
+    def _stop(self, pidfiles: list[Path]) -> None:
+        for pidfile in pidfiles:
             with contextlib.suppress(OSError, ValueError):
                 os.killpg(int(pidfile.read_text()), signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for pidfile in files:
+        for pidfile in pidfiles:
             while self._alive(pidfile.stem) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
             if self._alive(pidfile.stem):
@@ -217,4 +223,3 @@ class Stack:
                     os.killpg(int(pidfile.read_text()), signal.SIGKILL)
             pidfile.unlink(missing_ok=True)
             print(f"[down] stopped {pidfile.stem}")
-        self.env_file.unlink(missing_ok=True)
