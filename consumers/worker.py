@@ -9,20 +9,27 @@ heartbeat thread, and by the producer's reaper.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from collections.abc import Callable
 
 from redis import Redis
+from redis.exceptions import RedisError
 from rq import Queue
 from rq.job import Job
 from rq.worker import DequeueStrategy, SimpleWorker
 
 from consumers.job import JOB_FUNC
+from tokencap.errors import TokencapError
 from tokencap.wire import MsgspecSerializer, encode
 
 log = logging.getLogger(__name__)
 
 ALLOWED_FUNCS = frozenset({JOB_FUNC})
 REFUSED_STREAM_MAXLEN = 10_000
+RESTART_BACKOFF_MIN_S = 0.5
+RESTART_BACKOFF_MAX_S = 10.0
 
 
 def refused_key(prefix: str) -> str:
@@ -66,3 +73,33 @@ def run_worker(worker: TokencapWorker, *, burst: bool = False) -> bool:
         burst=burst, dequeue_strategy=DequeueStrategy.ROUND_ROBIN, with_scheduler=False,
         logging_level="WARNING",
     )
+
+
+def supervise(connect: Callable[[], Redis], queue_names: list[str], name: str | None = None,
+              *, burst: bool = False) -> int:
+    """Run a worker and start it again whenever it quits on its own (Redis lost mid-job,
+    Redis restarted, a timeout): the built-in equivalent of `Restart=always`. Returns when
+    the worker was asked to stop (SIGTERM/SIGINT: the current sample is finished first) or
+    when a burst worker ran out of work."""
+    stop = threading.Event()
+    backoff = RESTART_BACKOFF_MIN_S
+    attempt = 0
+    while True:
+        try:
+            worker = make_worker(connect(), queue_names,
+                                 f"{name}-{attempt}" if name and attempt else name)
+            run_worker(worker, burst=burst)
+            if burst or worker._stop_requested:
+                return 0
+            log.error("worker %s quit unexpectedly; starting it again in %.1f s", worker.name,
+                      backoff)
+        except (RedisError, TokencapError) as exc:
+            log.error("worker cannot run (%s); retrying in %.1f s", exc, backoff)
+        attempt += 1
+        old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+        stopped = stop.wait(backoff)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if stopped:
+            return 0
+        backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)

@@ -20,6 +20,9 @@ from typing import IO
 
 import msgspec
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budget_service.keys import WRITER_GROUP, Keys
 
@@ -30,6 +33,8 @@ READ_COUNT = 512
 BLOCK_MS = 500
 DEAD_FILE = "dead-letter.jsonl"
 PART_GLOB = "part-*.jsonl"
+REDIS_BACKOFF_MIN_S = 0.2
+REDIS_BACKOFF_MAX_S = 5.0
 
 
 class _Id(msgspec.Struct):
@@ -192,10 +197,35 @@ class Writer:
             pipe.xlen(s)
         return sum(pipe.execute())
 
+    def ensure_groups(self) -> None:
+        """Create the consumer group on every stream (after Redis lost them)."""
+        for stream in self.streams:
+            try:
+                self.redis.xgroup_create(stream, WRITER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
     def run(self) -> None:
-        self.recover()
+        """Drain until stopped; ride out Redis outages and restarts."""
+        backoff = REDIS_BACKOFF_MIN_S
+        recovered = False
         while not self.stop_event.is_set():
-            self.drain_once()
+            try:
+                if not recovered:
+                    self.recover()
+                    recovered = True
+                self.drain_once()
+                backoff = REDIS_BACKOFF_MIN_S
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("writer group missing (Redis restarted?); creating it again")
+                self.ensure_groups()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.error("Redis unavailable (%s); writer retries in %.1f s", exc, backoff)
+                self.stop_event.wait(backoff)
+                backoff = min(backoff * 2, REDIS_BACKOFF_MAX_S)
 
     def close(self) -> None:
         for s in self.sinks.values():

@@ -19,11 +19,14 @@ import math
 import time
 from array import array
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from redis import Redis
+from redis import exceptions as redis_exc
 from rq import Queue, Worker
+from rq.job import Job
 
 from budget_service.budget import Budget, now_ms
 from budget_service.estimator import LengthModel
@@ -37,10 +40,17 @@ from tokencap.wire import DeadLetter, ErrorKind, JobRef, MsgspecSerializer, Pend
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 256
+REDIS_BACKOFF_MIN_S = 0.2
+REDIS_BACKOFF_MAX_S = 5.0
+REDIS_DOWN = (redis_exc.ConnectionError, redis_exc.TimeoutError)
 RESULT_TTL_S = 0  # tokencap keeps outcomes in its ledger; RQ's job hash is not needed
 FAILURE_TTL_S = 7 * 24 * 3600
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
+# No tokenizer packs more characters than this into one token: longer prompts are rejected
+# before tokenizing (a 50 MB line must not stall the producer).
+MAX_CHARS_PER_TOKEN = 32
+CONTEXT_UNKNOWN_TOKENS = 1 << 20
 
 
 class CategoryFeed:
@@ -126,18 +136,66 @@ class Producer:
 
     def run(self, poll_s: float = IDLE_TICK_S, progress_s: float = 2.0,
             should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Feed until the run is finished or `should_stop()`; survive Redis outages.
+
+        While Redis cannot be reached nothing is fed (the budget fails closed); the loop
+        retries with backoff and, if Redis came back without the run (restarted empty),
+        rebuilds it from the output files before feeding again.
+        """
         last = 0.0
-        while not should_stop():
-            work = self.tick()
-            now = time.monotonic()
-            if self.on_progress and now - last >= progress_s:
-                last = now
-                self.on_progress(self.budget.status(list(self.feeds)))
-            if work == 0:
-                if self.finished(self.writer_lag()):
+        backoff = REDIS_BACKOFF_MIN_S
+        while True:
+            try:
+                if should_stop():
                     break
-                time.sleep(poll_s)
+                self.ensure_run()
+                work = self.tick()
+                now = time.monotonic()
+                if self.on_progress and now - last >= progress_s:
+                    last = now
+                    self.on_progress(self.budget.status(list(self.feeds)))
+                if work == 0:
+                    if self.finished(self.writer_lag()):
+                        self.finalize()
+                        break
+                    time.sleep(poll_s)
+                backoff = REDIS_BACKOFF_MIN_S
+            except REDIS_DOWN as exc:
+                log.error("Redis unavailable (%s): nothing is fed (fail closed); retry in %.1f s",
+                          exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, REDIS_BACKOFF_MAX_S)
         return self.budget.status(list(self.feeds))
+
+    def ensure_run(self) -> None:
+        """If Redis lost the run (restarted empty), rebuild it from the output files."""
+        if self.redis.hexists(self.keys.meta, "config"):
+            return
+        from producer.reconcile import reconcile
+
+        log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
+                  "counters from %s before feeding again", self.cfg.run, self.cfg.output_dir)
+        self.budget.init_run(self.cfg)
+        added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
+        log.warning("rebuilt from output files: %s", added)
+        for feed in self.feeds.values():
+            feed.cursor = 0
+
+    def finalize(self) -> None:
+        """At the end of a run no job may still be running: drop what RQ's started
+        registries and intermediate lists still hold from killed workers."""
+        for name, queue in self.queues.items():
+            registry = queue.started_job_registry
+            stale = self.redis.zrange(registry.key, 0, -1)
+            for jid, _eid in registry.get_job_and_execution_ids(cleanup=False):
+                job = Job.fetch_many([jid], connection=self.redis,
+                                     serializer=MsgspecSerializer)[0]
+                if job is not None:
+                    job.delete(remove_from_queue=True)
+            if stale:
+                self.redis.zrem(registry.key, *stale)
+                log.info("%s: cleared %d stale entries of killed workers", name, len(stale))
+            self.redis.delete(queue.intermediate_queue_key)
 
     # -- pieces ------------------------------------------------------------------------
     def high_water(self) -> int:
@@ -213,7 +271,11 @@ class Producer:
 
     def _render(self, feed: CategoryFeed, samples: list):
         cat = feed.cat
-        chat = [s for s in samples if s.prompt and isinstance(s.prompt[0], dict)]
+        limit_chars = (self.context_length or CONTEXT_UNKNOWN_TOKENS) * MAX_CHARS_PER_TOKEN
+        huge = {s.sample_id for s in samples if s.prompt and isinstance(s.prompt[0], dict)
+                and sum(len(m.get("content") or "") for m in s.prompt) > limit_chars}
+        chat = [s for s in samples if s.prompt and isinstance(s.prompt[0], dict)
+                and s.sample_id not in huge]
         rendered: dict[str, Any] = {}
         if chat:
             outs = self.renderer.render_many([s.prompt for s in chat], feed.kwargs or None)
@@ -222,6 +284,12 @@ class Producer:
         max_new = cat.sampling.max_new_tokens
         prepared, rejected = [], []
         for s in samples:
+            if s.sample_id in huge:
+                rejected.append(DeadLetter(
+                    id=s.sample_id, category=cat.name, outcome="rejected",
+                    reason="prompt_too_long", where=s.where,
+                    message=f"prompt text over {limit_chars} characters cannot fit the context"))
+                continue
             out = rendered.get(s.sample_id)
             if isinstance(out, Rejected):
                 rejected.append(DeadLetter(id=s.sample_id, category=cat.name, outcome="rejected",

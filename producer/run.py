@@ -23,8 +23,7 @@ from tokencap.errors import ConfigError, TokencapError
 
 log = logging.getLogger(__name__)
 
-LOCK_TTL_MS = 15_000
-LOCK_WAIT_S = 20.0
+LOCK_POLL_S = 0.2
 
 
 class ProducerBusy(TokencapError):
@@ -34,26 +33,34 @@ class ProducerBusy(TokencapError):
 class RunLock:
     """One producer per run: a Redis key with a TTL, renewed while the producer lives."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 15.0) -> None:
         self.redis = redis
         self.key = f"{keys.base}:producer"
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.ttl_ms = int(ttl_s * 1000)
 
-    def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
+    def acquire(self, wait_s: float | None = None) -> None:
+        """Take the lock, waiting up to `wait_s` (default: a little over its TTL, so a
+        killed producer's lock has expired)."""
+        wait_s = self.ttl_ms / 1000 * 1.5 if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
-        while not self.redis.set(self.key, self.token, nx=True, px=LOCK_TTL_MS):
+        while not self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
             holder = self.redis.get(self.key)
             if time.monotonic() > deadline:
                 raise ProducerBusy(
                     f"another producer holds run lock {self.key} ({holder!r}); "
                     "stop it first, or wait for its lock to expire"
                 )
-            time.sleep(0.5)
+            time.sleep(LOCK_POLL_S)
 
     def renew(self) -> None:
+        """Extend the lock; take it again if Redis lost it; fail if someone else holds it."""
+        if self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            log.warning("run lock %s was gone (Redis restarted?); took it again", self.key)
+            return
         if self.redis.get(self.key) != self.token.encode():
             raise ProducerBusy("lost the run lock to another producer")
-        self.redis.pexpire(self.key, LOCK_TTL_MS)
+        self.redis.pexpire(self.key, self.ttl_ms)
 
     def release(self) -> None:
         if self.redis.get(self.key) == self.token.encode():

@@ -112,7 +112,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float) -> None
     redis = connect(redis_url)
     from budget_service.keys import Keys
 
-    lock = RunLock(redis, Keys(cfg.key_prefix, cfg.run))
+    lock = RunLock(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
     lock.acquire()
     stop = {"flag": False}
 
@@ -154,8 +154,9 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     current sample, then exits.
     """
     from consumers.job import configure
-    from consumers.worker import TokencapWorker, make_worker, run_worker
+    from consumers.worker import TokencapWorker, supervise
     from tokencap.engines import parse_urls
+    from tokencap.redisconn import connect
 
     urls = parse_urls(sglang_url)
     if not urls:
@@ -165,8 +166,8 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     assert cfg is not None
     configure(redis_url, urls, prefix)
     TokencapWorker.key_prefix_tokencap = prefix
-    w = make_worker(budget.redis, budget.keys.queue_names(c.name for c in cfg.category), name)
-    run_worker(w, burst=burst)
+    queues = budget.keys.queue_names(c.name for c in cfg.category)
+    sys.exit(supervise(lambda: connect(redis_url), queues, name, burst=burst))
 
 
 @main.command()

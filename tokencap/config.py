@@ -96,6 +96,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     high_water: PositiveInt = 16
     lease_s: PositiveFloat = 30.0
     max_attempts: PositiveInt = 4
+    lock_ttl_s: PositiveFloat = 15.0
     connect_timeout_s: PositiveFloat = 3.05
     read_timeout_s: PositiveFloat = 1800.0
     http_retries: NonNegInt = 5

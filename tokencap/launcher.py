@@ -182,7 +182,7 @@ class Stack:
         alive = sum(1 for p in self.pids.glob("worker-*.pid") if self._alive(p.stem))
         if alive < n_workers:
             self.add_workers(n_workers - alive, env)
-        lock = RunLock(redis, keys)
+        lock = RunLock(redis, keys, cfg.lock_ttl_s)
         lock.acquire()
         try:
             ctx = cfg.context_length or context_length(parse_urls(eurl))

@@ -33,6 +33,7 @@ end
 redis.call('HDEL', KEYS[4], s)
 redis.call('ZREM', KEYS[5], s)
 redis.call('XADD', KEYS[7], '*', 'r', ARGV[7])
-local cap = tonumber(redis.call('HGET', KEYS[1], 'cap') or '0')
-if used >= cap then redis.call('HSET', KEYS[1], 'closed', '1') end
+-- a state without a cap means Redis lost the run (restarted empty): never close on that
+local cap = tonumber(redis.call('HGET', KEYS[1], 'cap') or '')
+if cap and used >= cap then redis.call('HSET', KEYS[1], 'closed', '1') end
 return {'ok', used}

@@ -1,0 +1,447 @@
+"""Export committed results as training data: SpecForge rows, conversations, Parquet.
+
+Input: a run's output folder, ``<out>/<category>/part-*.jsonl`` (one `wire.Result` a line).
+Each part file is streamed line by line; only the ids already exported are kept (to drop a
+duplicate id). A line that is not a result is reported as ``file:line: error`` and skipped.
+
+Output, under `dest`, one file per format: ``<dest>/<category>/<file>`` by category, or
+``<dest>/<file>`` with every category in one file (`merged`; ids become
+``<category>/<id>`` there, so rows of two categories never share an id):
+
+==============  =======================  ===================================================
+format          file                     row
+==============  =======================  ===================================================
+specforge       ``specforge.jsonl``      ``{"id", "input_ids", "loss_mask"}``:
+                                         ``prompt_ids + output_ids`` and ``[0] * prompt +
+                                         [1] * output`` (SpecForge's pre-tokenized input)
+conversations   ``conversations.jsonl``  ``{"id", "category", "finish_reason",
+                                         "conversations", "prompt_text",
+                                         "completion_text"}`` (see `conversation_row`)
+parquet         ``specforge.parquet``    columns id, category, input_ids (list<int32>),
+                                         loss_mask (list<int32>), finish_reason,
+                                         counted_tokens (int64)
+==============  =======================  ===================================================
+
+Truncated samples (``finish_reason == "length"``) are dropped unless `keep_truncated`.
+Every file is written to a temporary name beside it, fsynced, and renamed over the final
+name only once every file of the export is complete, so a failed export replaces nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Protocol
+
+import msgspec
+
+from tokencap.errors import TokencapError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("specforge", "conversations", "parquet")
+FILE_NAMES = {
+    "specforge": "specforge.jsonl",
+    "conversations": "conversations.jsonl",
+    "parquet": "specforge.parquet",
+}
+PART_GLOB = "part-*.jsonl"  # the writer's result files (consumers/writer.py)
+TRUNCATED = "length"  # SGLang's finish_reason for an output cut at max_new_tokens
+PARQUET_ROW_GROUP_ROWS = 1024  # rows buffered before a Parquet row group is written
+MAX_BAD_REPORTED = 20  # bad lines listed per category; the rest are only counted
+INT32_LIMIT = 2**31  # token ids are stored as int32 in Parquet
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=INT32_LIMIT)]
+
+
+class ResultRow(msgspec.Struct):
+    """The fields of a committed result that an export needs (others are ignored)."""
+
+    id: str
+    category: str
+    prompt_ids: list[TokenId]
+    output_ids: list[TokenId]
+    finish_reason: str
+    counted_tokens: int = 0
+    ordinal: int = -1
+
+
+class SpecforgeRow(msgspec.Struct):
+    """SpecForge's pre-tokenized row: loss on exactly the generated tokens."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class BadLine(msgspec.Struct):
+    """A line of a part file that could not be read as a result."""
+
+    where: str
+    error: str
+
+
+class ExportError(TokencapError):
+    """The export cannot start: no output folder, no categories, unknown format."""
+
+
+@dataclass
+class CategoryStats:
+    """Per-category counts of one export. `tokens` counts input_ids, `output_tokens` the
+    supervised ones (loss_mask 1)."""
+
+    rows: int = 0
+    tokens: int = 0
+    output_tokens: int = 0
+    dropped_truncated: int = 0
+    duplicates: int = 0
+    bad_lines: int = 0
+    bad: list[dict] = field(default_factory=list)
+
+    def add(self, other: CategoryStats) -> None:
+        for name in ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates",
+                     "bad_lines"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def part_files(cat_dir: Path) -> list[Path]:
+    """The category's result files in write order."""
+    return sorted(cat_dir.glob(PART_GLOB))
+
+
+def find_categories(out_dir: Path) -> list[str]:
+    """Names of the folders of `out_dir` that hold at least one part file, sorted."""
+    if not out_dir.is_dir():
+        raise ExportError(f"output folder {out_dir}: no such directory")
+    return sorted(p.name for p in out_dir.iterdir() if p.is_dir() and part_files(p))
+
+
+def read_lines(paths: list[Path], decoder: msgspec.json.Decoder) -> Iterator[Any]:
+    """Decode every non-blank line of `paths` in order; yield the value or a `BadLine`.
+
+    Line numbers count every physical line, so ``file:line`` matches an editor.
+    """
+    for path in paths:
+        with path.open("rb") as f:
+            for no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield decoder.decode(line)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    yield BadLine(f"{path}:{no}", str(exc))
+
+
+class _TmpFile:
+    """A file written under a temporary name; `publish` renames it over `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def publish(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+class JsonlSink(_TmpFile):
+    """Writes one JSON line per row, made by `make_row(row, row_id)`."""
+
+    def __init__(self, path: Path, make_row: Callable[[ResultRow, str], Any]) -> None:
+        super().__init__(path)
+        self.make_row = make_row
+        self._enc = msgspec.json.Encoder()
+        self._f = self.tmp.open("wb")
+
+    def write(self, row: ResultRow, row_id: str) -> None:
+        self._f.write(self._enc.encode(self.make_row(row, row_id)) + b"\n")
+
+    def finish(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def discard(self) -> None:
+        self._f.close()
+        super().discard()
+
+
+class ParquetSink(_TmpFile):
+    """Writes SpecForge rows plus category, finish_reason and counted_tokens to Parquet."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._pa = pa
+        self.schema = pa.schema([
+            ("id", pa.string()),
+            ("category", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int32())),
+            ("finish_reason", pa.string()),
+            ("counted_tokens", pa.int64()),
+        ])
+        self._writer = pq.ParquetWriter(str(self.tmp), self.schema)
+        self._rows: dict[str, list] = {name: [] for name in self.schema.names}
+
+    def write(self, row: ResultRow, row_id: str) -> None:
+        sf = specforge_row(row, row_id)
+        for name, value in (("id", row_id), ("category", row.category),
+                            ("input_ids", sf.input_ids), ("loss_mask", sf.loss_mask),
+                            ("finish_reason", row.finish_reason),
+                            ("counted_tokens", row.counted_tokens)):
+            self._rows[name].append(value)
+        if len(self._rows["id"]) >= PARQUET_ROW_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows["id"]:
+            self._writer.write_table(self._pa.table(self._rows, schema=self.schema))
+            self._rows = {name: [] for name in self.schema.names}
+
+    def finish(self) -> None:
+        self._flush()
+        self._writer.close()
+        _fsync(self.tmp)
+
+    def discard(self) -> None:
+        self._writer.close()
+        super().discard()
+
+
+def specforge_row(row: ResultRow, row_id: str) -> SpecforgeRow:
+    """``input_ids = prompt + output``; loss 0 over the prompt, 1 over every generated
+    token (reasoning and end-of-turn tokens included)."""
+    return SpecforgeRow(
+        id=row_id,
+        input_ids=row.prompt_ids + row.output_ids,
+        loss_mask=[0] * len(row.prompt_ids) + [1] * len(row.output_ids),
+    )
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+MessagesFor = Callable[[ResultRow], list[dict] | None]
+
+
+class SourceMessages:
+    """`MessagesFor` over a run config: re-reads a result's prompt from its source.
+
+    A result's ``ordinal`` is its record's position in the category's `SourceIndex`; the
+    record is read again and normalised as the producer did. When the source changed (the
+    record's sample id is no longer the result's id) or the record is pre-tokenized, there
+    are no messages and `unmatched` counts it.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.unmatched = 0
+        self._indexes: dict[str, Any] = {}
+
+    def __call__(self, row: ResultRow) -> list[dict] | None:
+        from producer.formats import Rejected
+        from producer.readers import read_sample
+
+        messages = None
+        try:
+            cat = self.cfg.by_name(row.category)
+            index = self._index(cat)
+            if 0 <= row.ordinal < len(index):
+                sample = read_sample(index, row.ordinal, cat.format, cat.turns,
+                                     cat.system_prompt, cat.field_map or None)
+                if sample.sample_id == row.id and sample.prompt and isinstance(
+                        sample.prompt[0], dict):
+                    messages = list(sample.prompt)
+        except (KeyError, OSError, ValueError, Rejected) as exc:
+            log.debug("%s/%s: no source messages: %s", row.category, row.id, exc)
+        if messages is None:
+            self.unmatched += 1
+        return messages
+
+    def _index(self, cat: Any) -> Any:
+        from producer.readers import SourceIndex
+
+        if cat.name not in self._indexes:
+            self._indexes[cat.name] = SourceIndex.build(cat.paths)
+        return self._indexes[cat.name]
+
+    def close(self) -> None:
+        """Close the source files."""
+        for index in self._indexes.values():
+            index.close()
+        self._indexes.clear()
+
+
+def conversation_row(
+    row: ResultRow, row_id: str, tokenizer: Decoder, messages_for: MessagesFor | None = None
+) -> dict[str, Any]:
+    """The conversations row of one result.
+
+    ``conversations`` is the prompt's messages (``{"role", "content"}``, exactly those the
+    chat template rendered, when `messages_for` can re-read them from the source; else
+    nothing) followed by ``{"role": "assistant", "content": <output decoded with special
+    tokens skipped>}``. ``prompt_text`` and ``completion_text`` decode the prompt and output
+    ids with special tokens kept: the rendered prompt and the raw generation (think blocks
+    and end-of-turn token included). Decoding is lossy where a tokenizer's special tokens
+    eat whitespace (Phi-3); the specforge rows are the exact record.
+    """
+    prompt = (messages_for(row) if messages_for else None) or []
+    answer = tokenizer.decode(row.output_ids, skip_special_tokens=True)
+    return {
+        "id": row_id,
+        "category": row.category,
+        "finish_reason": row.finish_reason,
+        "conversations": [*prompt, {"role": "assistant", "content": answer}],
+        "prompt_text": tokenizer.decode(row.prompt_ids, skip_special_tokens=False),
+        "completion_text": tokenizer.decode(row.output_ids, skip_special_tokens=False),
+    }
+
+
+def make_sinks(
+    folder: Path, formats: list[str], tokenizer: Decoder | None,
+    messages_for: MessagesFor | None,
+) -> list[Any]:
+    """One sink per format, writing under `folder`."""
+    sinks: list[Any] = []
+    try:
+        for fmt in formats:
+            path = folder / FILE_NAMES[fmt]
+            if fmt == "specforge":
+                sinks.append(JsonlSink(path, specforge_row))
+            elif fmt == "conversations":
+                if tokenizer is None:
+                    raise ExportError("format conversations needs a tokenizer")
+                sinks.append(JsonlSink(path, lambda r, i: conversation_row(
+                    r, i, tokenizer, messages_for)))
+            else:
+                sinks.append(ParquetSink(path))
+    except BaseException:
+        for sink in sinks:
+            sink.discard()
+        raise
+    return sinks
+
+
+def export_category(
+    cat_dir: Path, sinks: list[Any], keep_truncated: bool, id_prefix: str = ""
+) -> CategoryStats:
+    """Stream one category's part files into `sinks`; return its counts."""
+    stats = CategoryStats()
+    seen: set[str] = set()
+    decoder = msgspec.json.Decoder(ResultRow)
+    for item in read_lines(part_files(cat_dir), decoder):
+        if isinstance(item, BadLine):
+            stats.bad_lines += 1
+            if len(stats.bad) < MAX_BAD_REPORTED:
+                stats.bad.append(msgspec.structs.asdict(item))
+            log.warning("%s: bad line skipped: %s", item.where, item.error)
+            continue
+        if item.id in seen:
+            stats.duplicates += 1
+            continue
+        seen.add(item.id)
+        if item.finish_reason == TRUNCATED and not keep_truncated:
+            stats.dropped_truncated += 1
+            continue
+        row_id = id_prefix + item.id
+        for sink in sinks:
+            sink.write(item, row_id)
+        stats.rows += 1
+        stats.tokens += len(item.prompt_ids) + len(item.output_ids)
+        stats.output_tokens += len(item.output_ids)
+    return stats
+
+
+def export(
+    out_dir: Path,
+    dest: Path,
+    formats: list[str],
+    categories: list[str] | None = None,
+    merged: bool = False,
+    keep_truncated: bool = False,
+    tokenizer: Decoder | None = None,
+    messages_for: MessagesFor | None = None,
+) -> dict[str, Any]:
+    """Export `categories` (default: every folder of `out_dir` with part files).
+
+    Returns the summary: ``{"out_dir", "dest", "formats", "merged", "keep_truncated",
+    "files": [path, ...], "categories": {name: counts}, "total": counts}`` where counts are
+    the fields of `CategoryStats` (``bad`` lists up to 20 ``{"where", "error"}``).
+    Raises `ExportError` when there is nothing to export or a format is unknown.
+    """
+    formats = list(dict.fromkeys(formats))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ExportError(f"unknown format(s) {unknown}; choose from {', '.join(FORMATS)}")
+    found = find_categories(out_dir)
+    names = found if categories is None else [c for c in categories if c in found]
+    missing = [] if categories is None else [c for c in categories if c not in found]
+    for name in missing:
+        log.warning("%s: no part files in %s", name, out_dir / name)
+    if not names:
+        raise ExportError(f"nothing to export: no <category>/{PART_GLOB} under {out_dir}")
+    per_cat: dict[str, CategoryStats] = {}
+    all_sinks: list[Any] = []
+    try:
+        if merged:
+            all_sinks = make_sinks(dest, formats, tokenizer, messages_for)
+            for name in names:
+                per_cat[name] = export_category(out_dir / name, all_sinks, keep_truncated,
+                                                id_prefix=f"{name}/")
+        else:
+            for name in names:
+                sinks = make_sinks(dest / name, formats, tokenizer, messages_for)
+                all_sinks.extend(sinks)
+                per_cat[name] = export_category(out_dir / name, sinks, keep_truncated)
+        for sink in all_sinks:
+            sink.finish()
+    except BaseException:
+        for sink in all_sinks:
+            sink.discard()
+        raise
+    for sink in all_sinks:
+        sink.publish()
+    total = CategoryStats()
+    for stats in per_cat.values():
+        total.add(stats)
+    total_dict = asdict(total)
+    total_dict.pop("bad")
+    return {
+        "out_dir": str(out_dir),
+        "dest": str(dest),
+        "formats": formats,
+        "merged": merged,
+        "keep_truncated": keep_truncated,
+        "files": [str(sink.path) for sink in all_sinks],
+        "categories": {name: asdict(stats) for name, stats in per_cat.items()},
+        "total": total_dict,
+        "missing": missing,
+    }
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The export summary as a plain text table, one line per category and a total."""
+    cols = ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates", "bad_lines")
+    heads = ("rows", "tokens", "output tok", "dropped (length)", "duplicates", "bad lines")
+    rows = [(name, *(st[c] for c in cols)) for name, st in summary["categories"].items()]
+    rows.append(("total", *(summary["total"][c] for c in cols)))
+    width = max(len("category"), *(len(r[0]) for r in rows))
+    lines = [f"{'category':<{width}}" + "".join(f"  {h:>16}" for h in heads)]
+    lines += [f"{r[0]:<{width}}" + "".join(f"  {v:>16,}" for v in r[1:]) for r in rows]
+    lines += [f"wrote {path}" for path in summary["files"]]
+    return "\n".join(lines)
