@@ -63,9 +63,10 @@ class TokencapWorker(SimpleWorker):
         self.handle_job_failure(job=job, queue=queue, exc_string=f"refused by tokencap: {reason}")
 
 
-def make_worker(redis: Redis, queue_names: list[str], name: str | None = None) -> TokencapWorker:
+def make_worker(redis: Redis, queue_names: list[str], name: str | None = None,
+                worker_class: type[TokencapWorker] = TokencapWorker) -> TokencapWorker:
     queues = [Queue(q, connection=redis, serializer=MsgspecSerializer) for q in queue_names]
-    return TokencapWorker(queues, connection=redis, serializer=MsgspecSerializer, name=name)
+    return worker_class(queues, connection=redis, serializer=MsgspecSerializer, name=name)
 
 
 def run_worker(worker: TokencapWorker, *, burst: bool = False) -> bool:

@@ -39,6 +39,7 @@ REDIS_BACKOFF_MAX_S = 5.0
 
 class _Id(msgspec.Struct):
     id: str
+    counted_tokens: int = 0
 
 
 _id_decoder = msgspec.json.Decoder(_Id)
@@ -84,14 +85,16 @@ class CategorySink:
     def __init__(self, root: Path, category: str) -> None:
         self.dir = root / category
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.seen: set[str] = set()
+        self.seen: dict[str, int] = {}  # id -> counted tokens on disk
         self.dead_seen: set[str] = set()
         parts = sorted(self.dir.glob(PART_GLOB))
         for p in parts + [self.dir / DEAD_FILE]:
             if p.exists() and repair_tail(p):
                 log.warning("cut a torn last line in %s", p)
         for p in parts:
-            self.seen.update(_id_decoder.decode(line).id for line in iter_lines(p))
+            for line in iter_lines(p):
+                rec = _id_decoder.decode(line)
+                self.seen[rec.id] = rec.counted_tokens
         dead = self.dir / DEAD_FILE
         if dead.exists():
             self.dead_seen.update(_id_decoder.decode(line).id for line in iter_lines(dead))
@@ -110,17 +113,28 @@ class CategorySink:
             self._part = path.open("ab")
         return self._part
 
-    def write(self, payloads: list[bytes], dead: bool) -> int:
-        """Append payloads not written before; fsync. Returns the number appended."""
-        seen = self.dead_seen if dead else self.seen
+    def write(self, payloads: list[bytes], dead: bool) -> tuple[int, int]:
+        """Append payloads not written before; fsync. Returns (lines appended, token
+        correction): a result whose id is already on disk with another count (it was
+        generated again after Redis lost its commit) is not written, and the difference
+        is returned so that `used` can be set back to what the files hold."""
         new: list[bytes] = []
+        correction = 0
         for raw in payloads:
-            sid = _id_decoder.decode(raw).id
-            if sid not in seen:
-                seen.add(sid)
-                new.append(raw)
+            rec = _id_decoder.decode(raw)
+            if dead:
+                if rec.id in self.dead_seen:
+                    continue
+                self.dead_seen.add(rec.id)
+            else:
+                on_disk = self.seen.get(rec.id)
+                if on_disk is not None:
+                    correction += on_disk - rec.counted_tokens
+                    continue
+                self.seen[rec.id] = rec.counted_tokens
+            new.append(raw)
         if not new:
-            return 0
+            return 0, correction
         if dead:
             if self._dead is None:
                 self._dead = (self.dir / DEAD_FILE).open("ab")
@@ -130,7 +144,7 @@ class CategorySink:
         f.write(b"".join(raw.rstrip(b"\n") + b"\n" for raw in new))
         f.flush()
         os.fsync(f.fileno())
-        return len(new)
+        return len(new), correction
 
     def close(self) -> None:
         for f in (self._part, self._dead):
@@ -171,8 +185,13 @@ class Writer:
                 continue
             ids = [eid for eid, _ in entries]
             payloads = [fields[b"r"] for _, fields in entries if fields]
-            n += self.sinks[category].write(payloads, dead)
+            written, correction = self.sinks[category].write(payloads, dead)
+            n += written
             pipe = self.redis.pipeline(transaction=True)
+            if correction:
+                log.warning("%s: a sample already on disk was generated again (Redis lost its "
+                            "commit); used corrected by %+d tokens", category, correction)
+                pipe.hincrby(self.keys.cat(category).state, "used", correction)
             pipe.xack(name, WRITER_GROUP, *ids)
             pipe.xdel(name, *ids)
             pipe.execute()

@@ -47,6 +47,7 @@ RESULT_TTL_S = 0  # tokencap keeps outcomes in its ledger; RQ's job hash is not 
 FAILURE_TTL_S = 7 * 24 * 3600
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
+RUN_ID_CHECK_S = 1.0
 # No tokenizer packs more characters than this into one token: longer prompts are rejected
 # before tokenizing (a 50 MB line must not stall the producer).
 MAX_CHARS_PER_TOKEN = 32
@@ -96,6 +97,8 @@ class Producer:
         self.lease_ms = int(cfg.lease_s * 1000)
         self._workers = 0
         self._workers_at = 0.0
+        self._run_id: str | None = None
+        self._run_id_at = 0.0
 
     # -- setup -------------------------------------------------------------------------
     def add_feed(self, feed: CategoryFeed) -> None:
@@ -168,18 +171,34 @@ class Producer:
         return self.budget.status(list(self.feeds))
 
     def ensure_run(self) -> None:
-        """If Redis lost the run (restarted empty), rebuild it from the output files."""
-        if self.redis.hexists(self.keys.meta, "config"):
-            return
+        """Rebuild from the output files what a Redis restart lost.
+
+        Restarted empty: the run is created again, counters and done-marks come back from
+        the files, and feeding restarts from the top of the order (final samples are
+        skipped). Restarted from AOF (`appendfsync everysec` may lose the last second):
+        samples on disk but not final in Redis are marked final so they are not redone.
+        """
         from producer.reconcile import reconcile
 
-        log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
-                  "counters from %s before feeding again", self.cfg.run, self.cfg.output_dir)
-        self.budget.init_run(self.cfg)
-        added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
-        log.warning("rebuilt from output files: %s", added)
-        for feed in self.feeds.values():
-            feed.cursor = 0
+        if not self.redis.hexists(self.keys.meta, "config"):
+            log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
+                      "counters from %s before feeding again", self.cfg.run,
+                      self.cfg.output_dir)
+            self.budget.init_run(self.cfg)
+            added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
+            log.warning("rebuilt from output files: %s", added)
+            for feed in self.feeds.values():
+                feed.cursor = 0
+            self._run_id = None
+        now = time.monotonic()
+        if self._run_id is None or now - self._run_id_at >= RUN_ID_CHECK_S:
+            self._run_id_at = now
+            run_id = self.redis.info("server").get("run_id")
+            if self._run_id is not None and run_id != self._run_id:
+                log.warning("Redis restarted (run_id changed); reconciling with output files")
+                added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
+                log.warning("after the restart, from output files: %s", added)
+            self._run_id = run_id
 
     def finalize(self) -> None:
         """At the end of a run no job may still be running: drop what RQ's started

@@ -30,7 +30,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 class RedisServer:
     """A redis-server process of our own, on a free port, optionally with AOF in `data_dir`."""
 
-    def __init__(self, data_dir: Path, aof: bool = False, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, aof: bool = False, port: int | None = None,
+                 extra: list[str] | None = None, password: str | None = None) -> None:
         self.binary = find_redis_server()
         if self.binary is None:
             pytest.skip("no redis-server binary available")
@@ -38,17 +39,21 @@ class RedisServer:
         self.aof = aof
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.extra = list(extra or [])
+        self.password = password
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
                 "--maxmemory-policy", "noeviction",
-                "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec"]
+                "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",
+                *(["--requirepass", self.password] if self.password else []), *self.extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         client = Redis.from_url(self.url)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rq import Queue, Worker
+
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from consumers.writer import Writer
@@ -88,6 +90,19 @@ class Pipeline:
             p.wait(30)
         self.workers = []
 
+    def busy_worker_pids(self) -> list[int]:
+        """Pids of worker processes RQ reports busy (in the middle of a sample)."""
+        ours = {p.pid for p in self.workers if p.poll() is None}
+        return [w.pid for w in Worker.all(connection=self.redis)
+                if w.get_state() == "busy" and w.pid in ours]
+
+    def kill_worker(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        for p in self.workers:
+            if p.pid == pid:
+                os.killpg(p.pid, sig)
+                p.wait(30)
+        self.workers = [p for p in self.workers if p.pid != pid]
+
     def close(self) -> None:
         self.kill_workers(signal.SIGKILL)
         self.stop_writer()
@@ -124,6 +139,9 @@ class Pipeline:
             dead = {d["id"] for d in self.dead_letters(cat.name)}
             assert dead == {k for k, v in final.items() if v[0] in "rd"}, cat.name
             assert st["skipped"] == sum(1 for v in final.values() if v == "s")
+            queue = Queue(self.keys.queue_name(cat.name), connection=self.redis)
+            assert self.redis.zcard(queue.started_job_registry.key) == 0, "started registry"
+            assert self.redis.llen(queue.intermediate_queue_key) == 0, "intermediate queue"
             feed = self.producer.feeds[cat.name] if self.producer else None
             if feed is not None:
                 from producer.readers import sample_id

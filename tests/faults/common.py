@@ -1,0 +1,77 @@
+"""Configs and helpers shared by the fault-injection tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from tests.harness import Pipeline, write_config
+
+PROMPTS = 200
+
+
+def ids_source(tmp: Path, n: int = PROMPTS, name: str = "ids.jsonl") -> Path:
+    src = tmp / name
+    src.write_text("".join(json.dumps({"input_ids": [300 + i, 21, 22, 23]}) + "\n"
+                           for i in range(n)))
+    return src
+
+
+def two_category_config(tmp: Path, run: str = "faults", cap_a: int = 20000,
+                        cap_b: int = 12000, extra: str = "", max_new: int = 512):
+    src = ids_source(tmp)
+    return write_config(tmp, f"""
+run = "{run}"
+output_dir = "{tmp / 'out'}"
+lease_s = 1.0
+lock_ttl_s = 2.0
+max_attempts = 4
+connect_timeout_s = 1.0
+read_timeout_s = 5.0
+http_retries = 3
+backoff_max_s = 0.2
+{extra}
+[[category]]
+name = "a"
+source = "{src}"
+format = "input_ids"
+cap_tokens = {cap_a}
+sampling = {{ max_new_tokens = {max_new} }}
+[[category]]
+name = "b"
+source = "{src}"
+format = "input_ids"
+cap_tokens = {cap_b}
+sampling = {{ max_new_tokens = {max_new} }}
+""")
+
+
+class Background:
+    """Runs the producer in a thread so a test can inject faults meanwhile."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+        self.status: dict | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.status = self.pipe.run()
+        except BaseException as exc:  # surfaced by join()
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def start(self) -> Background:
+        self.thread.start()
+        return self
+
+    def join(self, timeout_s: float = 120.0) -> dict:
+        assert self.done.wait(timeout_s), "the run did not finish in time"
+        if self.error:
+            raise self.error
+        assert self.status is not None
+        return self.status

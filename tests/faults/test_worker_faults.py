@@ -1,0 +1,104 @@
+"""Worker faults: SIGKILL mid-request (repeated), SIGKILL between dequeue and start,
+SIGTERM of a busy worker. Invariants are checked by Pipeline.check_invariants."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from sglang_sim.testing import SimServer
+from tests.conftest import wait_until
+from tests.faults.common import Background, two_category_config
+from tests.harness import ROOT, Pipeline
+
+KILLS = 6
+
+
+def test_sigkill_random_busy_workers_repeatedly(tmp_path, redis_url) -> None:
+    cfg = two_category_config(tmp_path)
+    with SimServer(time_scale=60.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        kills: list[int] = []
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(6)
+            last_used = {"v": 0}
+
+            def chaos() -> bool:
+                # Every ~1,500 committed tokens, SIGKILL a worker in the middle of a request
+                used = sum(pipe.budget.state(c)["used"] for c in ("a", "b"))
+                if len(kills) < KILLS and used - last_used["v"] >= 1500:
+                    busy = pipe.busy_worker_pids()
+                    if busy:
+                        pipe.kill_worker(busy[0])
+                        pipe.start_workers(1)
+                        kills.append(busy[0])
+                        last_used["v"] = used
+                return False
+
+            status = pipe.run(should_stop=chaos)
+        finally:
+            pipe.close()
+    assert len(kills) == KILLS
+    pipe.check_invariants(status)
+    assert all(status["categories"][c]["state"] == "closed" for c in ("a", "b"))
+    assert all(status["categories"][c]["failed"] == 0 for c in ("a", "b"))
+
+
+def test_sigkill_between_dequeue_and_start(tmp_path, redis_url) -> None:
+    cfg = two_category_config(tmp_path, cap_a=3000, cap_b=3000)
+    with SimServer(time_scale=200.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            # Given jobs queued and a worker that dies right after dequeueing one
+            pipe.producer.tick()
+            queued = pipe.redis.llen("rq:queue:faults.a")
+            killer = subprocess.run(
+                [sys.executable, "-m", "tests.faults.dequeue_killer", redis_url, "faults.a"],
+                cwd=ROOT, timeout=60)
+            assert killer.returncode == -signal.SIGKILL
+            # the job left the queue and nothing records it in RQ (multi-queue BLPOP path)
+            assert pipe.redis.llen("rq:queue:faults.a") == queued - 1
+            # When normal workers run, the reaper re-enqueues the lost sample
+            pipe.start_workers(3)
+            status = pipe.run()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    assert status["categories"]["a"]["failed"] == 0
+
+
+def test_sigterm_busy_worker_finishes_its_sample(tmp_path, redis_url) -> None:
+    cfg = two_category_config(tmp_path, cap_a=4000, cap_b=2000)
+    with SimServer(time_scale=20.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            bg = Background(pipe).start()
+            (worker,) = pipe.start_workers(1)
+            # When the only worker is asked to stop while it waits on the engine
+            wait_until(lambda: pipe.busy_worker_pids(), what="the worker to be busy")
+
+            def in_flight() -> tuple[str, str] | None:
+                for c in ("a", "b"):
+                    keys = pipe.redis.hkeys(pipe.keys.cat(c).reserved)
+                    if keys:
+                        return c, keys[0].decode()
+                return None
+
+            cat, sample = wait_until(in_flight, what="a reservation")
+            worker.send_signal(signal.SIGTERM)
+            # Then it finishes that sample, commits it, and exits cleanly
+            assert worker.wait(60) == 0
+            assert pipe.redis.hget(pipe.keys.cat(cat).final, sample).startswith(b"c:")
+            pipe.workers.remove(worker)
+            pipe.start_workers(3)
+            status = bg.join()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
