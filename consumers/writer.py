@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -33,6 +34,7 @@ READ_COUNT = 512
 BLOCK_MS = 500
 DEAD_FILE = "dead-letter.jsonl"
 PART_GLOB = "part-*.jsonl"
+RECOVER_EVERY_S = 5.0
 REDIS_BACKOFF_MIN_S = 0.2
 REDIS_BACKOFF_MAX_S = 5.0
 
@@ -229,11 +231,15 @@ class Writer:
         """Drain until stopped; ride out Redis outages and restarts."""
         backoff = REDIS_BACKOFF_MIN_S
         recovered = False
+        last_recover = 0.0
         while not self.stop_event.is_set():
             try:
-                if not recovered:
+                # entries delivered but never acked (a crash, or a Redis restart that replayed
+                # the delivery but not the ack) are read again now and then
+                if not recovered or time.monotonic() - last_recover > RECOVER_EVERY_S:
                     self.recover()
                     recovered = True
+                    last_recover = time.monotonic()
                 self.drain_once()
                 backoff = REDIS_BACKOFF_MIN_S
             except ResponseError as exc:
@@ -242,6 +248,9 @@ class Writer:
                 log.warning("writer group missing (Redis restarted?); creating it again")
                 self.ensure_groups()
             except (RedisConnectionError, RedisTimeoutError) as exc:
+                # after a restart from AOF, entries delivered before the crash may be back in
+                # our pending list: read it again once Redis answers
+                recovered = False
                 log.error("Redis unavailable (%s); writer retries in %.1f s", exc, backoff)
                 self.stop_event.wait(backoff)
                 backoff = min(backoff * 2, REDIS_BACKOFF_MAX_S)

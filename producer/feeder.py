@@ -198,6 +198,11 @@ class Producer:
                 log.warning("Redis restarted (run_id changed); reconciling with output files")
                 added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
                 log.warning("after the restart, from output files: %s", added)
+                # feeds of the last second may be lost with the AOF tail: go back to the
+                # cursor Redis kept (it is written in the same transaction as the feeds)
+                for name, feed in self.feeds.items():
+                    raw = self.redis.hget(self.keys.cat(name).state, "cursor")
+                    feed.cursor = int(raw or 0)
             self._run_id = run_id
 
     def finalize(self) -> None:
@@ -206,11 +211,9 @@ class Producer:
         for name, queue in self.queues.items():
             registry = queue.started_job_registry
             stale = self.redis.zrange(registry.key, 0, -1)
-            for jid, _eid in registry.get_job_and_execution_ids(cleanup=False):
-                job = Job.fetch_many([jid], connection=self.redis,
-                                     serializer=MsgspecSerializer)[0]
-                if job is not None:
-                    job.delete(remove_from_queue=True)
+            jids = [jid for jid, _eid in registry.get_job_and_execution_ids(cleanup=False)]
+            if jids:
+                self.redis.delete(*(Job.key_for(jid) for jid in jids))
             if stale:
                 self.redis.zrem(registry.key, *stale)
                 log.info("%s: cleared %d stale entries of killed workers", name, len(stale))

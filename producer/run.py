@@ -75,6 +75,23 @@ def build_producer(
     renderer: Any = None,
 ) -> Producer:
     """Create/check the run in Redis, reconcile with the output files, index every source."""
+    # everything that can be wrong with the config is checked before Redis is touched
+    if renderer is None and any(c.format != "input_ids" for c in cfg.category):
+        from producer.render import Renderer, TokenizerError
+
+        try:
+            renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
+        except TokenizerError as exc:
+            raise ConfigError("$.tokenizer", str(exc)) from None
+    indexes = {}
+    for cat in cfg.category:
+        t0 = time.monotonic()
+        try:
+            indexes[cat.name] = SourceIndex.build([Path(p) for p in cat.paths])
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"$.category[{cat.name}].source", str(exc)) from None
+        log.info("%s: indexed %d records in %.1f s", cat.name, len(indexes[cat.name]),
+                 time.monotonic() - t0)
     keys = Keys(cfg.key_prefix, cfg.run)
     budget = Budget(redis, keys)
     created = budget.init_run(cfg)
@@ -82,20 +99,7 @@ def build_producer(
     added = reconcile(budget, out, [c.name for c in cfg.category])
     if created and any(added.values()):
         log.warning("run %s was not in Redis; rebuilt from %s: %s", cfg.run, out, added)
-    if renderer is None and any(c.format != "input_ids" for c in cfg.category):
-        from producer.render import Renderer, TokenizerError
-
-        try:
-            renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
-        except TokenizerError as exc:
-            raise ConfigError("tokenizer", str(exc)) from None
     producer = Producer(cfg, redis, renderer, context_length, on_progress)
     for cat in cfg.category:
-        t0 = time.monotonic()
-        try:
-            index = SourceIndex.build([Path(p) for p in cat.paths])
-        except OSError as exc:
-            raise ConfigError(cat.name, f"cannot read source: {exc}") from None
-        log.info("%s: indexed %d records in %.1f s", cat.name, len(index), time.monotonic() - t0)
-        producer.add_feed(CategoryFeed(cfg, cat, index))
+        producer.add_feed(CategoryFeed(cfg, cat, indexes[cat.name]))
     return producer

@@ -95,7 +95,9 @@ def _budget(redis_url: str, prefix: str, run_name: str | None):
 @SGLANG_OPT
 @click.option("--progress-s", default=2.0, show_default=True,
               help="Seconds between progress lines.")
-def run(config: str, redis_url: str, sglang_url: str, progress_s: float) -> None:
+@click.option("--dry-run", is_flag=True,
+              help="Render one prompt per category, show it and exit: nothing is enqueued.")
+def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run: bool) -> None:
     """Run the producer for CONFIG until every category is closed or exhausted.
 
     Creates (or resumes) the run in Redis, rebuilds counters from the output files, feeds
@@ -109,6 +111,11 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float) -> None
     from tokencap.redisconn import connect
 
     cfg = load_config(config)
+    if dry_run:
+        from tokencap.plan import preview, preview_text
+
+        click.echo(preview_text(preview(cfg)))
+        return
     redis = connect(redis_url)
     from budget_service.keys import Keys
 
@@ -303,6 +310,15 @@ def add_workers(n: int, state_dir: str) -> None:
 
     Stack(Path(state_dir)).add_workers(n)
 
+
+def _register_data_commands() -> None:
+    from tokencap.cli_data import export_cmd, plan_cmd, preview_cmd
+
+    for cmd in (export_cmd, plan_cmd, preview_cmd):
+        main.add_command(cmd)
+
+
+_register_data_commands()
 
 if __name__ == "__main__":
     main()

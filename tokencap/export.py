@@ -277,13 +277,21 @@ class SourceMessages:
         from producer.readers import SourceIndex
 
         if cat.name not in self._indexes:
-            self._indexes[cat.name] = SourceIndex.build(cat.paths)
-        return self._indexes[cat.name]
+            try:
+                self._indexes[cat.name] = SourceIndex.build(cat.paths)
+            except (OSError, ValueError) as exc:
+                log.warning("%s: cannot index the source, no prompt messages: %s", cat.name, exc)
+                self._indexes[cat.name] = None
+        index = self._indexes[cat.name]
+        if index is None:
+            raise KeyError(cat.name)
+        return index
 
     def close(self) -> None:
         """Close the source files."""
         for index in self._indexes.values():
-            index.close()
+            if index is not None:
+                index.close()
         self._indexes.clear()
 
 
@@ -349,7 +357,7 @@ def export_category(
             stats.bad_lines += 1
             if len(stats.bad) < MAX_BAD_REPORTED:
                 stats.bad.append(msgspec.structs.asdict(item))
-            log.warning("%s: bad line skipped: %s", item.where, item.error)
+            log.debug("%s: bad line skipped: %s", item.where, item.error)
             continue
         if item.id in seen:
             stats.duplicates += 1
@@ -414,8 +422,13 @@ def export(
         for sink in all_sinks:
             sink.discard()
         raise
-    for sink in all_sinks:
-        sink.publish()
+    for k, sink in enumerate(all_sinks):
+        try:
+            sink.publish()
+        except OSError:
+            for rest in all_sinks[k:]:
+                rest.discard()
+            raise
     total = CategoryStats()
     for stats in per_cat.values():
         total.add(stats)
@@ -433,15 +446,3 @@ def export(
         "missing": missing,
     }
 
-
-def summary_table(summary: dict[str, Any]) -> str:
-    """The export summary as a plain text table, one line per category and a total."""
-    cols = ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates", "bad_lines")
-    heads = ("rows", "tokens", "output tok", "dropped (length)", "duplicates", "bad lines")
-    rows = [(name, *(st[c] for c in cols)) for name, st in summary["categories"].items()]
-    rows.append(("total", *(summary["total"][c] for c in cols)))
-    width = max(len("category"), *(len(r[0]) for r in rows))
-    lines = [f"{'category':<{width}}" + "".join(f"  {h:>16}" for h in heads)]
-    lines += [f"{r[0]:<{width}}" + "".join(f"  {v:>16,}" for v in r[1:]) for r in rows]
-    lines += [f"wrote {path}" for path in summary["files"]]
-    return "\n".join(lines)

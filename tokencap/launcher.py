@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-from budget_service.budget import Budget
 from budget_service.keys import Keys
 from producer.run import RunLock, build_producer
 from tokencap.config import load_config
@@ -172,21 +171,22 @@ class Stack:
         self._write_env(env)
         redis = connect(rurl)
         keys = Keys(cfg.key_prefix, cfg.run)
-        Budget(redis, keys).init_run(cfg)
-        if not self._alive("writer"):
-            self._spawn("writer", self._tokencap("writer"), self._child_env(env))
-        if not self._alive("budget"):
-            port = str(free_port())
-            self._spawn("budget", self._tokencap("serve", "--port", port), self._child_env(env))
-            print(f"[up] budget service on http://127.0.0.1:{port}/status", flush=True)
-        alive = sum(1 for p in self.pids.glob("worker-*.pid") if self._alive(p.stem))
-        if alive < n_workers:
-            self.add_workers(n_workers - alive, env)
         lock = RunLock(redis, keys, cfg.lock_ttl_s)
         lock.acquire()
         try:
             ctx = cfg.context_length or context_length(parse_urls(eurl))
+            # validates tokenizer and sources, creates the run: before any worker starts
             producer = build_producer(cfg, redis, ctx, ProgressPrinter())
+            if not self._alive("writer"):
+                self._spawn("writer", self._tokencap("writer"), self._child_env(env))
+            if not self._alive("budget"):
+                port = str(free_port())
+                self._spawn("budget", self._tokencap("serve", "--port", port),
+                            self._child_env(env))
+                print(f"[up] budget service on http://127.0.0.1:{port}/status", flush=True)
+            alive = sum(1 for p in self.pids.glob("worker-*.pid") if self._alive(p.stem))
+            if alive < n_workers:
+                self.add_workers(n_workers - alive, env)
 
             def renew() -> bool:
                 lock.renew()

@@ -65,12 +65,28 @@ class Background:
         finally:
             self.done.set()
 
+    def diagnose(self) -> str:
+        pipe = self.pipe
+        out = {"status": pipe.budget.status()["categories"],
+               "writer_lag": pipe.producer.writer_lag() if pipe.producer else None,
+               "workers_alive": sum(1 for p in pipe.workers if p.poll() is None)}
+        for c in pipe.cfg.category:
+            ck = pipe.keys.cat(c.name)
+            out[c.name] = {
+                "queue": pipe.redis.llen(f"rq:queue:{pipe.keys.queue_name(c.name)}"),
+                "leases": pipe.redis.zrange(ck.leases, 0, -1, withscores=True)[:5],
+                "pending": list(pipe.redis.hkeys(ck.pending))[:5],
+                "cursor": pipe.producer.feeds[c.name].cursor if pipe.producer else None,
+            }
+        return repr(out)
+
     def start(self) -> Background:
         self.thread.start()
         return self
 
     def join(self, timeout_s: float = 120.0) -> dict:
-        assert self.done.wait(timeout_s), "the run did not finish in time"
+        if not self.done.wait(timeout_s):
+            raise AssertionError(f"the run did not finish in {timeout_s} s: {self.diagnose()}")
         if self.error:
             raise self.error
         assert self.status is not None

@@ -1,0 +1,114 @@
+"""SGLang faults through the whole pipeline: 503/429 storms, one poisoned sample that
+always gets 500, stalls past the read timeout, connection resets, token counts that
+disagree with output_ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_sim.testing import SimServer
+from tests.conftest import wait_until
+from tests.faults.common import Background, two_category_config
+from tests.harness import Pipeline, write_config
+
+POISON = 151_000
+
+
+def run_with(tmp_path, redis_url, faults: dict, *, workers: int = 4, cap_a: int = 6000,
+             cap_b: int = 4000, time_scale: float = 200.0, during=None):
+    cfg = two_category_config(tmp_path, cap_a=cap_a, cap_b=cap_b)
+    with SimServer(time_scale=time_scale) as sim:
+        sim.set_faults(**faults)
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(workers)
+            if during is None:
+                status = pipe.run()
+            else:
+                bg = Background(pipe).start()
+                during(sim, pipe)
+                status = bg.join(180)
+            stats = sim.stats()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    return pipe, status, stats
+
+
+@pytest.mark.parametrize("status_code", [503, 429])
+def test_overload_storm_is_ridden_out(tmp_path, redis_url, status_code) -> None:
+    # 40% of requests refused, for the whole run
+    pipe, status, stats = run_with(tmp_path, redis_url, {"error_rates": {status_code: 0.4}})
+    assert stats["faults_injected"].get(str(status_code), 0) > 10
+    for c in ("a", "b"):
+        assert status["categories"][c]["state"] == "closed"
+        assert status["categories"][c]["failed"] == 0
+
+
+def test_poisoned_sample_is_dead_lettered_and_the_rest_goes_on(tmp_path, redis_url) -> None:
+    src = tmp_path / "p.jsonl"
+    rows = [{"input_ids": [400 + i, 5, 6]} for i in range(60)]
+    rows[7] = {"input_ids": [POISON, 5, 6]}
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path, f"""
+run = "poison"
+output_dir = "{tmp_path / 'out'}"
+lease_s = 1.0
+max_attempts = 3
+http_retries = 1
+backoff_max_s = 0.05
+[[category]]
+name = "p"
+source = "{src}"
+format = "input_ids"
+cap_tokens = 100000000
+sampling = {{ max_new_tokens = 64 }}
+""")
+    with SimServer(time_scale=1000.0) as sim:
+        sim.set_faults(poison_token_id=POISON)
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(3)
+            status = pipe.run()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    st = status["categories"]["p"]
+    assert st["state"] == "exhausted" and st["samples"] == 59 and st["failed"] == 1
+    (dead,) = pipe.dead_letters("p")
+    assert dead["id"] == "p:8" and dead["reason"] == "server_error"
+    assert dead["attempts"] == 3 and dead["outcome"] == "dead"
+
+
+def test_stall_past_read_timeout_then_recovery(tmp_path, redis_url) -> None:
+    def during(sim, pipe):
+        # the engine stalls past the 5 s read timeout for a while, then recovers
+        sim.set_faults(stall_s=6.0)
+        wait_until(lambda: sim.stats()["faults_injected"].get("stall", 0) >= 4, timeout_s=60,
+                   what="stalled requests")
+        sim.set_faults(stall_s=0.0)
+
+    pipe, status, stats = run_with(tmp_path, redis_url, {}, during=during)
+    assert stats["faults_injected"]["stall"] >= 4
+    for c in ("a", "b"):
+        assert status["categories"][c]["state"] == "closed"
+
+
+def test_connection_resets_are_retried(tmp_path, redis_url) -> None:
+    pipe, status, stats = run_with(tmp_path, redis_url, {"reset_rate": 0.2})
+    assert stats["faults_injected"].get("reset", 0) > 3
+    assert all(status["categories"][c]["state"] == "closed" for c in ("a", "b"))
+
+
+def test_token_counts_that_disagree_are_never_counted(tmp_path, redis_url) -> None:
+    pipe, status, stats = run_with(tmp_path, redis_url, {"bad_counts_rate": 0.3})
+    assert stats["faults_injected"].get("bad_counts", 0) > 3
+    for c in ("a", "b"):
+        for rec in pipe.records(c):
+            assert rec["completion_tokens"] == len(rec["output_ids"])

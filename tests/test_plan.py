@@ -1,0 +1,227 @@
+"""`tokencap plan` and `tokencap preview`: numbers worked by hand, and real fixture renders."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from producer.readers import SourceIndex, read_sample, shuffled_order
+from producer.render import Renderer
+from tests.conftest import DATASETS, QWEN
+from tokencap.cli_data import plan_cmd, preview_cmd
+from tokencap.config import load_config
+from tokencap.plan import PROMPT_SAMPLE_SIZE, Measured, plan, preview, totals
+
+GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
+SHAREGPT = DATASETS / "sharegpt" / "fastchat_dummy_conversation.json"
+SYSTEM = "You answer in one line."
+SEED = 11
+
+
+def _config(tmp_path: Path, head: str = "", cats: str | None = None) -> Path:
+    cats = cats if cats is not None else (
+        f'[[category]]\nname = "math"\nsource = "{GSM8K}"\nformat = "question_answer"\n'
+        f"expected_tokens = 400\ncap_tokens = 100000\n"
+        f"sampling = {{ max_new_tokens = 1024, temperature = 0.7 }}\n\n"
+        f'[[category]]\nname = "chat"\nsource = "{SHAREGPT}"\nformat = "sharegpt"\n'
+        f'turns = "last"\nsystem_prompt = "{SYSTEM}"\ncap_tokens = 20000\n'
+        f"sampling = {{ max_new_tokens = 256 }}\n"
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(f'run = "p"\noutput_dir = "{tmp_path / "out"}"\ntokenizer = "{QWEN}"\n'
+                    f"seed = {SEED}\n{head}\n{cats}", encoding="utf-8")
+    return path
+
+
+def _one_cat(tmp_path: Path, cap: int, expected: int, head: str = "") -> Path:
+    return _config(tmp_path, head, (
+        f'[[category]]\nname = "a"\nsource = "{GSM8K}"\ncap_tokens = {cap}\n'
+        f"expected_tokens = {expected}\nsampling = {{ max_new_tokens = 4096 }}\n"))
+
+
+def _records(path: Path) -> int:
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+# -- plan(): numbers worked by hand ------------------------------------------------------
+
+
+def test_cap_over_average_gives_the_samples(tmp_path):
+    cfg = load_config(_one_cat(tmp_path, 10_000_000, 2_500))
+    [row] = plan(cfg, available={"a": 10_000}, tok_s=1_000)
+    assert (row.samples, row.total_tokens, row.limited_by) == (4_000, 10_000_000, "cap")
+    assert (row.avg_tokens, row.source) == (2_500, "estimate")
+    assert row.hours == pytest.approx(10_000_000 / 1_000 / 3_600)  # 2.777... h
+
+
+def test_too_few_prompts_bound_the_samples_and_tokens(tmp_path):
+    cfg = load_config(_one_cat(tmp_path, 10_000_000, 2_500))
+    [row] = plan(cfg, available={"a": 3_000}, tok_s=1_000)
+    assert (row.samples, row.total_tokens, row.limited_by) == (3_000, 7_500_000, "prompts")
+    assert row.hours == pytest.approx(2.0833, abs=1e-4)
+    [fast] = plan(cfg, available={"a": 3_000}, tok_s=2_000)
+    assert fast.hours == pytest.approx(row.hours / 2)
+
+
+def test_a_partial_last_sample_rounds_up_and_unknown_prompts_do_not_bound(tmp_path):
+    cfg = load_config(_one_cat(tmp_path, 10_000, 3_000))
+    [row] = plan(cfg)
+    assert (row.samples, row.total_tokens, row.prompts) == (4, 10_000, None)
+
+
+def test_measured_average_overrides_the_estimate(tmp_path):
+    cfg = load_config(_one_cat(tmp_path, 10_000_000, 2_500))
+    done = Measured(samples=10, counted_tokens=12_000, output_tokens=12_000, prompt_tokens=900)
+    [row] = plan(cfg, measured={"a": done}, available={"a": 100_000}, tok_s=1_000)
+    assert (row.avg_tokens, row.source) == (1_200, "measured")
+    assert row.samples == math.ceil(10_000_000 / 1_200) == 8_334
+    assert (row.done_samples, row.done_tokens) == (10, 12_000)
+    assert row.hours_left == pytest.approx((10_000_000 - 12_000) / 1_000 / 3_600)
+    [empty] = plan(cfg, measured={"a": Measured(0, 0, 0)}, available={"a": 100_000})
+    assert empty.source == "estimate"
+
+
+def test_count_total_adds_prompt_tokens_but_hours_follow_output(tmp_path):
+    cfg = load_config(_one_cat(tmp_path, 600_000, 500, head='count = "total"'))
+    [row] = plan(cfg, available={"a": 5_000}, tok_s=1_000, prompt_tokens={"a": 100.0})
+    assert (row.avg_tokens, row.avg_output_tokens) == (600, 500)
+    assert (row.samples, row.total_tokens, row.output_tokens) == (1_000, 600_000, 500_000)
+    assert row.hours == pytest.approx(500_000 / 1_000 / 3_600)
+
+
+def test_totals_add_up(tmp_path):
+    cfg = load_config(_config(tmp_path))
+    rows = plan(cfg, available={"math": 200, "chat": 10}, tok_s=1_000)
+    math_row, chat_row = rows
+    assert (math_row.samples, math_row.total_tokens) == (200, 80_000)  # 200 x 400 < 100,000
+    assert (chat_row.samples, chat_row.total_tokens) == (10, 2_560)  # expected = max_new 256
+    total = totals(rows)
+    assert (total.category, total.samples, total.total_tokens) == ("total", 210, 82_560)
+    assert total.prompts == 210
+    assert total.hours == pytest.approx(82_560 / 1_000 / 3_600)
+
+
+# -- plan CLI -----------------------------------------------------------------------------
+
+
+def test_plan_cli_counts_prompts_and_switches_to_measured(tmp_path):
+    cfg = _config(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(plan_cmd, [str(cfg), "--json", "--tok-s", "500"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    rows = {r["category"]: r for r in doc["categories"]}
+    assert rows["math"]["prompts"] == _records(GSM8K) == 200
+    with SourceIndex.build([SHAREGPT]) as index:
+        assert rows["chat"]["prompts"] == len(index)
+    assert (rows["math"]["source"], rows["math"]["avg_tokens"]) == ("estimate", 400)
+    assert rows["math"]["samples"] == 200  # 100,000 / 400 = 250 > 200 prompts
+    assert doc["total"]["samples"] == rows["math"]["samples"] + rows["chat"]["samples"]
+    assert doc["tok_s"] == 500
+
+    part = tmp_path / "out" / "math" / "part-00000.jsonl"
+    part.parent.mkdir(parents=True)
+    part.write_text("".join(json.dumps({"id": f"g:{i}", "counted_tokens": c,
+                                        "completion_tokens": c, "prompt_tokens": 50}) + "\n"
+                            for i, c in enumerate((900, 1_100))) + "torn", encoding="utf-8")
+    res = runner.invoke(plan_cmd, [str(cfg), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["category"]: r for r in json.loads(res.stdout)["categories"]}
+    assert (rows["math"]["source"], rows["math"]["avg_tokens"]) == ("measured", 1_000)
+    assert (rows["math"]["samples"], rows["math"]["done_samples"]) == (100, 2)
+    assert rows["chat"]["source"] == "estimate"
+
+    res = runner.invoke(plan_cmd, [str(cfg)])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:4] == ["category", "cap", "prompts", "tok/sample"]
+    math_line = next(line for line in lines if line.startswith("math "))
+    assert "100,000" in math_line and "measured" in math_line
+    assert any(line.startswith("total ") for line in lines)
+
+
+def test_plan_cli_with_count_total_renders_prompts_to_estimate(tmp_path):
+    cfg_path = _config(tmp_path, head='count = "total"')
+    res = CliRunner().invoke(plan_cmd, [str(cfg_path), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["category"]: r for r in json.loads(res.stdout)["categories"]}
+    cfg = load_config(cfg_path)
+    renderer = Renderer(QWEN)
+    with SourceIndex.build([GSM8K]) as index:
+        order = shuffled_order(len(index), SEED)[:PROMPT_SAMPLE_SIZE]
+        lengths = [len(renderer.render(read_sample(index, i, "question_answer", "first",
+                                                   None).prompt)[1]) for i in order]
+    expected = cfg.expected_for(cfg.by_name("math")) + sum(lengths) / len(lengths)
+    assert rows["math"]["avg_tokens"] == pytest.approx(expected)
+    assert rows["math"]["avg_output_tokens"] == 400
+
+
+def test_plan_cli_bad_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('run = "x"\noutput_dir = "o"\n', encoding="utf-8")
+    res = CliRunner().invoke(plan_cmd, [str(bad)])
+    assert res.exit_code == 2
+    assert "no [[category]]" in res.stderr
+    assert "Traceback" not in res.output
+
+
+# -- preview ------------------------------------------------------------------------------
+
+
+def test_preview_renders_the_first_shuffled_prompt(tmp_path):
+    cfg = load_config(_config(tmp_path, head="context_length = 300"))
+    renderer = Renderer(QWEN)
+    [math_p, chat_p] = preview(cfg, renderer=renderer)
+    with SourceIndex.build([GSM8K]) as index:
+        first = read_sample(index, shuffled_order(len(index), SEED)[0], "question_answer",
+                            "first", None)
+    assert (math_p.sample_id, math_p.where) == (first.sample_id, first.where)
+    assert math_p.messages == first.prompt
+    text, ids = renderer.render(first.prompt)
+    assert (math_p.text, math_p.prompt_ids) == (text, ids)
+    assert math_p.text.endswith("<|im_start|>assistant\n")
+    assert math_p.prompt_tokens == len(math_p.prompt_ids)
+    assert math_p.prompt_tokens == len(renderer.tokenizer(math_p.text,
+                                                          add_special_tokens=False)["input_ids"])
+    assert math_p.sampling == {"max_new_tokens": 1024, "temperature": 0.7}
+    assert any("exceeds context_length 300" in w for w in math_p.warnings)
+    assert chat_p.text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>")
+    assert chat_p.sampling == {"max_new_tokens": 256}
+    assert len(preview(cfg, n=3, renderer=renderer, categories=["chat"])) == 3
+
+
+def test_preview_flags_template_kwargs_the_template_never_reads(tmp_path):
+    head = "chat_template_kwargs = { enable_thinking = false }"
+    cats = (f'[[category]]\nname = "math"\nsource = "{GSM8K}"\n'
+            f"chat_template_kwargs = {{ thinking = false }}\n"
+            f"sampling = {{ max_new_tokens = 64 }}\n")
+    cfg = load_config(_config(tmp_path, head, cats))
+    [p] = preview(cfg, renderer=Renderer(QWEN))
+    assert p.chat_template_kwargs == {"enable_thinking": False, "thinking": False}
+    assert len([w for w in p.warnings if "never read by the template" in w]) == 2
+
+
+def test_preview_cli_shows_text_count_and_sampling(tmp_path):
+    cfg = _config(tmp_path)
+    res = CliRunner().invoke(preview_cmd, [str(cfg), "--category", "math"])
+    assert res.exit_code == 0, res.output
+    [p] = preview(load_config(cfg), categories=["math"])
+    assert p.text in res.stdout
+    assert f"prompt tokens: {p.prompt_tokens}" in res.stdout
+    assert '"max_new_tokens":1024' in res.stdout
+    assert "=== chat" not in res.stdout
+
+    res = CliRunner().invoke(preview_cmd, [str(cfg), "--json", "-n", "2"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert [d["category"] for d in doc] == ["math", "math", "chat", "chat"]
+    assert msgspec.to_builtins(p) == doc[0]
+
+    res = CliRunner().invoke(preview_cmd, [str(cfg), "--category", "nope"])
+    assert res.exit_code == 1
+    assert "no category 'nope'" in res.stderr

@@ -1,0 +1,213 @@
+"""`tokencap export`, `tokencap plan` and `tokencap preview`: wiring only.
+
+The logic lives in `tokencap.export` and `tokencap.plan`. These commands need no Redis.
+Each command catches `TokencapError` itself (message, then its exit code) so that it works
+both registered on the `tokencap` group and invoked alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from tokencap.errors import TokencapError
+from tokencap.export import FORMATS, MAX_BAD_REPORTED
+
+CONFIG_ENV = "TOKENCAP_CONFIG"
+
+
+class _Command(click.Command):
+    """A click command that turns a `TokencapError` or unreadable file into a message."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TokencapError as exc:
+            click.echo(f"tokencap: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except OSError as exc:
+            click.echo(f"tokencap: error: {exc}", err=True)
+            sys.exit(1)
+
+
+def _load(config: str) -> Any:
+    from tokencap.config import load_config
+
+    return load_config(config)
+
+
+def _renderer(path: str | None, kwargs: dict | None = None) -> Any:
+    from producer.render import Renderer
+
+    if not path:
+        raise TokencapError("no tokenizer: pass --tokenizer DIR or a config that names one")
+    return Renderer(path, kwargs)
+
+
+def _export_table(summary: dict[str, Any]) -> str:
+    """The export summary as a table: one line per category, a total, the files."""
+    cols = ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates", "bad_lines")
+    heads = ("rows", "tokens", "output tok", "dropped (length)", "duplicates", "bad lines")
+    rows = [(name, *(st[c] for c in cols)) for name, st in summary["categories"].items()]
+    rows.append(("total", *(summary["total"][c] for c in cols)))
+    width = max(len("category"), *(len(r[0]) for r in rows))
+    lines = [f"{'category':<{width}}" + "".join(f"  {h:>16}" for h in heads)]
+    lines += [f"{r[0]:<{width}}" + "".join(f"  {v:>16,}" for v in r[1:]) for r in rows]
+    lines += [f"wrote {path}" for path in summary["files"]]
+    return "\n".join(lines)
+
+
+@click.command("export", cls=_Command)
+@click.option("--config", "config_path", envvar=CONFIG_ENV, default=None,
+              type=click.Path(dir_okay=False),
+              help="Run config: gives the output folder, the tokenizer, the categories and "
+              "(for conversations) the sources to re-read prompt messages from. "
+              f"Env: {CONFIG_ENV}.")
+@click.option("--out", "out_dir", envvar="TOKENCAP_OUT", default=None,
+              type=click.Path(file_okay=False),
+              help="Output folder of the run (<out>/<category>/part-*.jsonl); overrides the "
+              "config's output_dir. Env: TOKENCAP_OUT.")
+@click.option("--tokenizer", envvar="TOKENCAP_TOKENIZER", default=None,
+              type=click.Path(file_okay=False),
+              help="Local tokenizer folder, for --format conversations; overrides the "
+              "config's. Env: TOKENCAP_TOKENIZER.")
+@click.option("--dest", envvar="TOKENCAP_EXPORT_DEST", required=True,
+              type=click.Path(file_okay=False),
+              help="Folder to write to: <dest>/<category>/<file>, or <dest>/<file> with "
+              "--merged. Env: TOKENCAP_EXPORT_DEST.")
+@click.option("--format", "formats", multiple=True, type=click.Choice(FORMATS),
+              default=("specforge",), show_default=True,
+              help="specforge: {id, input_ids, loss_mask} JSONL; conversations: decoded text "
+              "JSONL; parquet: SpecForge rows plus category, finish_reason, counted_tokens. "
+              "Repeat for several.")
+@click.option("--merged", is_flag=True,
+              help="One file per format for all categories; ids become <category>/<id>.")
+@click.option("--category", "categories", multiple=True,
+              help="Export only this category (repeatable). Default: all.")
+@click.option("--keep-truncated", is_flag=True,
+              help="Keep samples cut at max_new_tokens (finish_reason length); "
+              "by default they are dropped and counted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | None, dest: str,
+               formats: tuple[str, ...], merged: bool, categories: tuple[str, ...],
+               keep_truncated: bool, as_json: bool) -> None:
+    """Export committed results as training data (SpecForge rows, conversations, Parquet).
+
+    Streams <out>/<category>/part-*.jsonl; drops truncated samples unless --keep-truncated;
+    skips duplicate ids and unreadable lines (reported as file:line); writes each file under
+    a temporary name and renames it into place only when the whole export succeeded.
+    """
+    from tokencap.export import SourceMessages, export
+
+    cfg = _load(config_path) if config_path else None
+    out = out_dir or (cfg.output_dir if cfg else None)
+    if out is None:
+        raise TokencapError("no output folder: pass --config CONFIG or --out DIR")
+    names = list(categories) or ([c.name for c in cfg.category] if cfg else None)
+    decoder = messages = None
+    if "conversations" in formats:
+        decoder = _renderer(tokenizer or (cfg.tokenizer if cfg else None)).tokenizer
+        messages = SourceMessages(cfg) if cfg else None
+    try:
+        summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
+                         decoder, messages)
+    finally:
+        if messages is not None:
+            messages.close()
+    if messages is not None:
+        summary["rows_without_prompt_messages"] = messages.unmatched
+    for name, st in summary["categories"].items():
+        for bad in st["bad"]:
+            click.echo(f"{bad['where']}: bad line skipped: {bad['error']}", err=True)
+        if st["bad_lines"] > MAX_BAD_REPORTED:
+            click.echo(f"{name}: ... and {st['bad_lines'] - MAX_BAD_REPORTED} more bad lines",
+                       err=True)
+        if st["dropped_truncated"]:
+            click.echo(f"{name}: dropped {st['dropped_truncated']} truncated samples "
+                       "(finish_reason length); --keep-truncated keeps them", err=True)
+    for name in summary["missing"]:
+        click.echo(f"{name}: no part files, nothing exported", err=True)
+    click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
+
+
+def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
+    heads = ("cap", "prompts", "tok/sample", "from", "samples", "tokens", "hours", "hours left",
+             "limit")
+    table = []
+    for r in [*rows, total]:
+        prompts = "?" if r.prompts is None else f"{r.prompts:,}"
+        table.append((r.category, f"{r.cap_tokens:,}", prompts, f"{r.avg_tokens:,.0f}",
+                      r.source, f"{r.samples:,}", f"{r.total_tokens:,}", f"{r.hours:.2f}",
+                      f"{r.hours_left:.2f}", r.limited_by))
+    width = max(len("category"), *(len(t[0]) for t in table))
+    lines = [f"{'category':<{width}}" + "".join(f"  {h:>11}" for h in heads)]
+    lines += [f"{t[0]:<{width}}" + "".join(f"  {v:>11}" for v in t[1:]) for t in table]
+    lines.append(f"hours at {tok_s:,.0f} output tok/s; tok/sample counts what the budget "
+                 "counts, measured from committed results or estimated from the config")
+    return "\n".join(lines)
+
+
+@click.command("plan", cls=_Command)
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--tok-s", type=click.FloatRange(min=0, min_open=True), default=1000.0,
+              envvar="TOKENCAP_TOK_S", show_default=True,
+              help="Engine output throughput in tokens/s, for the hours. Env: TOKENCAP_TOK_S.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan_cmd(config: str, tok_s: float, as_json: bool) -> None:
+    """Plan CONFIG: per category the prompts available, tokens per sample, samples and
+    tokens its cap needs, and hours at --tok-s; then the totals.
+
+    Tokens per sample are measured from committed results in output_dir when there are
+    any, else taken from expected_tokens (plus rendered prompt lengths when count = total).
+    """
+    from tokencap.plan import count_available, estimate_prompt_tokens, measure, plan, totals
+
+    cfg = _load(config)
+    names = [c.name for c in cfg.category]
+    measured = measure(Path(cfg.output_dir), names)
+    available = count_available(cfg)
+    prompt_tokens = None
+    unmeasured = [n for n in names if n not in measured]
+    if cfg.count == "total" and unmeasured:
+        chat = any(cfg.by_name(n).format != "input_ids" for n in unmeasured)
+        renderer = _renderer(cfg.tokenizer, cfg.chat_template_kwargs) if chat else None
+        prompt_tokens = estimate_prompt_tokens(cfg, renderer, unmeasured)
+    rows = plan(cfg, measured, available, tok_s, prompt_tokens)
+    total = totals(rows)
+    if as_json:
+        doc = {"run": cfg.run, "count": cfg.count, "tok_s": tok_s,
+               "categories": msgspec.to_builtins(rows), "total": msgspec.to_builtins(total)}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(_plan_table(rows, total, tok_s))
+
+
+@click.command("preview", cls=_Command)
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("-n", "n", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Prompts to show per category.")
+@click.option("--category", "categories", multiple=True,
+              help="Show only this category (repeatable). Default: all.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the previews as JSON (with the prompt ids).")
+def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool) -> None:
+    """Show the first prompt(s) of each category of CONFIG exactly as they will be sent:
+    the rendered chat template with special tokens, the token count and the sampling params,
+    so that a wrong template or setting is seen before GPU time is spent. Needs no Redis.
+    """
+    from tokencap.plan import preview, preview_text
+
+    cfg = _load(config)
+    unknown = [c for c in categories if c not in {cat.name for cat in cfg.category}]
+    if unknown:
+        raise TokencapError(f"no category {', '.join(map(repr, unknown))} in {config}")
+    previews = preview(cfg, n, categories=list(categories) or None)
+    if as_json:
+        click.echo(json.dumps(msgspec.to_builtins(previews), indent=2, ensure_ascii=False))
+    else:
+        click.echo(preview_text(previews))

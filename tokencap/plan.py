@@ -1,0 +1,325 @@
+"""Before spending GPU time: how much each cap needs (`plan`) and what is sent (`preview`).
+
+`plan` is a pure function of the config and three measurements, so it can be checked by
+hand. Per category, with ``cap`` its cap and ``avail`` the records in its sources:
+
+- ``avg`` (counted tokens per sample): the mean ``counted_tokens`` of the committed results
+  when there are any (source "measured"), else ``cfg.expected_for(cat)``, plus the mean
+  prompt tokens when ``count = "total"`` (source "estimate").
+- ``samples = min(ceil(cap / avg), avail)``; ``limited_by`` is "prompts" when the source
+  runs out first, else "cap".
+- ``total_tokens = cap`` when limited by the cap (overshoot ignored), else
+  ``samples * avg``: that is ``min(cap, avail * avg)`` up to rounding.
+- ``output_tokens = total_tokens * avg_output / avg``: the tokens the engine generates
+  (equal to ``total_tokens`` when output tokens are counted).
+- ``hours = output_tokens / tok_s / 3600``, with `tok_s` the engine's output throughput;
+  ``hours_left`` does the same for what the committed results have not generated yet.
+
+Example: cap 10,000,000 and 2,500 tokens a sample need 4,000 samples; with only 3,000
+prompts the category stops at 3,000 samples and 7,500,000 tokens, 2.08 h at 1,000 tok/s.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+
+from tokencap.config import Category, RunConfig
+from tokencap.export import BadLine, part_files, read_lines
+
+PROMPT_SAMPLE_SIZE = 64  # prompts rendered to estimate mean prompt tokens
+PREVIEW_SCAN_LIMIT = 1000  # records tried per category before preview gives up
+SECONDS_PER_HOUR = 3600
+DEFAULT_TOK_S = 1000.0  # output tokens per second of the engine
+
+
+class Measured(NamedTuple):
+    """Sums over a category's committed results."""
+
+    samples: int
+    counted_tokens: int
+    output_tokens: int
+    prompt_tokens: int = 0
+
+
+class PlanRow(msgspec.Struct):
+    """One category's plan (or the totals, category "total"); see the module docstring."""
+
+    category: str
+    cap_tokens: int
+    prompts: int | None
+    avg_tokens: float
+    avg_output_tokens: float
+    source: str
+    samples: int
+    total_tokens: int
+    output_tokens: int
+    hours: float
+    limited_by: str
+    done_samples: int = 0
+    done_tokens: int = 0
+    hours_left: float = 0.0
+
+
+class _Counted(msgspec.Struct):
+    counted_tokens: int
+    completion_tokens: int
+    prompt_tokens: int = 0
+
+
+def plan(
+    cfg: RunConfig,
+    measured: dict[str, Measured] | None = None,
+    available: dict[str, int] | None = None,
+    tok_s: float = DEFAULT_TOK_S,
+    prompt_tokens: dict[str, float] | None = None,
+) -> list[PlanRow]:
+    """One `PlanRow` per category of `cfg`, in config order (formulas: module docstring).
+
+    `measured` maps a category to its committed sums, `available` to its record count
+    (a category missing there is taken as unbounded), `prompt_tokens` to its mean prompt
+    length (used only for ``count = "total"`` without measurements; missing counts 0).
+    """
+    if tok_s <= 0:
+        raise ValueError(f"tok_s must be > 0, got {tok_s}")
+    measured, available, prompt_tokens = measured or {}, available or {}, prompt_tokens or {}
+    rows = []
+    for cat in cfg.category:
+        cap = cfg.cap_for(cat)
+        m = measured.get(cat.name)
+        if m is not None and m.samples > 0:
+            source = "measured"
+            avg = m.counted_tokens / m.samples
+            avg_out = m.output_tokens / m.samples
+        else:
+            source, m = "estimate", None
+            avg_out = float(cfg.expected_for(cat))
+            extra = prompt_tokens.get(cat.name, 0.0) if cfg.count == "total" else 0.0
+            avg = avg_out + extra
+        avail = available.get(cat.name)
+        needed = math.ceil(cap / avg) if avg > 0 else math.inf
+        samples = needed if avail is None else min(needed, avail)
+        if samples == math.inf:
+            samples = 0
+        limited_by = "prompts" if samples < needed else "cap"
+        total = cap if limited_by == "cap" else round(samples * avg)
+        output = round(total * avg_out / avg) if avg > 0 else 0
+        done_out = m.output_tokens if m else 0
+        rows.append(PlanRow(
+            category=cat.name, cap_tokens=cap, prompts=avail, avg_tokens=avg,
+            avg_output_tokens=avg_out, source=source, samples=int(samples),
+            total_tokens=total, output_tokens=output, hours=output / tok_s / SECONDS_PER_HOUR,
+            limited_by=limited_by, done_samples=m.samples if m else 0,
+            done_tokens=m.counted_tokens if m else 0,
+            hours_left=max(0, output - done_out) / tok_s / SECONDS_PER_HOUR,
+        ))
+    return rows
+
+
+def totals(rows: list[PlanRow]) -> PlanRow:
+    """The sum of `rows` as a row named "total" (averages are per planned sample)."""
+    samples = sum(r.samples for r in rows)
+    total = sum(r.total_tokens for r in rows)
+    output = sum(r.output_tokens for r in rows)
+    prompts = [r.prompts for r in rows]
+    return PlanRow(
+        category="total", cap_tokens=sum(r.cap_tokens for r in rows),
+        prompts=None if None in prompts else sum(p or 0 for p in prompts),
+        avg_tokens=total / samples if samples else 0.0,
+        avg_output_tokens=output / samples if samples else 0.0,
+        source="", samples=samples, total_tokens=total, output_tokens=output,
+        hours=sum(r.hours for r in rows), limited_by="",
+        done_samples=sum(r.done_samples for r in rows),
+        done_tokens=sum(r.done_tokens for r in rows),
+        hours_left=sum(r.hours_left for r in rows),
+    )
+
+
+def measure(out_dir: Path, categories: list[str]) -> dict[str, Measured]:
+    """Sums over the committed results in ``out_dir/<category>/part-*.jsonl``.
+
+    Lines that are not results are skipped; categories without results are left out.
+    """
+    decoder = msgspec.json.Decoder(_Counted)
+    found: dict[str, Measured] = {}
+    for name in categories:
+        n = counted = output = prompt = 0
+        for item in read_lines(part_files(out_dir / name), decoder):
+            if isinstance(item, BadLine):
+                continue
+            n += 1
+            counted += item.counted_tokens
+            output += item.completion_tokens
+            prompt += item.prompt_tokens
+        if n:
+            found[name] = Measured(n, counted, output, prompt)
+    return found
+
+
+def count_available(cfg: RunConfig) -> dict[str, int]:
+    """Records in each category's sources (rejected records included)."""
+    from producer.readers import SourceIndex
+
+    counts = {}
+    for cat in cfg.category:
+        with SourceIndex.build(cat.paths) as index:
+            counts[cat.name] = len(index)
+    return counts
+
+
+def template_kwargs(cfg: RunConfig, cat: Category) -> dict[str, Any]:
+    """The chat-template keyword arguments of `cat`: its own merged over the run's."""
+    return {**cfg.chat_template_kwargs, **cat.chat_template_kwargs}
+
+
+def _first_prompts(cfg: RunConfig, cat: Category, renderer: Any, want: int):
+    """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
+    stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
+    from producer.formats import Rejected
+    from producer.readers import SourceIndex, read_sample, shuffled_order
+
+    kwargs = template_kwargs(cfg, cat) or None
+    with SourceIndex.build(cat.paths) as index:
+        order = shuffled_order(len(index), cfg.seed)
+        good = 0
+        for pos in order[:PREVIEW_SCAN_LIMIT]:
+            try:
+                s = read_sample(index, pos, cat.format, cat.turns, cat.system_prompt,
+                                cat.field_map or None)
+                if s.prompt and isinstance(s.prompt[0], dict):
+                    text, ids = renderer.render(s.prompt, kwargs)
+                else:
+                    ids = list(s.prompt)
+                    text = renderer.decode(ids) if renderer is not None else None
+            except Rejected as exc:
+                yield (exc.where or index.where(pos), exc)
+                continue
+            yield (s, text, ids)
+            good += 1
+            if good >= want:
+                return
+
+
+def estimate_prompt_tokens(
+    cfg: RunConfig, renderer: Any, categories: list[str] | None = None,
+    sample_size: int = PROMPT_SAMPLE_SIZE,
+) -> dict[str, float]:
+    """Mean prompt tokens of the first `sample_size` prompts of each category's shuffled
+    order, rendered as the producer renders them (0.0 when none renders)."""
+    means = {}
+    for cat in cfg.category:
+        if categories is not None and cat.name not in categories:
+            continue
+        lengths = [len(item[2]) for item in _first_prompts(cfg, cat, renderer, sample_size)
+                   if len(item) == 3]
+        means[cat.name] = sum(lengths) / len(lengths) if lengths else 0.0
+    return means
+
+
+class Preview(msgspec.Struct):
+    """The first prompt(s) of a category as the engine will get them.
+
+    `text` is the rendered prompt with special tokens (for pre-tokenized sources, the
+    decoded ids); `prompt_tokens == len(prompt_ids)`; `skipped` lists ``where: reason`` of
+    records rejected before it; `warnings` flags template kwargs the template never reads
+    and prompts that do not fit `context_length` with `max_new_tokens`.
+    """
+
+    category: str
+    sample_id: str | None
+    where: str | None
+    messages: list[dict] | None
+    text: str | None
+    prompt_tokens: int
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    chat_template_kwargs: dict[str, Any]
+    skipped: list[str] = []
+    warnings: list[str] = []
+
+
+def unused_kwargs(renderer: Any, kwargs: dict[str, Any]) -> list[str]:
+    """Keys of `kwargs` that the chat template's source never names (they do nothing,
+    e.g. `enable_thinking` for a template that reads `thinking`)."""
+    if renderer is None:
+        return []
+    template = renderer.tokenizer.chat_template
+    source = template if isinstance(template, str) else msgspec.json.encode(template).decode()
+    return [k for k in kwargs if not re.search(rf"\b{re.escape(k)}\b", source)]
+
+
+def preview(
+    cfg: RunConfig, n: int = 1, renderer: Any = None, categories: list[str] | None = None
+) -> list[Preview]:
+    """The first `n` prompts of each category in the seeded shuffled order, rendered with
+    the category's system prompt and chat-template kwargs (merged over the run's).
+
+    Loads the config's tokenizer unless `renderer` is given or no category needs one.
+    A category whose first records are all rejected gives one `Preview` with no text.
+    """
+    if renderer is None and any(c.format != "input_ids" for c in cfg.category):
+        from producer.render import Renderer
+
+        renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
+    out: list[Preview] = []
+    for cat in cfg.category:
+        if categories is not None and cat.name not in categories:
+            continue
+        kwargs = template_kwargs(cfg, cat)
+        sampling = msgspec.to_builtins(cat.sampling)
+        common_warnings = [f"chat_template_kwargs key {k!r} is never read by the template"
+                           for k in unused_kwargs(renderer, kwargs)]
+        skipped: list[str] = []
+        shown = 0
+        for item in _first_prompts(cfg, cat, renderer, n):
+            if len(item) == 2:
+                skipped.append(f"{item[0]}: {item[1]}")
+                continue
+            sample, text, ids = item
+            warnings = list(common_warnings)
+            need = len(ids) + cat.sampling.max_new_tokens
+            if cfg.context_length is not None and need > cfg.context_length:
+                warnings.append(f"prompt ({len(ids)}) + max_new_tokens exceeds "
+                                f"context_length {cfg.context_length}: it would be rejected")
+            messages = sample.prompt if sample.prompt and isinstance(
+                sample.prompt[0], dict) else None
+            out.append(Preview(
+                category=cat.name, sample_id=sample.sample_id, where=sample.where,
+                messages=messages, text=text, prompt_tokens=len(ids), prompt_ids=ids,
+                sampling=sampling, chat_template_kwargs=kwargs, skipped=skipped,
+                warnings=warnings,
+            ))
+            skipped, shown = [], shown + 1
+        if shown == 0:
+            out.append(Preview(
+                category=cat.name, sample_id=None, where=None, messages=None, text=None,
+                prompt_tokens=0, prompt_ids=[], sampling=sampling, chat_template_kwargs=kwargs,
+                skipped=skipped, warnings=[*common_warnings, "no record could be rendered"],
+            ))
+    return out
+
+
+def preview_text(previews: list[Preview]) -> str:
+    """`preview`'s result for people: per prompt its sampling, kwargs, token count and the
+    rendered text (special tokens shown, nothing escaped) between two markers; the end
+    marker follows the last character, so whether the prompt ends in a newline shows."""
+    enc = msgspec.json.encode
+    blocks = []
+    for p in previews:
+        head = f"=== {p.category}" + (f" · {p.sample_id} ({p.where})" if p.sample_id else "")
+        lines = [head + " ===",
+                 f"sampling: {enc(p.sampling).decode()}",
+                 f"chat_template_kwargs: {enc(p.chat_template_kwargs).decode()}",
+                 f"prompt tokens: {p.prompt_tokens}"]
+        lines += [f"skipped {s}" for s in p.skipped]
+        lines += [f"warning: {w}" for w in p.warnings]
+        if p.text is not None:
+            # The end marker follows the text directly: a trailing newline stays visible.
+            lines += ["--- rendered prompt (special tokens shown) ---",
+                      p.text + "--- end of prompt ---"]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
