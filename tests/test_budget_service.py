@@ -1,0 +1,80 @@
+"""The budget service: status JSON, Prometheus metrics, and the token-guarded cap change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from budget_service.budget import Budget, now_ms
+from budget_service.keys import Keys
+from budget_service.server import DEFAULT_HOST, make_server, serve_in_thread
+from tests.test_lua import make_cfg, pending, result
+
+TOKEN = "t0ken-for-tests"
+
+
+@pytest.fixture
+def service(redis):
+    budget = Budget(redis, Keys("tokencap", "t"))
+    budget.init_run(make_cfg(cats=("code", "math")))
+    budget.feed("code", pending("a"), now_ms() + 30_000)
+    budget.admit("code", "a", 50, 30_000)
+    budget.commit(result("a", 123), 0, 0.0)
+    server = make_server(budget, port=0, token=TOKEN)
+    serve_in_thread(server)
+    yield budget, f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+    server.server_close()
+
+
+def test_binds_loopback_by_default(service) -> None:
+    _budget, _url, server = service
+    assert DEFAULT_HOST == "127.0.0.1"
+    assert server.server_address[0] == "127.0.0.1"
+
+
+def test_status_is_the_cli_document(service) -> None:
+    budget, url, _ = service
+    body = requests.get(f"{url}/status", timeout=5).json()
+    assert body == json.loads(json.dumps(budget.status()))
+    assert body["categories"]["code"]["used"] == 123
+
+
+def test_metrics_parse_with_prometheus_client(service) -> None:
+    parser = pytest.importorskip("prometheus_client.parser")
+    budget, url, _ = service
+    text = requests.get(f"{url}/metrics", timeout=5).text
+    used = {s.labels["category"]: s.value
+            for fam in parser.text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "tokencap_used_tokens"}
+    assert used == {c: st["used"] for c, st in budget.status()["categories"].items()}
+
+
+def test_cap_change_needs_the_token(service) -> None:
+    budget, url, _ = service
+    body = {"category": "code", "cap_tokens": 50}
+    assert requests.post(f"{url}/cap", json=body, timeout=5).status_code == 401
+    bad = {"Authorization": "Bearer nope"}
+    assert requests.post(f"{url}/cap", json=body, headers=bad, timeout=5).status_code == 401
+    assert budget.status()["categories"]["code"]["cap"] == 1000
+    ok = requests.post(f"{url}/cap", json=body, timeout=5,
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and ok.json()["closed"] is True
+    assert budget.status()["categories"]["code"]["state"] == "closed"
+
+
+def test_no_token_configured_refuses_every_change(redis) -> None:
+    budget = Budget(redis, Keys("tokencap", "t"))
+    budget.init_run(make_cfg())
+    server = make_server(budget, port=0, token=None)
+    serve_in_thread(server)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        r = requests.post(f"{url}/cap", json={"category": "code", "cap_tokens": 1}, timeout=5,
+                          headers={"Authorization": "Bearer "})
+        assert r.status_code == 401
+    finally:
+        server.shutdown()
+        server.server_close()
