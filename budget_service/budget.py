@@ -6,7 +6,9 @@ Workers call `admit`, `heartbeat`, `commit`, `release` and `fail`; the producer 
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
 from typing import Any
 
 import msgspec
@@ -107,7 +109,8 @@ class Budget:
             args.extend(rec)
         if not args:
             return 0
-        return int(self.scripts.reconcile(keys=[ck.state, ck.final, ck.hist], args=args))
+        return int(self.scripts.reconcile(keys=[ck.state, ck.final, ck.hist, ck.reasons],
+                                          args=args))
 
     # -- per sample (workers) -----------------------------------------------------------
     def admit(
@@ -158,8 +161,24 @@ class Budget:
         rejected = dead.outcome == "rejected"
         value = ("r:" if rejected else "d:") + dead.reason
         return self.scripts.fail(
-            keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.parked, ck.dead],
-            args=[dead.id, value, "rejected" if rejected else "failed", encode(dead)],
+            keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.parked, ck.dead,
+                  ck.reasons],
+            args=[dead.id, value, "rejected" if rejected else "failed", encode(dead),
+                  dead.reason],
+            client=pipe or self.redis,
+        )
+
+    def dedup(self, category: str, sample_id: str, prompt_ids: list[int], where: str,
+              pipe: Any = None) -> Any:
+        """Reject (`duplicate_prompt`) a sample whose token ids another sample already has."""
+        ck = self.keys.cat(category)
+        digest = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12).hexdigest()
+        dead = DeadLetter(id=sample_id, category=category, outcome="rejected",
+                          reason="duplicate_prompt", where=where,
+                          message="same prompt token ids as an earlier sample")
+        return self.scripts.dedup(
+            keys=[ck.state, ck.prompts, ck.final, ck.reasons, ck.dead],
+            args=[sample_id, digest, encode(dead)],
             client=pipe or self.redis,
         )
 
@@ -188,10 +207,11 @@ class Budget:
             pipe.hlen(ck.pending)
             pipe.hlen(ck.reserved)
             pipe.zcard(ck.parked)
+            pipe.hgetall(ck.reasons)
         raw = pipe.execute()
         cats: dict[str, Any] = {}
         for i, name in enumerate(categories):
-            vals, pending, inflight, parked = raw[4 * i : 4 * i + 4]
+            vals, pending, inflight, parked, reasons = raw[5 * i : 5 * i + 5]
             st = {f: (v.decode() if v else "0") for f, v in zip(STATE_FIELDS, vals, strict=True)}
             cap, used = int(st["cap"]), int(st["used"])
             state = "closed" if st["closed"] == "1" else "open"
@@ -212,5 +232,6 @@ class Budget:
                 "in_flight": int(inflight),
                 "parked": int(parked),
                 "duplicate_prompts": int(st["dup_prompts"]),
+                "reasons": {_s(k): int(v) for k, v in sorted(reasons.items())},
             }
         return {"run": self.keys.run, "categories": cats}

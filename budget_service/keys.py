@@ -15,6 +15,8 @@ category on one slot (each Lua script touches one category only).
 | `P:run:{cat}:hist`     | hash   | commit, reconcile       | workers (estimates)     | run       |
 | `P:run:{cat}:results`  | stream | commit                  | writer (group `writer`) | to write  |
 | `P:run:{cat}:dead`     | stream | fail                    | writer (group `writer`) | to write  |
+| `P:run:{cat}:prompts`  | hash   | dedup (digest -> id)    | dedup                   | run       |
+| `P:run:{cat}:reasons`  | hash   | fail, dedup (counts)    | status                  | run       |
 | `P:run:producer`       | string | producer (lock, TTL)    | producer                | 15 s TTL  |
 | `P:refused`            | stream | worker (refused jobs)   | operators               | capped    |
 
@@ -44,6 +46,8 @@ class CategoryKeys(NamedTuple):
     hist: str
     results: str
     dead: str
+    prompts: str
+    reasons: str
 
 
 class Keys:

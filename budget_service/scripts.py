@@ -8,7 +8,9 @@ from redis import Redis
 from redis.commands.core import Script
 
 LUA_DIR = Path(__file__).with_name("lua")
-NAMES = ("feed", "admit", "heartbeat", "commit", "fail", "release", "close", "reconcile")
+NAMES = (
+    "feed", "admit", "heartbeat", "commit", "fail", "release", "close", "reconcile", "dedup",
+)
 
 
 class Scripts:
@@ -22,6 +24,7 @@ class Scripts:
     release: Script
     close: Script
     reconcile: Script
+    dedup: Script
 
     def __init__(self, redis: Redis) -> None:
         for name in NAMES:

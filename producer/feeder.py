@@ -245,6 +245,7 @@ class Producer:
             self._known_filter(feed, samples)
             prepared, too_long = self._render(feed, samples)
             rejected.extend(too_long)
+            prepared = self._dedup(feed.cat.name, prepared)
             pipe = self.redis.pipeline(transaction=True)
             deadline = now_ms() + self.lease_ms
             jobs = []
@@ -290,6 +291,17 @@ class Producer:
         flags = pipe.execute()
         keep = [s for i, s in enumerate(samples) if not (flags[2 * i] or flags[2 * i + 1])]
         samples[:] = keep
+
+    def _dedup(self, category: str, prepared: list) -> list:
+        """Drop samples whose prompt ids an earlier sample of the category already has
+        (recorded as rejected: duplicate_prompt). Own earlier feeds are not duplicates."""
+        if not prepared:
+            return prepared
+        pipe = self.redis.pipeline(transaction=False)
+        for p, _n in prepared:
+            self.budget.dedup(category, p.sample_id, p.prompt_ids, p.where, pipe=pipe)
+        keep = pipe.execute()
+        return [item for item, ok in zip(prepared, keep, strict=True) if ok]
 
     def _render(self, feed: CategoryFeed, samples: list):
         cat = feed.cat

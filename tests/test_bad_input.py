@@ -51,6 +51,51 @@ sampling = {{ max_new_tokens = 64 }}
     assert dead[f"{src}:21"]["reason"] == "empty_turn"
     assert dead[f"{src}:34"]["reason"] == "invalid_utf8"
     assert all(d["outcome"] == "rejected" for d in dead.values())
+    assert st["reasons"] == {"empty_turn": 1, "invalid_json": 1, "invalid_utf8": 1,
+                             "not_an_object": 1}
+
+
+def test_every_kind_of_malformed_record_and_duplicates_are_counted_in_status(
+        tmp_path, redis_url) -> None:
+    src = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(12)]
+    rows += [
+        {"messages": [{"role": "user", "content": "Question 3?"}]},       # duplicate prompt
+        {"messages": [{"role": "user"}]},                                   # missing field
+        {"messages": [{"role": "wizard", "content": "hi"}]},               # unknown role
+        {"messages": [{"role": "user", "content": ""}]},                   # empty turn
+        {"messages": []},                                                   # empty conversation
+        {"messages": [{"role": "assistant", "content": "only me"}]},       # no user turn
+        {"messages": "not a list"},                                         # wrong type
+        {"prompt": "no known keys"},                                        # unknown format
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path, f"""
+run = "kinds"
+output_dir = "{tmp_path / 'out'}"
+tokenizer = "{QWEN}"
+[[category]]
+name = "chat"
+source = "{src}"
+sampling = {{ max_new_tokens = 32 }}
+""")
+    with SimServer(time_scale=1000.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(2)
+            status = pipe.run()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    st = status["categories"]["chat"]
+    assert st["samples"] == 12 and st["duplicate_prompts"] == 1
+    assert st["reasons"] == {
+        "duplicate_prompt": 1, "empty_conversation": 1, "empty_turn": 1, "missing_field": 1,
+        "no_user_turn": 1, "unknown_format": 1, "unknown_role": 1, "wrong_type": 1,
+    }
+    assert st["rejected"] == sum(st["reasons"].values())
 
 
 def test_prompt_longer_than_the_context_is_rejected_with_reason(tmp_path, redis_url) -> None:

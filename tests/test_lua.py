@@ -162,3 +162,15 @@ def test_reconcile_adds_only_missing(budget: Budget) -> None:
     assert budget.reconcile("code", records) == 0
     st = budget.state("code")
     assert (st["used"], st["samples"], st["waste"], st["rejected"]) == (80, 2, 50, 1)
+
+
+def test_dedup_rejects_a_second_sample_with_the_same_prompt(budget: Budget) -> None:
+    assert budget.dedup("code", "a", [1, 2, 3], "f:1") == 1
+    assert budget.dedup("code", "a", [1, 2, 3], "f:1") == 1  # its own earlier feed
+    assert budget.dedup("code", "b", [1, 2, 3], "f:2") == 0
+    assert budget.dedup("code", "b", [1, 2, 3], "f:2") == 0  # recorded once
+    assert budget.dedup("code", "c", [1, 2, 4], "f:3") == 1
+    st = budget.status()["categories"]["code"]
+    assert (st["rejected"], st["duplicate_prompts"]) == (1, 1)
+    assert st["reasons"] == {"duplicate_prompt": 1}
+    assert budget.redis.hget(budget.keys.cat("code").final, "b") == b"r:duplicate_prompt"

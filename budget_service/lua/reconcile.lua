@@ -1,5 +1,5 @@
 -- reconcile.lua: rebuild done-marks and counters from records read back from the output files.
--- KEYS[1] state  KEYS[2] final  KEYS[3] hist
+-- KEYS[1] state  KEYS[2] final  KEYS[3] hist  KEYS[4] reasons
 -- ARGV: groups of 5: sample id, final value ('c:<n>', 'r:<reason>', 'd:<kind>'),
 --       counted tokens, waste tokens, hist bucket ('' for non-committed)
 -- Returns how many records were new to Redis.
@@ -14,10 +14,10 @@ for i = 1, #ARGV, 5 do
       redis.call('HINCRBY', KEYS[1], 'samples', 1)
       if tonumber(ARGV[i + 3]) > 0 then redis.call('HINCRBY', KEYS[1], 'waste', ARGV[i + 3]) end
       redis.call('HINCRBY', KEYS[3], ARGV[i + 4], 1)
-    elseif kind == 'r' then
-      redis.call('HINCRBY', KEYS[1], 'rejected', 1)
     else
-      redis.call('HINCRBY', KEYS[1], 'failed', 1)
+      redis.call('HINCRBY', KEYS[1], kind == 'r' and 'rejected' or 'failed', 1)
+      redis.call('HINCRBY', KEYS[4], string.sub(v, 3), 1)
+      if v == 'r:duplicate_prompt' then redis.call('HINCRBY', KEYS[1], 'dup_prompts', 1) end
     end
   end
 end
