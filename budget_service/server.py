@@ -37,7 +37,40 @@ METRIC_FIELDS = (
 )
 
 
-def render_metrics(status: dict[str, Any]) -> str:
+def render_engine_metrics(counts: dict[str, int], workers: int) -> list[str]:
+    """Per-engine requests by outcome and latency histograms (from workers' counters)."""
+    lines = ["# HELP tokencap_workers Consumers registered on the run's queues",
+             "# TYPE tokencap_workers gauge", f"tokencap_workers {workers}",
+             "# HELP tokencap_engine_requests_total Requests by engine and outcome",
+             "# TYPE tokencap_engine_requests_total counter"]
+    hist: dict[str, dict[str, int]] = {}
+    sums: dict[str, int] = {}
+    for key, value in sorted(counts.items()):
+        engine, kind, rest = (key.split("|") + ["", ""])[:3]
+        if kind == "requests":
+            lines.append(f'tokencap_engine_requests_total{{engine="{engine}",'
+                         f'outcome="{rest}"}} {value}')
+        elif kind == "latency_le":
+            hist.setdefault(engine, {})[rest] = value
+        elif kind == "latency_sum_ms":
+            sums[engine] = value
+    lines += ["# HELP tokencap_engine_latency_seconds Request latency by engine",
+              "# TYPE tokencap_engine_latency_seconds histogram"]
+    for engine, buckets in sorted(hist.items()):
+        ordered = sorted(buckets.items(), key=lambda kv: float(kv[0]))
+        for le, n in ordered:
+            le_text = "+Inf" if le == "inf" else le
+            lines.append(f'tokencap_engine_latency_seconds_bucket{{engine="{engine}",'
+                         f'le="{le_text}"}} {n}')
+        total = buckets.get("inf", 0)
+        lines.append(f'tokencap_engine_latency_seconds_count{{engine="{engine}"}} {total}')
+        lines.append(f'tokencap_engine_latency_seconds_sum{{engine="{engine}"}} '
+                     f'{sums.get(engine, 0) / 1000:.3f}')
+    return lines
+
+
+def render_metrics(status: dict[str, Any], engine_counts: dict[str, int] | None = None,
+                   workers: int | None = None) -> str:
     run = status["run"]
     lines: list[str] = []
     for field, metric, help_text in METRIC_FIELDS:
@@ -50,7 +83,25 @@ def render_metrics(status: dict[str, Any]) -> str:
     for cat, st in status["categories"].items():
         lines.append(f'tokencap_category_open{{run="{run}",category="{cat}"}} '
                      f'{int(st["state"] == "open")}')
+    if engine_counts is not None:
+        lines += render_engine_metrics(engine_counts, workers or 0)
     return "\n".join(lines) + "\n"
+
+
+def engine_counts(budget: Budget) -> tuple[dict[str, int], int]:
+    """Workers' per-engine counters and the number of workers on the run's queues."""
+    from rq import Queue, Worker
+
+    from consumers.stats import engines_key
+
+    raw = budget.redis.hgetall(engines_key(budget.keys.prefix))
+    counts = {k.decode(): int(v) for k, v in raw.items()}
+    cfg = budget.load_config()
+    workers = 0
+    if cfg and cfg.category:
+        q = Queue(budget.keys.queue_name(cfg.category[0].name), connection=budget.redis)
+        workers = Worker.count(connection=budget.redis, queue=q)
+    return counts, workers
 
 
 def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
@@ -75,8 +126,9 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             if self.path == "/status":
                 self._json(200, budget.status())
             elif self.path == "/metrics":
-                self._send(200, render_metrics(budget.status()).encode(),
-                           "text/plain; version=0.0.4")
+                counts, workers = engine_counts(budget)
+                body = render_metrics(budget.status(), counts, workers)
+                self._send(200, body.encode(), "text/plain; version=0.0.4")
             elif self.path == "/health":
                 self._json(200, {"ok": True})
             else:

@@ -25,6 +25,8 @@ from urllib3.exceptions import (
 )
 from urllib3.util.retry import Retry
 
+from consumers.engines import EnginePool
+from consumers.stats import EngineStats
 from tokencap.wire import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,6 @@ log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 BACKOFF_FACTOR_S = 0.5
 BACKOFF_JITTER_S = 0.5
-ENGINE_DOWN_S = 10.0
 CATEGORY_HEADER = "X-Tokencap-Category"
 
 
@@ -154,12 +155,9 @@ def _error_message(resp: requests.Response) -> str:
 
 
 class EngineClient:
-    """Sends single `/generate` requests to one of several engines.
-
-    Each worker process has one request in flight, so pinning a process to engine
-    `pid % n` spreads load evenly; an engine that refuses connections is skipped for
-    `ENGINE_DOWN_S` and the next one is tried.
-    """
+    """Sends single `/generate` requests to one of several engines, chosen by `EnginePool`
+    (less loaded of two random picks; unreachable engines taken out, put back when healthy;
+    optional adaptive gate on the engine's queue)."""
 
     def __init__(
         self,
@@ -169,6 +167,7 @@ class EngineClient:
         read_timeout_s: float,
         retries: int,
         backoff_max_s: float,
+        adaptive_max_queue: int | None = None,
     ) -> None:
         if not urls:
             raise ValueError("no engine URL given")
@@ -176,9 +175,10 @@ class EngineClient:
         self.timeout = (connect_timeout_s, read_timeout_s)
         self.retries = retries
         self.backoff_max_s = backoff_max_s
+        self.pool = EnginePool(self.urls, adaptive_max_queue)
+        self.stats = EngineStats()
         self._session: requests.Session | None = None
         self._pid = -1
-        self._down_until: dict[str, float] = {}
 
     def _retry(self) -> Retry:
         return Retry(
@@ -206,23 +206,24 @@ class EngineClient:
             self._session, self._pid = s, os.getpid()
         return self._session
 
-    def order(self) -> list[str]:
-        n = len(self.urls)
-        start = os.getpid() % n
-        ring = [self.urls[(start + i) % n] for i in range(n)]
-        now = time.monotonic()
-        up = [u for u in ring if self._down_until.get(u, 0) <= now]
-        return up + [u for u in ring if u not in up]
-
     def generate(self, input_ids: list[int], sampling: dict[str, Any], category: str) -> Generation:
         last: EngineError | None = None
-        for url in self.order():
+        for url in self.pool.order():
+            self.pool.gate(url)
+            t0 = time.monotonic()
             try:
-                return self._generate_one(url, input_ids, sampling, category)
+                gen = self._generate_one(url, input_ids, sampling, category)
             except Unreachable as exc:
-                self._down_until[url] = time.monotonic() + ENGINE_DOWN_S
+                self.pool.mark_down(url)
+                self.stats.record(url, exc.kind.value, time.monotonic() - t0)
                 log.warning("engine %s unreachable, trying another: %s", url, exc)
                 last = exc
+                continue
+            except EngineError as exc:
+                self.stats.record(url, exc.kind.value, time.monotonic() - t0)
+                raise
+            self.stats.record(url, "ok", time.monotonic() - t0)
+            return gen
         assert last is not None
         raise last
 

@@ -44,6 +44,7 @@ class RunContext:
             read_timeout_s=cfg.read_timeout_s,
             retries=cfg.http_retries,
             backoff_max_s=cfg.backoff_max_s,
+            adaptive_max_queue=cfg.adaptive_max_queue,
         )
         self._models: dict[str, tuple[float, LengthModel, float]] = {}
 
@@ -95,6 +96,17 @@ def configure(redis_url: str, engines: list[str], prefix: str = "tokencap") -> C
     _ctx = Context(redis_url, engines)
     _ctx.prefix = prefix
     return _ctx
+
+
+def flush_stats() -> None:
+    """Write this process's remaining engine counters (on the way out)."""
+    if _ctx is None:
+        return
+    for (_prefix, _run), rc in _ctx._runs.items():
+        try:
+            rc.client.stats.flush(rc.budget.redis, rc.cfg.key_prefix, force=True)
+        except Exception as exc:  # exiting anyway: the counters are best effort
+            log.warning("could not flush engine counters: %s", exc)
 
 
 def _context() -> Context:
@@ -152,6 +164,7 @@ def process(ref: dict[str, Any]) -> str:
         return _failed(rc, cat, pending, exc)
     finally:
         hb.stop()
+        rc.client.stats.flush(budget.redis, rc.cfg.key_prefix)
     return _commit(rc, cat, pending, gen)
 
 

@@ -90,7 +90,9 @@ def supervise(connect: Callable[[], Redis], queue_names: list[str], name: str | 
             worker = make_worker(connect(), queue_names,
                                  f"{name}-{attempt}" if name and attempt else name)
             run_worker(worker, burst=burst)
-            if burst or worker._stop_requested:
+            # rq records a warm-shutdown request (SIGTERM/SIGINT) in both the idle and the
+            # busy case only through this date
+            if burst or worker._stop_requested or worker._shutdown_requested_date:
                 return 0
             log.error("worker %s quit unexpectedly; starting it again in %.1f s", worker.name,
                       backoff)

@@ -160,7 +160,7 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     (on any host that reaches Redis and SGLang) to raise concurrency. SIGTERM finishes the
     current sample, then exits.
     """
-    from consumers.job import configure
+    from consumers.job import configure, flush_stats
     from consumers.worker import TokencapWorker, supervise
     from tokencap.engines import parse_urls
     from tokencap.redisconn import connect
@@ -174,7 +174,9 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     configure(redis_url, urls, prefix)
     TokencapWorker.key_prefix_tokencap = prefix
     queues = budget.keys.queue_names(c.name for c in cfg.category)
-    sys.exit(supervise(lambda: connect(redis_url), queues, name, burst=burst))
+    code = supervise(lambda: connect(redis_url), queues, name, burst=burst)
+    flush_stats()
+    sys.exit(code)
 
 
 @main.command()

@@ -100,6 +100,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     connect_timeout_s: PositiveFloat = 3.05
     read_timeout_s: PositiveFloat = 1800.0
     http_retries: NonNegInt = 5
+    adaptive_max_queue: NonNegInt | None = None
     backoff_max_s: PositiveFloat = 30.0
     key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "tokencap"
     category: list[Category] = []

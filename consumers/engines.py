@@ -1,0 +1,138 @@
+"""Choosing an engine: least loaded of two random picks, health checks, and an optional
+adaptive gate that keeps each engine's waiting queue short.
+
+Load is what the engines report on their Prometheus `/metrics` (`sglang:num_running_reqs`
++ `sglang:num_queue_reqs`), read at most every `LOAD_REFRESH_S` per process; an engine
+without metrics counts as equally loaded. An engine that refuses connections is taken out
+for `DOWN_S`, then put back as soon as its `/health` answers 200.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+import requests
+
+log = logging.getLogger(__name__)
+
+LOAD_REFRESH_S = 1.0
+GATE_REFRESH_S = 0.1
+GATE_WAIT_S = 0.2
+DOWN_S = 5.0
+PROBE_TIMEOUT_S = (1.0, 2.0)
+_GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:token_usage)"
+                    r"(?:\{[^}]*\})?\s+([-+0-9.eE]+|NaN)\s*$", re.M)
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """running, queued, token_usage from SGLang's `/metrics` (summed over label sets)."""
+    names = {"sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "queued",
+             "sglang:token_usage": "token_usage"}
+    out: dict[str, float] = {}
+    for name, value in _GAUGE.findall(text):
+        if value != "NaN":
+            key = names[name]
+            out[key] = (max if key == "token_usage" else sum)((out.get(key, 0.0), float(value)))
+    return out
+
+
+@dataclass
+class EngineState:
+    url: str
+    down_until: float = 0.0
+    load: float = 0.0
+    queued: float = 0.0
+    load_at: float = -1e9
+    has_metrics: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EnginePool:
+    """Engine choice for one worker process (one request in flight at a time)."""
+
+    def __init__(self, urls: list[str], adaptive_max_queue: int | None = None,
+                 session: requests.Session | None = None) -> None:
+        self.engines = [EngineState(u.rstrip("/")) for u in urls]
+        self.adaptive_max_queue = adaptive_max_queue
+        self.http = session or requests.Session()
+        self._rng = random.Random()
+
+    def _refresh(self, e: EngineState, max_age_s: float) -> None:
+        now = time.monotonic()
+        if not e.has_metrics or now - e.load_at < max_age_s:
+            return
+        e.load_at = now
+        try:
+            r = self.http.get(f"{e.url}/metrics", timeout=PROBE_TIMEOUT_S)
+        except requests.RequestException:
+            return
+        if r.status_code == 404:
+            e.has_metrics = False  # SGLang started without --enable-metrics
+            return
+        load = parse_load(r.text)
+        e.queued = load.get("queued", 0.0)
+        e.load = load.get("running", 0.0) + e.queued
+
+    def _up(self, e: EngineState) -> bool:
+        if e.down_until <= time.monotonic():
+            return True
+        return False
+
+    def _probe(self, e: EngineState) -> bool:
+        try:
+            ok = self.http.get(f"{e.url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200
+        except requests.RequestException:
+            ok = False
+        if ok:
+            if e.down_until:
+                log.warning("engine %s is healthy again; sending it work", e.url)
+            e.down_until = 0.0
+        else:
+            e.down_until = time.monotonic() + DOWN_S
+        return ok
+
+    def mark_down(self, url: str) -> None:
+        for e in self.engines:
+            if e.url == url:
+                if not e.down_until:
+                    log.warning("engine %s taken out for %.0f s", url, DOWN_S)
+                e.down_until = time.monotonic() + DOWN_S
+
+    def order(self) -> list[str]:
+        """Engines to try, best first: of two random healthy picks the less loaded one,
+        then the rest; engines due for a health check are probed first."""
+        healthy = []
+        for e in self.engines:
+            if e.down_until and e.down_until <= time.monotonic():
+                self._probe(e)
+            if self._up(e):
+                healthy.append(e)
+        down = [e.url for e in self.engines if e not in healthy]
+        if len(healthy) <= 1:
+            return [e.url for e in healthy] + down
+        a, b = self._rng.sample(healthy, 2)
+        for e in (a, b):
+            self._refresh(e, LOAD_REFRESH_S)
+        first = a if a.load <= b.load else b
+        rest = sorted((e for e in healthy if e is not first), key=lambda e: e.load)
+        return [first.url] + [e.url for e in rest] + down
+
+    def gate(self, url: str, should_give_up: float | None = None) -> None:
+        """Adaptive concurrency: wait while the engine's waiting queue is at its bound."""
+        if self.adaptive_max_queue is None:
+            return
+        e = next(x for x in self.engines if x.url == url)
+        deadline = should_give_up
+        while True:
+            self._refresh(e, GATE_REFRESH_S)
+            if not e.has_metrics or e.queued < self.adaptive_max_queue:
+                e.queued += 1  # count ourselves until the next refresh
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            time.sleep(GATE_WAIT_S * (0.5 + self._rng.random()))

@@ -1,0 +1,44 @@
+"""Per-engine request counters and latency histograms, kept per worker process and added
+to Redis every `FLUSH_EVERY_S` (one pipelined HINCRBY round trip), for `/metrics`.
+
+Key `P:engines` (hash): `<engine>|requests|<outcome>` counts and
+`<engine>|latency_le|<bucket>` cumulative histogram counts, `<engine>|latency_sum_ms`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from redis import Redis
+
+LATENCY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
+FLUSH_EVERY_S = 5.0
+
+
+def engines_key(prefix: str) -> str:
+    return f"{prefix}:engines"
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._flushed_at = time.monotonic()
+
+    def record(self, engine: str, outcome: str, latency_s: float) -> None:
+        self.counts[f"{engine}|requests|{outcome}"] += 1
+        for b in LATENCY_BUCKETS_S:
+            if latency_s <= b:
+                self.counts[f"{engine}|latency_le|{b:g}"] += 1
+        self.counts[f"{engine}|latency_sum_ms"] += int(latency_s * 1000)
+
+    def flush(self, redis: Redis, prefix: str, force: bool = False) -> None:
+        if not self.counts or (not force and time.monotonic() - self._flushed_at
+                               < FLUSH_EVERY_S):
+            return
+        pipe = redis.pipeline(transaction=False)
+        for k, v in self.counts.items():
+            pipe.hincrby(engines_key(prefix), k, v)
+        pipe.execute()
+        self.counts.clear()
+        self._flushed_at = time.monotonic()

@@ -1,0 +1,167 @@
+"""Operating a run: metrics, caps changed live, several engines with one dying, adaptive
+concurrency."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from budget_service.server import engine_counts, render_metrics
+from sglang_sim.testing import SimServer, free_port, start_sim_subprocess, time_fraction_below
+from tests.conftest import wait_until
+from tests.faults.common import Background, two_category_config
+from tests.harness import Pipeline, write_config
+
+
+def samples_of(text: str, name: str) -> list:
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name]
+
+
+def test_metrics_agree_with_status_and_count_engine_requests(tmp_path, redis_url) -> None:
+    cfg = two_category_config(tmp_path, cap_a=3000, cap_b=2000)
+    with SimServer(time_scale=500.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(3)
+            status = pipe.run()
+            wait_until(lambda: engine_counts(pipe.budget)[1] == 3, what="3 workers")
+        finally:
+            pipe.kill_workers(15)  # SIGTERM: workers flush their counters on the way out
+            pipe.close()
+        sim_requests = sim.stats()["requests_total"]
+    counts, _workers = engine_counts(pipe.budget)
+    text = render_metrics(status, counts, 3)
+    used = {s.labels["category"]: s.value for s in samples_of(text, "tokencap_used_tokens")}
+    assert used == {c: st["used"] for c, st in status["categories"].items()}
+    ok = sum(s.value for s in samples_of(text, "tokencap_engine_requests_total")
+             if s.labels["outcome"] == "ok")
+    assert ok == sim_requests == sum(st["samples"] for st in status["categories"].values())
+    (workers,) = samples_of(text, "tokencap_workers")
+    assert workers.value == 3
+    counts_hist = samples_of(text, "tokencap_engine_latency_seconds_count")
+    assert counts_hist and counts_hist[0].labels["engine"] == sim.url
+
+
+def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
+                                                                      redis_url) -> None:
+    cfg = two_category_config(tmp_path, cap_a=2000, cap_b=6000, max_new=256)
+    events: dict = {}
+    with SimServer(time_scale=100.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+
+        def operator() -> bool:
+            st = pipe.budget.status()["categories"]
+            if "raised" not in events and st["a"]["state"] == "closed":
+                # a closed category gets more budget: it must reopen and finish at 5,000
+                events["raised"] = pipe.budget.close("a", "cap", 5000)
+            if "lowered" not in events and st["b"]["used"] >= 2000:
+                ck = pipe.keys.cat("b")
+                committed = {k.decode() for k in pipe.redis.hkeys(ck.final)}
+                in_flight = {k.decode() for k in pipe.redis.hkeys(ck.reserved)}
+                pipe.budget.close("b", "cap", st["b"]["used"])
+                events["lowered"] = (committed, in_flight)
+            return False
+
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(4)
+            status = pipe.run(should_stop=operator)
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    closed_before, _exh, old_cap = events["raised"]
+    assert (closed_before, old_cap) == (False, 2000)
+    a = status["categories"]["a"]
+    assert a["cap"] == 5000 and a["state"] == "closed" and 5000 <= a["used"] < 5000 + 256
+    committed, in_flight = events["lowered"]
+    b_ids = {r["id"] for r in pipe.records("b")}
+    # nothing was sent for b after its cap was lowered: only what was already in flight
+    assert b_ids <= committed | in_flight
+    assert status["categories"]["b"]["state"] == "closed"
+
+
+def test_two_engines_one_killed_midway_and_back(tmp_path, redis_url) -> None:
+    port = free_port()
+    args = ["--time-scale", "60"]
+    proc_a, url_a = start_sim_subprocess(args, port=port)
+    cfg = two_category_config(tmp_path, cap_a=400_000, cap_b=400_000, max_new=256)
+    with SimServer(time_scale=60.0) as sim_b:
+        pipe = Pipeline(cfg, redis_url, [url_a, sim_b.url])
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(6)
+            bg = Background(pipe).start()
+            wait_until(lambda: pipe.budget.state("a")["used"] >= 3000, what="progress")
+            proc_a.kill()  # engine A dies with requests in flight
+            proc_a.wait()
+            used_at_kill = pipe.budget.state("a")["used"]
+            wait_until(lambda: pipe.budget.state("a")["used"] >= used_at_kill + 3000,
+                       timeout_s=60, what="progress on engine B alone")
+            proc_a, _ = start_sim_subprocess(args, port=port)  # A comes back
+            wait_until(lambda: requests.get(f"{url_a}/_sim/stats", timeout=5)
+                       .json()["finished_total"] >= 3, timeout_s=60,
+                       what="engine A to receive work again")
+            for c in ("a", "b"):  # end the run now
+                pipe.budget.close(c, "cap", pipe.budget.state(c)["used"])
+            status = bg.join(120)
+        finally:
+            pipe.close()
+            proc_a.kill()
+            proc_a.wait()
+    pipe.check_invariants(status)
+    assert all(st["failed"] == 0 for st in status["categories"].values())
+
+
+def test_adaptive_concurrency_keeps_the_engine_queue_short(tmp_path, redis_url) -> None:
+    src = tmp_path / "ids.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [700 + i, 1, 2]}) + "\n" for i in range(400)))
+    cfg = write_config(tmp_path, f"""
+run = "adaptive"
+output_dir = "{tmp_path / 'out'}"
+adaptive_max_queue = 2
+[[category]]
+name = "x"
+source = "{src}"
+format = "input_ids"
+cap_tokens = 8000
+sampling = {{ max_new_tokens = 256 }}
+""")
+    queued: list[int] = []
+    # requests last ~1 s of wall time, long next to the gate's 0.1 s metric refresh
+    with SimServer(time_scale=10.0, max_running_requests=4) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+
+        def sample_queue() -> bool:
+            queued.append(sim.stats()["queued"])
+            return False
+
+        try:
+            pipe.build()
+            pipe.start_writer()
+            pipe.start_workers(16)  # 4x the engine's batch
+            status = pipe.run(should_stop=sample_queue)
+            stats = sim.stats()
+        finally:
+            pipe.close()
+    pipe.check_invariants(status)
+    assert max(queued) <= 2 + 4  # the bound, plus workers racing between metric reads
+    # and the engine's batch stayed full (the ramp-up and the final drain excepted)
+    assert time_fraction_below(stats, 4) < 0.25
+
+
+@pytest.mark.parametrize("bad", ["x", "-1"])
+def test_cap_set_cli_refuses_bad_input(bad) -> None:
+    from click.testing import CliRunner
+
+    from tokencap.cli import main
+
+    out = CliRunner().invoke(main, ["cap", "set", "a", bad])
+    assert out.exit_code == 2
