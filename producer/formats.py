@@ -29,18 +29,9 @@ from __future__ import annotations
 
 from typing import Any
 
-FORMATS = (
-    "auto",
-    "messages",
-    "sharegpt",
-    "alpaca",
-    "question_answer",
-    "problem_solution",
-    "instruction_response",
-    "input_output",
-    "input_ids",
-)
-TURN_POLICIES = ("first", "last")
+from tokencap.config import FORMATS, TURN_POLICIES
+
+__all__ = ["FORMATS", "TURN_POLICIES", "Rejected", "detect_format", "to_prompt"]
 
 # ShareGPT `from` values (and `messages` roles) -> chat roles.
 ROLE_ALIASES = {

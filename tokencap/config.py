@@ -23,6 +23,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 
+# the source formats producer/formats.py reads, and its multi-turn policies
 FORMATS = (
     "auto",
     "messages",
@@ -34,6 +35,7 @@ FORMATS = (
     "input_output",
     "input_ids",
 )
+TURN_POLICIES = ("first", "last")
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -72,7 +74,7 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     expected_tokens: PositiveInt | None = None
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = {}
-    turns: Literal["first", "last"] = "first"
+    turns: Literal[TURN_POLICIES] = "first"  # type: ignore[valid-type]
     field_map: dict[str, str] = {}
 
     @property
