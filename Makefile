@@ -31,8 +31,8 @@ down: ## Stop everything `make up` started
 workers: install ## Add N consumers to the running stack (make workers N=8)
 	$(BIN)/tokencap add-workers $(N)
 
-status: install ## Show the run's status (after make up)
-	@set -a; source .run/env; set +a; $(BIN)/tokencap status
+status: install ## Live board of the run started by make up (Ctrl-C to leave)
+	@set -a; source .run/env; set +a; $(BIN)/tokencap status --watch
 
 test: install ## Run every test (starts its own redis-server instances)
 	$(BIN)/pytest -q

@@ -3,13 +3,14 @@ producer and writer. Only the GPU server is simulated."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,16 @@ class Pipeline:
 
                 fed = {sample_id(feed.index, feed.order[i]) for i in range(feed.cursor)}
                 assert fed <= set(final), f"{cat.name}: a fed sample has no terminal state"
+
+
+@contextlib.contextmanager
+def started(cfg: RunConfig, redis_url: str, engines: list[str], workers: int) -> Iterator[Pipeline]:
+    """A built pipeline with its writer and `workers` worker processes, closed on exit."""
+    pipe = Pipeline(cfg, redis_url, engines)
+    try:
+        pipe.build()
+        pipe.start_writer()
+        pipe.start_workers(workers)
+        yield pipe
+    finally:
+        pipe.close()

@@ -6,7 +6,7 @@ import json
 
 from sglang_sim.testing import SimServer
 from tests.conftest import QWEN
-from tests.harness import Pipeline, write_config
+from tests.harness import started, write_config
 
 GOOD = 30
 
@@ -32,14 +32,8 @@ format = "question_answer"
 sampling = {{ max_new_tokens = 64 }}
 """)
     with SimServer(time_scale=1000.0) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(2)
+        with started(cfg, redis_url, [sim.url], 2) as pipe:
             status = pipe.run()
-        finally:
-            pipe.close()
     # Then every good line was generated, and each bad one is recorded with file:line
     pipe.check_invariants(status)
     st = status["categories"]["qa"]
@@ -80,14 +74,8 @@ source = "{src}"
 sampling = {{ max_new_tokens = 32 }}
 """)
     with SimServer(time_scale=1000.0) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(2)
+        with started(cfg, redis_url, [sim.url], 2) as pipe:
             status = pipe.run()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     st = status["categories"]["chat"]
     assert st["samples"] == 12 and st["duplicate_prompts"] == 1
@@ -113,14 +101,8 @@ format = "input_ids"
 sampling = {{ max_new_tokens = 100 }}
 """)
     with SimServer(time_scale=1000.0) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(1)
+        with started(cfg, redis_url, [sim.url], 1) as pipe:
             status = pipe.run()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     assert status["categories"]["ids"]["samples"] == 1
     (dead,) = pipe.dead_letters("ids")

@@ -16,7 +16,7 @@ from producer.formats import Rejected
 from producer.readers import SourceIndex, read_sample
 from sglang_sim.testing import SimServer
 from tests.conftest import QWEN
-from tests.harness import ROOT, Pipeline, write_config
+from tests.harness import ROOT, started, write_config
 
 REASONS = {
     "invalid_json", "invalid_utf8", "not_an_object", "missing_field", "wrong_type",
@@ -75,14 +75,8 @@ source = "{src}"
 sampling = {{ max_new_tokens = 32 }}
 """)
     with SimServer(time_scale=1000.0) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(1)
+        with started(cfg, redis_url, [sim.url], 1) as pipe:
             status = pipe.run()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     assert status["categories"]["qa"]["samples"] == 2
     (dead,) = pipe.dead_letters("qa")

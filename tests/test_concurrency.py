@@ -8,7 +8,7 @@ from rq import Queue, Worker
 
 from sglang_sim.testing import SimServer
 from tests.conftest import wait_until
-from tests.harness import Pipeline, write_config
+from tests.harness import started, write_config
 
 WORKERS = 32
 PROMPTS = 400
@@ -31,19 +31,13 @@ format = "input_ids"
 sampling = {{ max_new_tokens = 256 }}
 """)
     with SimServer(time_scale=2000.0, max_running_requests=64) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(WORKERS)
+        with started(cfg, redis_url, [sim.url], WORKERS) as pipe:
             queue = Queue("conc.one", connection=pipe.redis)
             wait_until(lambda: Worker.count(connection=pipe.redis, queue=queue) == WORKERS,
                        timeout_s=120, what="32 workers to register")
             # When 32 workers commit concurrently
             status = pipe.run()
             engine = sim.stats()
-        finally:
-            pipe.close()
     # Then used is exactly the sum of the committed samples, with nothing lost or doubled
     pipe.check_invariants(status)
     st = status["categories"]["one"]

@@ -7,7 +7,7 @@ from rq import Queue
 
 from sglang_sim.testing import SimServer
 from tests.conftest import DATASETS, QWEN
-from tests.harness import Pipeline, write_config
+from tests.harness import started, write_config
 
 SIM_TIME_SCALE = 400.0
 
@@ -41,15 +41,9 @@ source = "{DATASETS / 'problem_solution' / 'qwen25math_minerva_math_test.jsonl'}
 cap_tokens = 4000
 sampling = {{ max_new_tokens = 1024 }}
 """)
-    pipe = Pipeline(cfg, redis_url, [sim.url])
-    try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(6)
+    with started(cfg, redis_url, [sim.url], 6) as pipe:
         # When the producer runs to the end
         status = pipe.run()
-    finally:
-        pipe.close()
     # Then every category closed at its cap with exactly-once accounting
     pipe.check_invariants(status)
     for cat in cfg.category:

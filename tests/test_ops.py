@@ -13,7 +13,7 @@ from budget_service.server import engine_counts, render_metrics
 from sglang_sim.testing import SimServer, free_port, start_sim_subprocess, time_fraction_below
 from tests.conftest import wait_until
 from tests.faults.common import Background, two_category_config
-from tests.harness import Pipeline, write_config
+from tests.harness import Pipeline, started, write_config
 
 
 def samples_of(text: str, name: str) -> list:
@@ -24,16 +24,10 @@ def samples_of(text: str, name: str) -> list:
 def test_metrics_agree_with_status_and_count_engine_requests(tmp_path, redis_url) -> None:
     cfg = two_category_config(tmp_path, cap_a=3000, cap_b=2000)
     with SimServer(time_scale=500.0) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(3)
+        with started(cfg, redis_url, [sim.url], 3) as pipe:
             status = pipe.run()
             wait_until(lambda: engine_counts(pipe.budget)[1] == 3, what="3 workers")
-        finally:
             pipe.kill_workers(15)  # SIGTERM: workers flush their counters on the way out
-            pipe.close()
         sim_requests = sim.stats()["requests_total"]
     counts, _workers = engine_counts(pipe.budget)
     text = render_metrics(status, counts, 3)
@@ -137,20 +131,14 @@ sampling = {{ max_new_tokens = 256 }}
     queued: list[int] = []
     # requests last ~1 s of wall time, long next to the gate's 0.1 s metric refresh
     with SimServer(time_scale=10.0, max_running_requests=4) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
 
         def sample_queue() -> bool:
             queued.append(sim.stats()["queued"])
             return False
 
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(16)  # 4x the engine's batch
+        with started(cfg, redis_url, [sim.url], 16) as pipe:  # 4x the engine's batch
             status = pipe.run(should_stop=sample_queue)
             stats = sim.stats()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     assert max(queued) <= 2 + 4  # the bound, plus workers racing between metric reads
     # and the engine's batch stayed full (the ramp-up and the final drain excepted)

@@ -210,13 +210,28 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
 @main.command()
 @RUN_OPT
 @REDIS_OPT
+@SGLANG_OPT
 @PREFIX_OPT
 @click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
-def status(run_name: str | None, redis_url: str, prefix: str, as_json: bool) -> None:
+@click.option("--watch", "watch_flag", is_flag=True,
+              help="Live board (redrawn in place on a terminal, plain lines otherwise), with "
+              "tok/s over the last minute, ETA, engine load from SGLANG_URL and workers.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between redraws.")
+def status(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, as_json: bool,
+           watch_flag: bool, interval: float) -> None:
     """Show each category's cap, used, reserved, samples and state."""
     from tokencap.progress import summary_table
 
-    st = _budget(redis_url, prefix, run_name).status()
+    budget = _budget(redis_url, prefix, run_name)
+    if watch_flag:
+        from budget_service.server import engine_counts
+        from tokencap.engines import parse_urls
+        from tokencap.watch import watch
+
+        watch(budget.status, parse_urls(sglang_url), lambda: engine_counts(budget)[1],
+              interval_s=interval)
+        return
+    st = budget.status()
     click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
 
 

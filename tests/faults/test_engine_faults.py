@@ -11,7 +11,7 @@ import pytest
 from sglang_sim.testing import SimServer
 from tests.conftest import wait_until
 from tests.faults.common import Background, two_category_config
-from tests.harness import Pipeline, write_config
+from tests.harness import started, write_config
 
 POISON = 151_000
 
@@ -21,11 +21,7 @@ def run_with(tmp_path, redis_url, faults: dict, *, workers: int = 4, cap_a: int 
     cfg = two_category_config(tmp_path, cap_a=cap_a, cap_b=cap_b)
     with SimServer(time_scale=time_scale) as sim:
         sim.set_faults(**faults)
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(workers)
+        with started(cfg, redis_url, [sim.url], workers) as pipe:
             if during is None:
                 status = pipe.run()
             else:
@@ -33,8 +29,6 @@ def run_with(tmp_path, redis_url, faults: dict, *, workers: int = 4, cap_a: int 
                 during(sim, pipe)
                 status = bg.join(180)
             stats = sim.stats()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     return pipe, status, stats
 
@@ -70,14 +64,8 @@ sampling = {{ max_new_tokens = 64 }}
 """)
     with SimServer(time_scale=1000.0) as sim:
         sim.set_faults(poison_token_id=POISON)
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(3)
+        with started(cfg, redis_url, [sim.url], 3) as pipe:
             status = pipe.run()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     st = status["categories"]["p"]
     assert st["state"] == "exhausted" and st["samples"] == 59 and st["failed"] == 1

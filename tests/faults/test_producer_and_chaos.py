@@ -12,7 +12,7 @@ from sglang_sim.testing import SimServer
 from tests.conftest import RedisServer, wait_until
 from tests.faults.common import Background, two_category_config
 from tests.faults.proxy import Proxy
-from tests.harness import ROOT, Pipeline
+from tests.harness import ROOT, Pipeline, started
 
 
 def used_total(pipe: Pipeline) -> int:
@@ -51,11 +51,7 @@ def test_chaos_worker_kills_redis_restart_and_503_bursts(tmp_path) -> None:
     cfg = two_category_config(tmp_path, cap_a=24000, cap_b=16000)
     try:
         with SimServer(time_scale=80.0) as sim:
-            pipe = Pipeline(cfg, server.url, [sim.url])
-            try:
-                pipe.build()
-                pipe.start_writer()
-                pipe.start_workers(6)
+            with started(cfg, server.url, [sim.url], 6) as pipe:
                 bg = Background(pipe).start()
                 for step in range(1, 9):
                     wait_until(lambda s=step: used_total(pipe) >= s * 3500, timeout_s=90,
@@ -71,8 +67,6 @@ def test_chaos_worker_kills_redis_restart_and_503_bursts(tmp_path) -> None:
                         server.kill()
                         server = RedisServer(server.data_dir, aof=True, port=server.port).start()
                 status = bg.join(240)
-            finally:
-                pipe.close()
         pipe.check_invariants(status)
         for c in ("a", "b"):
             st = status["categories"][c]
@@ -91,19 +85,13 @@ def test_redis_latency_and_cut_connections_through_a_proxy(tmp_path, redis_serve
     cfg = two_category_config(tmp_path, cap_a=6000, cap_b=4000)
     try:
         with SimServer(time_scale=100.0) as sim:
-            pipe = Pipeline(cfg, url, [sim.url])
-            try:
-                pipe.build()
-                pipe.start_writer()
-                pipe.start_workers(3)
+            with started(cfg, url, [sim.url], 3) as pipe:
                 proxy.latency_s = 0.02  # every Redis round trip is slow
                 bg = Background(pipe).start()
                 wait_until(lambda: used_total(pipe) >= 3000, timeout_s=90, what="progress")
                 assert proxy.cut() > 0  # every client loses its connection at once
                 proxy.latency_s = 0.0
                 status = bg.join(180)
-            finally:
-                pipe.close()
         pipe.check_invariants(status)
         assert {st["state"] for st in status["categories"].values()} == {"closed"}
     finally:

@@ -14,7 +14,7 @@ from budget_service.keys import Keys
 from sglang_sim.testing import SimServer
 from tests.conftest import RedisServer, wait_until
 from tests.faults.common import Background, two_category_config
-from tests.harness import ROOT, Pipeline
+from tests.harness import ROOT, Pipeline, started
 from tokencap.errors import RedisRefused
 from tokencap.redisconn import connect
 
@@ -29,11 +29,7 @@ def test_redis_killed_mid_run_then_restarted(tmp_path, lose_data) -> None:
     cfg = two_category_config(tmp_path, cap_a=16000, cap_b=10000)
     try:
         with SimServer(time_scale=60.0) as sim:
-            pipe = Pipeline(cfg, server.url, [sim.url])
-            try:
-                pipe.build()
-                pipe.start_writer()
-                pipe.start_workers(4)
+            with started(cfg, server.url, [sim.url], 4) as pipe:
                 bg = Background(pipe).start()
                 # When Redis dies (kill -9) once a third of the budget is used
                 wait_until(lambda: used_total(pipe) >= 8000, timeout_s=60, what="progress")
@@ -43,8 +39,6 @@ def test_redis_killed_mid_run_then_restarted(tmp_path, lose_data) -> None:
                 # and comes back on the same port (with its AOF, or empty)
                 server = RedisServer(server.data_dir, aof=True, port=server.port).start()
                 status = bg.join(180)
-            finally:
-                pipe.close()
         # Then the run completes with every invariant intact
         pipe.check_invariants(status)
         for c in ("a", "b"):

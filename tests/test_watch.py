@@ -1,0 +1,326 @@
+"""`tokencap status --watch`: metrics parsing, rates, plain output and in-place redraw."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import termios
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from rich.console import Console
+
+from budget_service.budget import Budget, now_ms
+from budget_service.keys import Keys
+from sglang_sim.testing import SimServer, free_port
+from tests.conftest import ROOT
+from tests.test_lua import LEASE_MS, make_cfg, pending, result
+from tokencap.watch import (
+    CategoryRate,
+    EngineLoad,
+    RateTracker,
+    engine_load,
+    format_eta,
+    parse_sglang_metrics,
+    plain_lines,
+    render_board,
+    watch,
+)
+
+TIMEOUT_S = 30.0
+# Environment variables with which rich overrides its own terminal detection.
+RICH_TTY_ENV = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "LINES")
+ESC = "\x1b"
+
+
+def refused_url() -> str:
+    """A loopback URL nothing listens on (the port was free a moment ago)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def cat(used: int, cap: int = 1000, state: str = "open", **extra: object) -> dict:
+    st = {"cap": cap, "used": used, "reserved": 0, "samples": used // 10, "skipped": 0,
+          "failed": 0, "rejected": 0, "waste_tokens": 0, "overshoot": max(0, used - cap),
+          "state": state, "pending": 0, "in_flight": 0, "parked": 0, "duplicate_prompts": 0,
+          "reasons": {}}
+    st.update(extra)
+    return st
+
+
+# --- parsing SGLang's /metrics ------------------------------------------------------------
+
+def test_parse_metrics_of_a_running_simulator() -> None:
+    """Two requests on a one-slot engine, frozen: one runs, one waits."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}
+    with SimServer(time_scale=100, max_running_requests=1) as sim, \
+            ThreadPoolExecutor(max_workers=2) as pool:
+        sim.pause()
+        posts = [pool.submit(requests.post, f"{sim.url}/generate", json=body, timeout=TIMEOUT_S)
+                 for _ in range(2)]
+        sim.wait_until(lambda s: s["running"] == 1 and s["queued"] == 1)
+        busy = parse_sglang_metrics(requests.get(f"{sim.url}/metrics", timeout=TIMEOUT_S).text)
+        stats = sim.stats()
+        loads = engine_load([sim.url, refused_url()], timeout_s=TIMEOUT_S)
+        sim.resume()
+        assert all(p.result(TIMEOUT_S).status_code == 200 for p in posts)
+        sim.wait_until(lambda s: s["running"] == 0 and s["queued"] == 0)
+        idle = parse_sglang_metrics(requests.get(f"{sim.url}/metrics", timeout=TIMEOUT_S).text)
+
+    assert busy["running"] == 1 and busy["queued"] == 1
+    assert busy["token_usage"] == pytest.approx(stats["token_usage"]) and busy["token_usage"] > 0
+    assert busy["gen_throughput"] == pytest.approx(stats["decode_tok_per_sim_s"] * 100)
+    assert busy["gen_throughput"] > 0
+    assert (idle["running"], idle["queued"], idle["gen_throughput"]) == (0, 0, 0)
+    assert loads[0].up and (loads[0].running, loads[0].queued) == (1, 1)
+    assert not loads[1].up and loads[1].running is None
+
+
+def test_parse_tolerates_labels_comments_and_missing_metrics() -> None:
+    text = "\n".join([
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        'sglang:num_running_reqs{model_name="m",dp_rank="0"} 3',
+        'sglang:num_running_reqs{model_name="odd } \\" label",dp_rank="1"} 4.0 1700000000000',
+        "sglang:num_queue_reqs 2",
+        'sglang:token_usage{dp_rank="0"} 0.25',
+        'sglang:token_usage{dp_rank="1"} 0.5',
+        'sglang:token_usage{dp_rank="2"} NaN',
+        "sglang:num_running_reqs_total 99",  # another metric with the same prefix
+        "garbage line without a value",
+        "",
+    ])
+    parsed = parse_sglang_metrics(text)
+    assert parsed == {"running": 7.0, "queued": 2.0, "token_usage": 0.5,
+                      "gen_throughput": None}
+    assert parse_sglang_metrics("") == dict.fromkeys(parsed)
+
+
+# --- rates and ETA --------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rate_tracker_uses_the_last_minute() -> None:
+    clock = FakeClock()
+    tracker = RateTracker(window_s=60.0, clock=clock)
+    doc = {"run": "t", "categories": {"code": cat(0, cap=10_000)}}
+
+    assert tracker.update(doc)["code"] == CategoryRate(0.0, None)  # one point: no rate yet
+    clock.now, doc["categories"]["code"]["used"] = 10.0, 1_000
+    assert tracker.update(doc)["code"] == CategoryRate(100.0, 90.0)  # 9,000 left at 100 tok/s
+    # 70 s in: the point at t=0 left the window; from t=10 (1,000) to t=70 (7,000).
+    clock.now, doc["categories"]["code"]["used"] = 70.0, 7_000
+    rate = tracker.update(doc)["code"]
+    assert rate.tok_s == pytest.approx(100.0) and rate.eta_s == pytest.approx(30.0)
+    # Nothing new for a full minute: the rate falls to 0 and the ETA is unknown.
+    clock.now = 131.0
+    tracker.update(doc)
+    clock.now = 140.0
+    assert tracker.update(doc)["code"] == CategoryRate(0.0, None)
+
+
+def test_rate_tracker_eta_none_when_closed_and_history_restarts_on_decrease() -> None:
+    clock = FakeClock()
+    tracker = RateTracker(clock=clock)
+    tracker.update({"run": "t", "categories": {"a": cat(0), "b": cat(500)}})
+    clock.now = 2.0
+    rates = tracker.update({"run": "t", "categories": {"a": cat(100, state="closed"),
+                                                       "b": cat(400)}})
+    assert rates["a"] == CategoryRate(50.0, None)  # closed: no ETA even with a rate
+    assert rates["b"] == CategoryRate(0.0, None)  # used went down: history restarted
+    clock.now = 4.0
+    assert tracker.update({"run": "t", "categories": {"b": cat(600)}})["b"] == \
+        CategoryRate(100.0, 4.0)
+    assert tracker.tok_s("a") == 0.0  # a category that left the document is forgotten
+
+
+def test_format_eta() -> None:
+    assert format_eta(None) == "-"
+    assert format_eta(59.6) == "0:01:00"
+    assert format_eta(3 * 3600 + 2 * 60 + 1) == "3:02:01"
+
+
+# --- output -----------------------------------------------------------------------------------
+
+def test_plain_output_without_a_tty(redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real budget: each refresh commits one more sample of 40 tokens to `code`."""
+    for name in RICH_TTY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    budget = Budget(redis, Keys("tokencap", "t"))
+    budget.init_run(make_cfg(cap=1000, cats=("code", "math")))
+    committed = []
+
+    def fetch_status() -> dict:
+        sid = f"s{len(committed)}"
+        budget.feed("code", pending(sid), now_ms() + LEASE_MS)
+        budget.admit("code", sid, 100, LEASE_MS)
+        committed.append(budget.commit(result(sid, 40), 0, 0.0))
+        return budget.status()
+
+    buf = io.StringIO()
+    down = refused_url()
+    watch(fetch_status, [down], lambda: 5, interval_s=0.0, console=Console(file=buf),
+          iterations=3)
+
+    out = buf.getvalue()
+    assert ESC not in out
+    lines = out.splitlines()
+    assert len(lines) == 3 * (2 + 1)  # per refresh: one line per category and a footer
+    assert [ln.split()[0] for ln in lines] == ["code", "math", "engines:"] * 3
+    assert lines[6].startswith("code used=120/1000 (12.0%) samples=3 ")
+    assert "state=open" in lines[6] and "overshoot=0" in lines[6]
+    assert lines[7].startswith("math used=0/1000 (0.0%) samples=0 ") and "eta=-" in lines[7]
+    assert lines[8] == f"engines: {down} down (ConnectionError); workers=5"
+
+
+def test_board_shows_every_category_and_a_down_engine() -> None:
+    status = {"run": "demo", "categories": {"code": cat(4_123_456, cap=10_000_000),
+                                            "math": cat(1_200, state="closed")}}
+    rates = {"code": CategoryRate(4115.2, 1428.0), "math": CategoryRate(0.0, None)}
+    engines = [EngineLoad("http://a:30000", True, 12, 3, 0.45, 1234.0),
+               EngineLoad("http://b:30000", False, error="ConnectTimeout")]
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render_board(status, rates, engines, 8))
+    text = buf.getvalue()
+    assert "4.12M / 10M (41%)" in text and "0:23:48" in text and "4,115" in text
+    assert "1,200 / 1,000 (120%)" in text and "closed" in text and "200" in text
+    assert "http://a:30000 running=12 queued=3 kv=45% gen_tok_s=1234" in text
+    assert "http://b:30000 down (ConnectTimeout)" in text and "workers: 8" in text
+    assert plain_lines(status, rates, engines, 8)[-1].endswith("; workers=8")
+
+
+CHILD = """
+import itertools, sys
+from tokencap.watch import watch
+calls = itertools.count()
+
+def status():
+    n = next(calls)
+    cat = lambda used: {"cap": 1000, "used": used, "samples": n, "skipped": 0, "failed": 0,
+                        "rejected": 0, "overshoot": 0, "state": "open"}
+    return {"run": "pty", "categories": {"code": cat(100 * n), "math": cat(7 * n)}}
+
+watch(status, [sys.argv[1]], lambda: 3, interval_s=0.01, iterations=3)
+"""
+
+
+_CSI_RE = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
+
+
+def screen_after(out: str) -> list[str]:
+    """The lines left on a terminal after `out`: a tiny emulator of what Live emits
+    (text, CR, LF, cursor up, erase line; colours and cursor visibility are ignored)."""
+    rows, row, col, i = [""], 0, 0, 0
+    while i < len(out):
+        m = _CSI_RE.match(out, i)
+        if m:
+            arg, op = m.groups()
+            if op == "A":
+                row = max(0, row - int(arg or 1))
+            elif op == "K" and arg == "2":
+                rows[row] = ""
+            i = m.end()
+            continue
+        ch = out[i]
+        i += 1
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            row += 1
+            if row == len(rows):
+                rows.append("")
+        else:
+            line = rows[row].ljust(col)
+            rows[row] = line[:col] + ch + line[col + 1:]
+            col += 1
+    return [r.rstrip() for r in rows]
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RICH_TTY_ENV}
+    env.update(TERM="xterm-256color", PYTHONPATH=str(ROOT))
+    return env
+
+
+def test_watch_redraws_in_place_on_a_terminal() -> None:
+    master, slave = pty.openpty()
+    termios.tcsetwinsize(slave, (40, 160))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, refused_url()], cwd=ROOT,
+                            stdin=slave, stdout=slave, stderr=slave, env=_child_env(),
+                            start_new_session=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, "the watch did not finish in time"
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every copy of the slave is closed, the child is gone
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+    out = b"".join(chunks).decode("utf-8", "replace")
+    assert "Traceback" not in out
+    assert "\x1b[2K" in out  # erase line
+    # Each of the two redraws moves up over the whole board (title, borders, 2 rows, footer).
+    assert out.count("\x1b[1A") >= 2 * 8, out.count("\x1b[1A")
+    assert "200 / 1,000 (20%)" in out and "14 / 1,000 (1%)" in out  # the third status
+    assert out.count("workers: 3") >= 3 and "down" in out
+    # What stays on screen is one board, the last one: earlier boards were overwritten.
+    screen = screen_after(out)
+    assert sum("tokencap run pty" in ln for ln in screen) == 1
+    assert sum("workers: 3" in ln for ln in screen) == 1
+    assert any("200 / 1,000 (20%)" in ln for ln in screen)
+    assert not any("100 / 1,000 (10%)" in ln for ln in screen)
+
+
+def test_watch_prints_plain_lines_to_a_pipe() -> None:
+    proc = subprocess.run([sys.executable, "-c", CHILD, refused_url()], cwd=ROOT,
+                          env=_child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert ESC not in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["code", "math", "engines:"] * 3
+    assert lines[-3].startswith("code used=200/1000 (20.0%) samples=2 ")
+
+
+def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in RICH_TTY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+
+    def fetch_status() -> dict:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"run": "t", "categories": {"code": cat(10)}}
+
+    buf = io.StringIO()
+    watch(fetch_status, [], lambda: 0, interval_s=0.0, console=Console(file=buf))
+    assert len(calls) == 2
+    assert buf.getvalue().splitlines() == [
+        "code used=10/1000 (1.0%) samples=1 tok_s=0.0 eta=- state=open skipped=0 failed=0 "
+        "rejected=0 overshoot=0",
+        "engines: none; workers=0",
+    ]

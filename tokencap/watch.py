@@ -1,0 +1,332 @@
+"""`tokencap status --watch`: a live board of every category's budget and the engines' load.
+
+Each refresh reads the status document (`Budget.status()`), the number of workers, and each
+engine's `/metrics` page (SGLang's Prometheus text). On a terminal the board is redrawn in
+place with `rich.live.Live`; otherwise (a pipe, a log file) plain lines without escape codes
+are printed each interval, one per category and one for the engines and workers.
+
+Token rates come from a `RateTracker`, which keeps the `used` counter of each category over
+the last minute, so tok/s and ETA follow what the run does now, not its average since start.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import requests
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+RATE_WINDOW_S = 60.0
+ENGINE_TIMEOUT_S = 2.0
+BAR_WIDTH_CHARS = 24
+NO_VALUE = "-"
+
+# SGLang metric name -> key of `parse_sglang_metrics`' result, and how series are combined
+# when an engine exports several (one per DP rank or model): counts add up, usage is the max.
+SGLANG_METRICS = {
+    "sglang:num_running_reqs": ("running", sum),
+    "sglang:num_queue_reqs": ("queued", sum),
+    "sglang:token_usage": ("token_usage", max),
+    "sglang:gen_throughput": ("gen_throughput", sum),
+}
+# One sample line: name, optional {labels} (quoted values may hold '}' or escaped quotes),
+# value, optional timestamp.
+_SAMPLE_RE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
+    r'(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?'
+    r'\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$'
+)
+
+
+def parse_sglang_metrics(text: str) -> dict[str, float | None]:
+    """Running and queued requests, KV-cache usage (0..1) and generation tok/s from `text`.
+
+    `text` is a Prometheus exposition page as SGLang serves at `/metrics`. Comments, other
+    metrics and unparsable lines are ignored; labels are allowed; a metric that is missing (or
+    only NaN) is None. Several series of one metric are summed, except `token_usage` (max).
+    """
+    found: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if m is None or m["name"] not in SGLANG_METRICS:
+            continue
+        try:
+            value = float(m["value"])
+        except ValueError:
+            continue
+        if not math.isnan(value):
+            found.setdefault(m["name"], []).append(value)
+    out: dict[str, float | None] = {}
+    for metric, (key, combine) in SGLANG_METRICS.items():
+        values = found.get(metric)
+        out[key] = float(combine(values)) if values else None
+    return out
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's load as read from its `/metrics`; `up` is False when it did not answer."""
+
+    url: str
+    up: bool
+    running: float | None = None
+    queued: float | None = None
+    token_usage: float | None = None
+    gen_throughput: float | None = None
+    error: str = ""
+
+
+def _one_engine(url: str, timeout_s: float) -> EngineLoad:
+    try:
+        r = requests.get(f"{url.rstrip('/')}/metrics", timeout=(timeout_s, timeout_s))
+        r.raise_for_status()
+        return EngineLoad(url, True, **parse_sglang_metrics(r.text))
+    except requests.RequestException as exc:
+        return EngineLoad(url, False, error=type(exc).__name__)
+
+
+def engine_load(urls: list[str], timeout_s: float = ENGINE_TIMEOUT_S) -> list[EngineLoad]:
+    """Each engine's load, in the order of `urls`, read in parallel.
+
+    An engine that refuses the connection, times out (connect or read, each `timeout_s`) or
+    answers with an HTTP error is returned with `up=False`; this never raises for that.
+    """
+    if not urls:
+        return []
+    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="watch-engine") as pool:
+        return list(pool.map(lambda u: _one_engine(u, timeout_s), urls))
+
+
+class CategoryRate(NamedTuple):
+    """Tokens per second over the last window, and seconds until `used` reaches the cap."""
+
+    tok_s: float
+    eta_s: float | None
+
+
+class RateTracker:
+    """Keeps `(time, used)` per category over the last `window_s` seconds.
+
+    `clock` returns seconds (monotonic by default; tests pass their own). The rate is the
+    growth of `used` between the oldest and newest point in the window, divided by the time
+    between them; with a single point it is 0. If `used` goes down (a Redis reset), the
+    category's history restarts.
+    """
+
+    def __init__(self, window_s: float = RATE_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._points: dict[str, deque[tuple[float, int]]] = {}
+
+    def observe(self, name: str, used: int, now: float | None = None) -> None:
+        """Record `used` for category `name` at `now` (default: the clock)."""
+        now = self.clock() if now is None else now
+        points = self._points.setdefault(name, deque())
+        if points and used < points[-1][1]:
+            points.clear()
+        points.append((now, used))
+        while len(points) > 1 and points[0][0] < now - self.window_s:
+            points.popleft()
+
+    def tok_s(self, name: str) -> float:
+        """Tokens per second of `name` over the window (0.0 without two points)."""
+        points = self._points.get(name)
+        if not points or len(points) < 2:
+            return 0.0
+        (t0, u0), (t1, u1) = points[0], points[-1]
+        return (u1 - u0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def rate(self, name: str, cap: int, used: int, state: str) -> CategoryRate:
+        """Tok/s and ETA = (cap - used) / tok/s; the ETA is None unless the category is open,
+        below its cap and growing."""
+        tok_s = self.tok_s(name)
+        if state != "open" or tok_s <= 0 or used >= cap:
+            return CategoryRate(tok_s, None)
+        return CategoryRate(tok_s, (cap - used) / tok_s)
+
+    def update(self, status: Mapping[str, Any]) -> dict[str, CategoryRate]:
+        """Observe every category of a status document now; return their rates.
+
+        Categories no longer in the document are forgotten.
+        """
+        now = self.clock()
+        cats = status["categories"]
+        for gone in set(self._points) - set(cats):
+            del self._points[gone]
+        rates: dict[str, CategoryRate] = {}
+        for name, st in cats.items():
+            self.observe(name, int(st["used"]), now)
+            rates[name] = self.rate(name, int(st["cap"]), int(st["used"]), str(st["state"]))
+        return rates
+
+
+def format_eta(eta_s: float | None) -> str:
+    """`h:mm:ss`, or "-" when there is no ETA."""
+    if eta_s is None or not math.isfinite(eta_s):
+        return NO_VALUE
+    total = round(eta_s)
+    hours, rest = divmod(total, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+def _si(n: float) -> str:
+    """A compact count: exact below 10,000 (9,999), else 3 significant digits (12.3k, 4.56M)."""
+    if abs(n) < 10_000:
+        return f"{n:,.0f}"
+    for div, suffix in ((1e3, "k"), (1e6, "M"), (1e9, "G"), (1e12, "T")):
+        digits = f"{n / div:.3g}"
+        if abs(float(digits)) < 1000:
+            return digits + suffix
+    return f"{n:.3g}"
+
+
+def _pct(used: int, cap: int) -> float:
+    return 100.0 * used / cap if cap else 100.0
+
+
+def _engine_text(e: EngineLoad) -> str:
+    if not e.up:
+        return f"{e.url} down ({e.error})" if e.error else f"{e.url} down"
+
+    def num(v: float | None) -> str:
+        return NO_VALUE if v is None else f"{v:g}"
+
+    kv = NO_VALUE if e.token_usage is None else f"{100.0 * e.token_usage:.0f}%"
+    gen = NO_VALUE if e.gen_throughput is None else f"{e.gen_throughput:.0f}"
+    return f"{e.url} running={num(e.running)} queued={num(e.queued)} kv={kv} gen_tok_s={gen}"
+
+
+def _no_rate() -> CategoryRate:
+    return CategoryRate(0.0, None)
+
+
+def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
+                engines: list[EngineLoad], workers: int) -> list[str]:
+    """The board as plain text: one line per category, then one line for engines and workers.
+
+    Numbers are exact (no k/M suffixes) so a log can be grepped and parsed.
+    """
+    lines = []
+    for name, st in status["categories"].items():
+        r = rates.get(name) or _no_rate()
+        lines.append(
+            f"{name} used={st['used']}/{st['cap']} ({_pct(st['used'], st['cap']):.1f}%) "
+            f"samples={st['samples']} tok_s={r.tok_s:.1f} eta={format_eta(r.eta_s)} "
+            f"state={st['state']} skipped={st['skipped']} failed={st['failed']} "
+            f"rejected={st['rejected']} overshoot={st['overshoot']}"
+        )
+    engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
+    lines.append(f"engines: {engine_part}; workers={workers}")
+    return lines
+
+
+_STATE_STYLE = {"open": "green", "exhausted": "yellow", "closed": "bold"}
+
+
+def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
+                 engines: list[EngineLoad], workers: int) -> Group:
+    """The board for a terminal: a table with one row per category, then an engines footer."""
+    table = Table(title=f"tokencap run {status['run']}", title_justify="left", expand=False)
+    table.add_column("category", no_wrap=True)
+    table.add_column("budget", no_wrap=True)
+    table.add_column("used / cap", justify="right", no_wrap=True)
+    table.add_column("samples", justify="right")
+    table.add_column("tok/s (1m)", justify="right")
+    table.add_column("ETA", justify="right")
+    table.add_column("state")
+    table.add_column("skip/fail/rej", justify="right")
+    table.add_column("overshoot", justify="right")
+    for name, st in status["categories"].items():
+        r = rates.get(name) or _no_rate()
+        cap, used = int(st["cap"]), int(st["used"])
+        over = int(st["overshoot"])
+        bar = ProgressBar(total=max(cap, 1), completed=min(used, cap) if cap else 1,
+                          width=BAR_WIDTH_CHARS, complete_style="cyan",
+                          finished_style="red" if over else "green")
+        table.add_row(
+            name,
+            bar,
+            f"{_si(used)} / {_si(cap)} ({_pct(used, cap):.0f}%)",
+            _si(int(st["samples"])),
+            f"{r.tok_s:,.0f}",
+            format_eta(r.eta_s),
+            Text(str(st["state"]), style=_STATE_STYLE.get(str(st["state"]), "")),
+            f"{st['skipped']}/{st['failed']}/{st['rejected']}",
+            Text(_si(over), style="red" if over else ""),
+        )
+    footer = Text()
+    for e in engines:
+        footer.append("engine ")
+        if e.up:
+            footer.append(_engine_text(e))
+        else:
+            footer.append(_engine_text(e), style="bold red")
+        footer.append("\n")
+    if not engines:
+        footer.append("engines: none configured\n")
+    footer.append(f"workers: {workers}")
+    return Group(table, footer)
+
+
+def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
+          count_workers: Callable[[], int], *, interval_s: float = 2.0,
+          console: Console | None = None, iterations: int | None = None) -> None:
+    """Show the board every `interval_s` until Ctrl-C (or after `iterations` boards).
+
+    On a terminal the board is redrawn in place (`rich.live.Live`, no alternate screen, so
+    the last board stays on screen afterwards); elsewhere plain lines are printed each time.
+    Errors raised by `fetch_status` or `count_workers` (Redis down) propagate; an engine
+    that does not answer is shown as down. Ctrl-C returns normally.
+    """
+    if iterations is not None and iterations < 1:
+        raise ValueError(f"iterations must be None or >= 1, got {iterations}")
+    console = console if console is not None else Console()
+    tracker = RateTracker()
+    stop = threading.Event()
+    engine_timeout_s = min(ENGINE_TIMEOUT_S, max(interval_s, 0.1))
+
+    def frame() -> tuple[dict, dict[str, CategoryRate], list[EngineLoad], int]:
+        status = fetch_status()
+        rates = tracker.update(status)
+        return status, rates, engine_load(engine_urls, engine_timeout_s), count_workers()
+
+    def done(n: int) -> bool:
+        return iterations is not None and n >= iterations
+
+    n = 0
+    try:
+        if console.is_terminal and not console.is_dumb_terminal:
+            with Live(render_board(*frame()), console=console, screen=False,
+                      auto_refresh=False, transient=False) as live:
+                n = 1
+                while not done(n):
+                    stop.wait(interval_s)
+                    live.update(render_board(*frame()), refresh=True)
+                    n += 1
+        else:
+            while not done(n):
+                if n:
+                    stop.wait(interval_s)
+                for line in plain_lines(*frame()):
+                    console.out(line, highlight=False)
+                console.file.flush()
+                n += 1
+    except KeyboardInterrupt:
+        return
