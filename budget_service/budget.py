@@ -25,7 +25,7 @@ from tokencap.wire import DeadLetter, Pending, Result, encode
 RATE_EWMA_WEIGHT = 0.1
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "skipped", "failed", "rejected", "waste",
-    "closed", "exhausted", "rate", "dup_prompts",
+    "closed", "exhausted", "rate", "dup_prompts", "worst",
 )  # fmt: skip
 
 
@@ -114,13 +114,15 @@ class Budget:
 
     # -- per sample (workers) -----------------------------------------------------------
     def admit(
-        self, category: str, sample_id: str, estimate: int, lease_ms: int
+        self, category: str, sample_id: str, estimate: int, lease_ms: int, max_add: int = 0
     ) -> tuple[str, Pending | None]:
+        """Admit a sample: reserve `estimate` tokens; with `max_add` > 0 (the most the sample
+        can add to `used`), also keep `used` + what in-flight samples can add below the cap."""
         ck = self.keys.cat(category)
         now = now_ms()
         out = self.scripts.admit(
-            keys=[ck.state, ck.pending, ck.leases, ck.parked, ck.reserved, ck.final],
-            args=[sample_id, estimate, now + lease_ms, now],
+            keys=[ck.state, ck.pending, ck.leases, ck.parked, ck.reserved, ck.final, ck.worst],
+            args=[sample_id, estimate, now + lease_ms, now, max_add],
         )
         status = _s(out[0])
         payload = msgspec.json.decode(out[1], type=Pending) if status == "ok" else None
@@ -138,7 +140,8 @@ class Budget:
     def commit(self, result: Result, waste: int, rate_tok_s: float) -> tuple[str, int]:
         ck = self.keys.cat(result.category)
         out = self.scripts.commit(
-            keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.hist, ck.results],
+            keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.hist, ck.results,
+                  ck.worst],
             args=[
                 result.id, result.counted_tokens, waste, bucket_of(result.completion_tokens),
                 f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result),
@@ -150,7 +153,7 @@ class Budget:
         ck = self.keys.cat(category)
         return bool(
             self.scripts.release(
-                keys=[ck.state, ck.reserved, ck.pending, ck.final, ck.leases],
+                keys=[ck.state, ck.reserved, ck.pending, ck.final, ck.leases, ck.worst],
                 args=[p.sample_id, encode(p), retry_at_ms],
             )
         )
@@ -162,7 +165,7 @@ class Budget:
         value = ("r:" if rejected else "d:") + dead.reason
         return self.scripts.fail(
             keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.parked, ck.dead,
-                  ck.reasons],
+                  ck.reasons, ck.worst],
             args=[dead.id, value, "rejected" if rejected else "failed", encode(dead),
                   dead.reason],
             client=pipe or self.redis,

@@ -17,12 +17,13 @@ category on one slot (each Lua script touches one category only).
 | `P:run:{cat}:dead`     | stream | fail                    | writer (group `writer`) | to write  |
 | `P:run:{cat}:prompts`  | hash   | dedup (digest -> id)    | dedup                   | run       |
 | `P:run:{cat}:reasons`  | hash   | fail, dedup (counts)    | status                  | run       |
+| `P:run:{cat}:worst`    | hash   | admit                   | admit (hard guard)      | in flight |
 | `P:run:producer`       | string | producer (lock, TTL)    | producer                | 15 s TTL  |
 | `P:refused`            | stream | worker (refused jobs)   | operators               | capped    |
 
-State hash fields: cap, used, reserved, inflight, samples, skipped, failed, rejected,
-waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s),
-dup_prompts. `final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
+State hash fields: cap, used, reserved, worst (the most in-flight samples can still add),
+samples, skipped, failed, rejected, waste, closed (0/1), exhausted (0/1), rate (EWMA of
+per-request decode tok/s), dup_prompts, cursor (producer position in the shuffled order). `final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
 RQ queue names: `<run>.<category>` (so `rq info` shows one queue per category).
 """
 
@@ -48,6 +49,7 @@ class CategoryKeys(NamedTuple):
     dead: str
     prompts: str
     reasons: str
+    worst: str
 
 
 class Keys:

@@ -151,7 +151,9 @@ def process(ref: dict[str, Any]) -> str:
     extra = job.prompt_tokens if rc.cfg.count == "total" else 0
     model, _rate = rc.model(cat)
     lease_ms = int(rc.cfg.lease_s * 1000)
-    status, pending = budget.admit(cat.name, job.sample_id, model.mean() + extra, lease_ms)
+    max_add = cat.sampling.max_new_tokens + extra if rc.cfg.hard_cap else 0
+    status, pending = budget.admit(cat.name, job.sample_id, model.mean() + extra, lease_ms,
+                                   max_add)
     if status != "ok":
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status

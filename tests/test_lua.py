@@ -174,3 +174,28 @@ def test_dedup_rejects_a_second_sample_with_the_same_prompt(budget: Budget) -> N
     assert (st["rejected"], st["duplicate_prompts"]) == (1, 1)
     assert st["reasons"] == {"duplicate_prompt": 1}
     assert budget.redis.hget(budget.keys.cat("code").final, "b") == b"r:duplicate_prompt"
+
+
+def test_hard_guard_keeps_used_below_cap_plus_one_sample(budget: Budget) -> None:
+    # cap 1000; each sample may add up to 300 tokens; reservations (10) alone would admit all
+    for sid in "abcdef":
+        feed(budget, sid)
+    outcomes = [budget.admit("code", sid, 10, LEASE_MS, max_add=300)[0] for sid in "abcde"]
+    assert outcomes == ["ok", "ok", "ok", "ok", "wait"]  # 0+900 < 1000, then 1200 >= 1000
+    assert budget.state("code")["worst"] == 1200
+    for sid in "abcd":  # every in-flight sample produces its maximum
+        budget.commit(result(sid, 300), 0, 0.0)
+    st = budget.status()["categories"]["code"]
+    assert st["used"] == 1200 and st["overshoot"] < 300 and st["state"] == "closed"
+    assert budget.state("code")["worst"] == 0
+    assert budget.admit("code", "f", 10, LEASE_MS, max_add=300)[0] == "closed"
+
+
+def test_worst_is_released_by_fail_and_release(budget: Budget) -> None:
+    feed(budget, "a")
+    feed(budget, "b")
+    budget.admit("code", "a", 10, LEASE_MS, max_add=300)
+    budget.admit("code", "b", 10, LEASE_MS, max_add=300)
+    budget.release("code", pending("a"), 1)
+    budget.fail(DeadLetter(id="b", category="code", outcome="dead", reason="timeout"))
+    assert budget.state("code")["worst"] == 0 and budget.state("code")["reserved"] == 0

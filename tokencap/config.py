@@ -91,6 +91,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] = {}
     count: Literal["output", "total"] = "output"
     count_truncated: bool = True
+    hard_cap: bool = True
     cap_tokens: NonNegInt = DEFAULT_CAP_TOKENS
     seed: int = 0
     context_length: PositiveInt | None = None
