@@ -31,7 +31,8 @@ class RedisServer:
     """A redis-server process of our own, on a free port, optionally with AOF in `data_dir`."""
 
     def __init__(self, data_dir: Path, aof: bool = False, port: int | None = None,
-                 extra: list[str] | None = None, password: str | None = None) -> None:
+                 extra: list[str] | None = None, password: str | None = None,
+                 tls_cert_dir: Path | None = None) -> None:
         self.binary = find_redis_server()
         if self.binary is None:
             pytest.skip("no redis-server binary available")
@@ -41,15 +42,26 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
         self.extra = list(extra or [])
         self.password = password
+        self.tls = tls_cert_dir
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return (f"rediss://{auth}127.0.0.1:{self.port}/0"
+                    f"?ssl_ca_certs={self.tls / 'cert.pem'}")
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            ports = ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-cert-file", str(self.tls / "cert.pem"),
+                     "--tls-key-file", str(self.tls / "key.pem"),
+                     "--tls-ca-cert-file", str(self.tls / "cert.pem"),
+                     "--tls-auth-clients", "no"]
+        argv = [self.binary, *ports, "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
                 "--maxmemory-policy", "noeviction",
                 "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",

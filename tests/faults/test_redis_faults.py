@@ -93,3 +93,29 @@ def test_producer_fails_closed_without_redis(tmp_path) -> None:
     assert proc.returncode == 3
     assert "cannot reach Redis" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing was fed, nothing written
+
+
+def test_rediss_url_with_password_runs_the_pipeline(tmp_path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not available to make a test certificate")
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(certs / "key.pem"), "-out", str(certs / "cert.pem"),
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = RedisServer(tmp_path / "r", password="tls-s3cret", tls_cert_dir=certs).start()
+    try:
+        assert server.url.startswith("rediss://")
+        cfg = two_category_config(tmp_path, cap_a=2000, cap_b=1000)
+        with SimServer(time_scale=500.0) as sim, started(cfg, server.url, [sim.url], 2) as pipe:
+            status = pipe.run()
+        pipe.check_invariants(status)
+        out = subprocess.run([sys.executable, "-m", "tokencap.cli", "status", "--json",
+                              "--redis-url", server.url], capture_output=True, text=True,
+                             cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert '"state": "closed"' in out.stdout
+        assert "tls-s3cret" not in out.stdout + out.stderr
+    finally:
+        server.kill()
