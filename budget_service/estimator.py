@@ -41,7 +41,7 @@ class LengthModel:
     def from_redis(cls, raw: Mapping[bytes | str, bytes | str], expected: int, max_tokens: int):
         return cls({int(k): int(v) for k, v in raw.items()}, expected, max_tokens)
 
-    def mean(self) -> float:
+    def mean(self) -> int:
         return self.conditional(0)
 
     def conditional(self, progressed_tokens: float) -> int:

@@ -1,0 +1,34 @@
+"""E[L | L > g] from a bucketed histogram, worked by hand."""
+
+from __future__ import annotations
+
+from budget_service.estimator import MIN_SAMPLES, LengthModel, bucket_of
+from budget_service.keys import HIST_BUCKET_TOKENS as W
+
+
+def model(lengths: list[int], expected: int = 100, max_tokens: int = 4096) -> LengthModel:
+    hist: dict[int, int] = {}
+    for n in lengths:
+        hist[bucket_of(n)] = hist.get(bucket_of(n), 0) + 1
+    return LengthModel(hist, expected, max_tokens)
+
+
+def test_before_enough_commits_the_configured_length_stands_in() -> None:
+    m = model([1000] * (MIN_SAMPLES - 1), expected=300)
+    assert m.mean() == 300
+    assert m.conditional(500) == 501  # known to be past 500 tokens already
+
+
+def test_conditional_mean_over_the_buckets_above_progress() -> None:
+    # half the samples in bucket 0 (mid W/2), half in bucket 10 (mid 10.5 W)
+    m = model([1] * 16 + [10 * W + 1] * 16)
+    assert m.mean() == round((16 * 0.5 * W + 16 * 10.5 * W) / 32)
+    # once a sample is past bucket 0 only the long ones remain possible
+    assert m.conditional(W + 1) == round(10.5 * W)
+
+
+def test_longer_than_anything_seen_and_the_cap() -> None:
+    m = model([50] * 20, max_tokens=200)
+    assert m.conditional(1000) == 200  # clamped to max_new_tokens
+    m2 = model([50] * 20)
+    assert m2.conditional(90) == 90 + W  # beyond the histogram: a little more than seen
