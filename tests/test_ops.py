@@ -153,3 +153,47 @@ def test_cap_set_cli_refuses_bad_input(bad) -> None:
 
     out = CliRunner().invoke(main, ["cap", "set", "a", bad])
     assert out.exit_code == 2
+
+
+def test_worker_pool_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path, redis_url) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rq import Queue, Worker
+
+    from tests.harness import ROOT
+
+    cfg = two_category_config(tmp_path)
+    pipe = Pipeline(cfg, redis_url, ["http://127.0.0.1:9"])
+    pipe.budget.init_run(cfg)
+    queue = Queue("faults.a", connection=pipe.redis)
+    pool = subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker", "--pool", "3"],
+                            env=pipe.env(), cwd=ROOT)
+    try:
+        def alive() -> list[int]:
+            return sorted(w.pid for w in Worker.all(connection=pipe.redis, queue=queue)
+                          if w.pid and _pid_alive(w.pid))
+
+        first = wait_until(lambda: len(alive()) == 3 and alive(), timeout_s=60,
+                           what="3 pool workers")
+        os.kill(first[0], signal.SIGKILL)
+        wait_until(lambda: len(alive()) == 3 and first[0] not in alive(), timeout_s=60,
+                   what="the pool to replace the killed worker")
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(60) == 0
+        assert alive() == []
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

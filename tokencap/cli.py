@@ -152,14 +152,24 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
 @PREFIX_OPT
 @click.option("--burst", is_flag=True, help="Exit when the queues are empty.")
 @click.option("--name", default=None, help="Worker name (default: RQ's).")
+@click.option("--pool", type=click.IntRange(min=1), default=None,
+              help="Run N worker processes, restarting any that dies; SIGTERM stops them all "
+              "after their current sample.")
 def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, burst: bool,
-           name: str | None) -> None:
+           name: str | None, pool: int | None) -> None:
     """Start one consumer: an RQ worker on every category queue of the run.
 
     Sends each admitted sample to SGLang /generate and commits the result. Add more of these
     (on any host that reaches Redis and SGLang) to raise concurrency. SIGTERM finishes the
     current sample, then exits.
     """
+    if pool:
+        from consumers.pool import run_pool
+
+        argv = [sys.executable, "-m", "tokencap.cli", "worker"] + (["--burst"] if burst else [])
+        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sglang_url,
+               "TOKENCAP_PREFIX": prefix, **({"TOKENCAP_RUN": run_name} if run_name else {})}
+        sys.exit(run_pool(argv, env, pool, restart=not burst))
     from consumers.job import configure, flush_stats
     from consumers.worker import TokencapWorker, supervise
     from tokencap.engines import parse_urls
