@@ -98,6 +98,7 @@ class Producer:
         self._workers = 0
         self._workers_at = 0.0
         self._run_id: str | None = None
+        self._last_status: dict[str, Any] | None = None
         self._run_id_at = 0.0
 
     # -- setup -------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class Producer:
         """One pass over every category. Returns how much work was done (0 = idle)."""
         work = 0
         status = self.budget.status(list(self.feeds))["categories"]
+        self._last_status = status
         for name, feed in self.feeds.items():
             st = status[name]
             done = self.reap(feed) + self.unpark(feed, st)
@@ -122,12 +124,14 @@ class Producer:
             work += done
         return work
 
-    def finished(self, writer_lag: int | None) -> bool:
-        status = self.budget.status(list(self.feeds))["categories"]
+    def finished(self) -> bool:
+        """Every category closed or exhausted with nothing pending (as of the last tick),
+        and every result written by the writer."""
+        status = self._last_status or self.budget.status(list(self.feeds))["categories"]
         done = all(
             st["state"] in ("closed", "exhausted") and st["pending"] == 0 for st in status.values()
         )
-        return done and not writer_lag
+        return done and self.writer_lag() == 0
 
     def writer_lag(self) -> int:
         pipe = self.redis.pipeline(transaction=False)
@@ -158,7 +162,7 @@ class Producer:
                     last = now
                     self.on_progress(self.budget.status(list(self.feeds)))
                 if work == 0:
-                    if self.finished(self.writer_lag()):
+                    if self.finished():
                         self.finalize()
                         break
                     time.sleep(poll_s)
