@@ -37,6 +37,9 @@ status: install ## Live board of the run started by make up (Ctrl-C to leave)
 test: install ## Run every test (starts its own redis-server instances)
 	$(BIN)/pytest -q
 
+bench: install ## Benchmarks side by side with their baselines (~9 min on 2 cores; writes bench/results.json)
+	$(BIN)/python -m bench
+
 lint: install ## ruff
 	$(BIN)/ruff check .
 

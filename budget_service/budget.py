@@ -224,6 +224,7 @@ class Budget:
                 "cap": cap,
                 "used": used,
                 "reserved": int(st["reserved"]),
+                "worst": int(st["worst"]),
                 "samples": int(st["samples"]),
                 "skipped": int(st["skipped"]),
                 "failed": int(st["failed"]),

@@ -23,7 +23,8 @@ category on one slot (each Lua script touches one category only).
 
 State hash fields: cap, used, reserved, worst (the most in-flight samples can still add),
 samples, skipped, failed, rejected, waste, closed (0/1), exhausted (0/1), rate (EWMA of
-per-request decode tok/s), dup_prompts, cursor (producer position in the shuffled order). `final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
+per-request decode tok/s), dup_prompts, cursor (producer position in the shuffled order).
+`final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
 RQ queue names: `<run>.<category>` (so `rq info` shows one queue per category).
 """
 

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -30,6 +30,7 @@ JOB_FUNC = "consumers.job.process"
 MODEL_REFRESH_S = 5.0
 DEFAULT_DECODE_TOK_S = 20.0  # per-request decode rate assumed before any commit
 RETRY_DELAY_S = 2.0
+BEAT_S = 2.0  # reservation refresh and lease extension while a sample is in flight
 
 
 class RunContext:
@@ -116,29 +117,53 @@ def _context() -> Context:
     return _ctx
 
 
-class _Heartbeat(threading.Thread):
-    """Extends the sample's lease and moves its reservation to E[L | L > g] while in flight."""
+class _Beat(NamedTuple):
+    rc: RunContext
+    cat: Category
+    sample_id: str
+    extra: int
+    t0: float
 
-    def __init__(self, rc: RunContext, cat: Category, sample_id: str, extra: int) -> None:
-        super().__init__(daemon=True, name=f"hb-{sample_id}")
-        self.rc, self.cat, self.sample_id, self.extra = rc, cat, sample_id, extra
-        self.stop_event = threading.Event()
-        self.t0 = time.monotonic()
-        self.interval_s = rc.cfg.lease_s / 3
 
-    def run(self) -> None:
-        lease_ms = int(self.rc.cfg.lease_s * 1000)
-        while not self.stop_event.wait(self.interval_s):
+class _Heartbeat:
+    """One daemon thread per process. Every `BEAT_S` it extends the lease of the sample in
+    flight and moves its reservation to E[L | L > g], g = elapsed x per-request decode rate.
+    Started once and reused by every job (a thread per job costs more than the job's own
+    Redis calls)."""
+
+    def __init__(self) -> None:
+        self._current: _Beat | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = -1
+
+    def track(self, beat: _Beat | None) -> None:
+        self._current = beat
+        if beat is not None and (self._thread is None or self._pid != os.getpid()
+                                 or not self._thread.is_alive()):
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            beat = self._current
+            self._wake.wait(BEAT_S if beat is None else min(BEAT_S, beat.rc.cfg.lease_s / 3))
+            beat = self._current
+            if beat is None:
+                continue
             try:
-                model, rate = self.rc.model(self.cat)
-                progressed = (time.monotonic() - self.t0) * rate
-                est = model.conditional(progressed) + self.extra
-                self.rc.budget.heartbeat(self.cat.name, self.sample_id, est, lease_ms)
+                model, rate = beat.rc.model(beat.cat)
+                progressed = (time.monotonic() - beat.t0) * rate
+                est = model.conditional(progressed) + beat.extra
+                beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est,
+                                         int(beat.rc.cfg.lease_s * 1000))
             except Exception as exc:  # a missed beat only shortens the lease
-                log.warning("heartbeat failed for %s/%s: %s", self.cat.name, self.sample_id, exc)
+                log.warning("heartbeat failed for %s/%s: %s", beat.cat.name, beat.sample_id,
+                            exc)
 
-    def stop(self) -> None:
-        self.stop_event.set()
+
+_heartbeat = _Heartbeat()
 
 
 def process(ref: dict[str, Any]) -> str:
@@ -158,14 +183,13 @@ def process(ref: dict[str, Any]) -> str:
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status
     assert pending is not None
-    hb = _Heartbeat(rc, cat, job.sample_id, extra)
-    hb.start()
+    _heartbeat.track(_Beat(rc, cat, job.sample_id, extra, time.monotonic()))
     try:
         gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name)
     except EngineError as exc:
         return _failed(rc, cat, pending, exc)
     finally:
-        hb.stop()
+        _heartbeat.track(None)
         rc.client.stats.flush(budget.redis, rc.cfg.key_prefix)
     return _commit(rc, cat, pending, gen)
 

@@ -43,7 +43,8 @@ REAP_BATCH = 256
 REDIS_BACKOFF_MIN_S = 0.2
 REDIS_BACKOFF_MAX_S = 5.0
 REDIS_DOWN = (redis_exc.ConnectionError, redis_exc.TimeoutError)
-RESULT_TTL_S = 0  # tokencap keeps outcomes in its ledger; RQ's job hash is not needed
+# tokencap keeps outcomes in its ledger; a short TTL spares RQ its delete path (7 round trips)
+RESULT_TTL_S = 60
 FAILURE_TTL_S = 7 * 24 * 3600
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
@@ -99,6 +100,7 @@ class Producer:
         self._workers_at = 0.0
         self._run_id: str | None = None
         self._last_status: dict[str, Any] | None = None
+        self._unpark_mark: dict[str, tuple[int, ...]] = {}
         self._run_id_at = 0.0
 
     # -- setup -------------------------------------------------------------------------
@@ -237,9 +239,10 @@ class Producer:
         if st["used"] + st["reserved"] >= st["cap"] or feed.exhausted:
             return 0
         waiting = st["pending"] - st["in_flight"]
-        room = self.high_water() - waiting
-        if room <= 0:
+        high = self.high_water()
+        if waiting > high // 2:  # low-water mark: feed in batches, not one job per tick
             return 0
+        room = high - waiting
         ck = self.keys.cat(feed.cat.name)
         fed = 0
         while room > 0 and not feed.exhausted:
@@ -263,9 +266,9 @@ class Producer:
             feed.cursor += len(positions)
             pipe.hset(ck.state, "cursor", feed.cursor)
             pipe.execute()
-            fed += len(prepared)
+            fed += len(positions)
             room -= max(1, len(prepared))
-        return fed + 1
+        return fed
 
     def _read(self, feed: CategoryFeed, positions: list[int]):
         samples, rejected = [], []
@@ -415,11 +418,22 @@ class Producer:
         if st["state"] == "closed":
             count = st["parked"]
         else:
+            # only when something changed since the last try, and only as many as admission
+            # would take now (else they are parked again at once: measured 20 RQ jobs per
+            # committed sample in a tapering category)
+            mark = (st["used"], st["reserved"], st["worst"], st["in_flight"], st["cap"])
+            if self._unpark_mark.get(name) == mark:
+                return 0
+            self._unpark_mark[name] = mark
             model = LengthModel.from_redis(self.redis.hgetall(ck.hist),
                                            self.cfg.expected_for(feed.cat),
                                            feed.cat.sampling.max_new_tokens)
             free = st["cap"] - st["used"] - st["reserved"]
             count = int(free // max(1.0, model.mean())) if st["reserved"] else 1
+            if self.cfg.hard_cap:
+                max_add = feed.cat.sampling.max_new_tokens
+                room = st["cap"] - st["used"] - st["worst"]
+                count = min(count, max(0, math.ceil(room / max_add)))
             if count <= 0:
                 return 0
         popped = self.redis.zpopmin(ck.parked, count)
