@@ -24,7 +24,16 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench import cap, ceiling, common, footprint, saturation, tail, tokenize  # noqa: E402
+from bench import (  # noqa: E402
+    adaptive,
+    cap,
+    ceiling,
+    common,
+    footprint,
+    saturation,
+    tail,
+    tokenize,
+)
 
 SCENARIOS: dict[str, Callable[[common.Bench], dict[str, Any]]] = {
     "saturation": saturation.run,
@@ -33,6 +42,7 @@ SCENARIOS: dict[str, Callable[[common.Bench], dict[str, Any]]] = {
     "tail": tail.run,
     "footprint": footprint.run,
     "tokenize": tokenize.run,
+    "adaptive": adaptive.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results.json"
 DESCRIPTION = "Run tokencap's benchmark scenarios; print one table; write bench/results.json."
