@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pickle  # used only to forge a hostile payload for the test
-
 from rq import Queue
 from rq.job import Job, JobStatus
 
@@ -28,8 +26,8 @@ def test_pickle_payload_is_refused(redis, tmp_path) -> None:
     marker = tmp_path / "pwned"
     q = Queue("sec.pickle", connection=redis, serializer=MsgspecSerializer)
     job = q.enqueue("consumers.job.process", {"run": "x"}, job_id="evil2")
-    # forge the stored payload into a pickle that would run a command when unpickled
-    forged = pickle.dumps(("os.system", None, (f"touch {marker}",), {}))
+    # forge the stored payload into a protocol-0 pickle that runs a command when unpickled
+    forged = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
     redis.hset(job.key, "data", forged)
     run_worker(make_worker(redis, ["sec.pickle"]), burst=True)
     assert not marker.exists()

@@ -10,7 +10,6 @@ import contextlib
 import select
 import socket
 import threading
-import time
 
 CHUNK_BYTES = 65536
 SELECT_S = 0.05
@@ -64,7 +63,7 @@ class Proxy:
                     if self.blackhole:
                         continue
                     if self.latency_s:
-                        time.sleep(self.latency_s)
+                        self._stop.wait(self.latency_s)  # the injected latency
                     peers[s].sendall(data)
         except OSError:
             return
