@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 import uuid
 from typing import Any
@@ -273,7 +272,3 @@ def _reason(exc: Exception) -> BaseException | None:
     if isinstance(inner, MaxRetryError):
         return inner.reason
     return inner if isinstance(inner, BaseException) else None
-
-
-def jitter(base_s: float) -> float:
-    return base_s * (0.5 + random.random())

@@ -78,11 +78,6 @@ class EnginePool:
         e.queued = load.get("queued", 0.0)
         e.load = load.get("running", 0.0) + e.queued
 
-    def _up(self, e: EngineState) -> bool:
-        if e.down_until <= time.monotonic():
-            return True
-        return False
-
     def _probe(self, e: EngineState) -> bool:
         try:
             ok = self.http.get(f"{e.url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200
@@ -110,7 +105,7 @@ class EnginePool:
         for e in self.engines:
             if e.down_until and e.down_until <= time.monotonic():
                 self._probe(e)
-            if self._up(e):
+            if e.down_until <= time.monotonic():
                 healthy.append(e)
         down = [e.url for e in self.engines if e not in healthy]
         if len(healthy) <= 1:
@@ -122,17 +117,14 @@ class EnginePool:
         rest = sorted((e for e in healthy if e is not first), key=lambda e: e.load)
         return [first.url] + [e.url for e in rest] + down
 
-    def gate(self, url: str, should_give_up: float | None = None) -> None:
+    def gate(self, url: str) -> None:
         """Adaptive concurrency: wait while the engine's waiting queue is at its bound."""
         if self.adaptive_max_queue is None:
             return
         e = next(x for x in self.engines if x.url == url)
-        deadline = should_give_up
         while True:
             self._refresh(e, GATE_REFRESH_S)
             if not e.has_metrics or e.queued < self.adaptive_max_queue:
                 e.queued += 1  # count ourselves until the next refresh
-                return
-            if deadline is not None and time.monotonic() > deadline:
                 return
             time.sleep(GATE_WAIT_S * (0.5 + self._rng.random()))

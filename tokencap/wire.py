@@ -14,15 +14,6 @@ import msgspec
 from msgspec import Struct
 
 
-class Outcome(enum.StrEnum):
-    """Terminal state of a sample. Every fed sample ends in exactly one."""
-
-    COMMITTED = "committed"
-    SKIPPED = "skipped"
-    REJECTED = "rejected"
-    DEAD = "dead"
-
-
 class ErrorKind(enum.StrEnum):
     """Why a request failed; used for dead letters and retry decisions."""
 
