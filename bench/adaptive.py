@@ -10,11 +10,18 @@ Target: adaptive throughput within 3% of the best fixed setting, queue <= a set 
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
-from bench.common import Bench, Cat, Pipeline, Sampler, config_toml, load_run_config, log, row
+from bench.common import (
+    Bench,
+    Cat,
+    Pipeline,
+    config_toml,
+    load_run_config,
+    log,
+    measure_window,
+    row,
+)
 from bench.sim import Sim, SimSettings, window_figures
 
 NAME = "adaptive"
@@ -41,25 +48,15 @@ def measure(bench: Bench, sim: Sim, sources: dict, workers: int,
     cfg = load_run_config(d / "run.toml", config_toml(tag.replace("-", "_"), d / "out", CATS,
                                                       sources, **top))
     pipe = Pipeline(cfg, bench.redis.url, sim.url, d / "workers.log")
-    stop = threading.Event()
     try:
         pipe.build()
         pipe.start_writer()
         pipe.start_workers(workers)
         sim.wait_idle()
-        thread = threading.Thread(target=pipe.run, kwargs={"should_stop": stop.is_set},
-                                  daemon=True)
-        thread.start()
-        time.sleep(WARMUP_S)
-        sampler = Sampler(lambda: sim.stats()["queued"], SAMPLE_S)
-        sampler.start()
-        t_a, a = time.monotonic(), sim.stats()
-        time.sleep(WINDOW_S)
-        t_b, b = time.monotonic(), sim.stats()
-        samples = sampler.stop()
-        stop.set()
-        thread.join(30)
-        out = window_figures(a, b, t_b - t_a)
+        a, b, wall, samples, _ = measure_window(pipe, sim.stats, WARMUP_S, WINDOW_S,
+                                                sample=lambda: sim.stats()["queued"],
+                                                sample_s=SAMPLE_S)
+        out = window_figures(a, b, wall)
         queued = [v for _t, v in samples]
         out["queue_max"] = max(queued) if queued else None
         out["queue_mean"] = sum(queued) / len(queued) if queued else None

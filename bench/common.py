@@ -292,6 +292,31 @@ class Sampler(threading.Thread):
         return self.samples
 
 
+def measure_window(pipe: Pipeline, snapshot: Callable[[], dict[str, Any]], warmup_s: float,
+                   window_s: float, sample: Callable[[], Any] | None = None,
+                   sample_s: float = 0.1, at_end: Callable[[], Any] | None = None,
+                   ) -> tuple[dict[str, Any], dict[str, Any], float, list, Any]:
+    """Run the producer in a thread; WARMUP_S after it starts take a snapshot, another
+    WINDOW_S later. Returns (first, second, wall seconds between them, samples of `sample()`
+    taken every `sample_s` in between, `at_end()` called before the producer stops)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=pipe.run, kwargs={"should_stop": stop.is_set},
+                              daemon=True)
+    thread.start()
+    time.sleep(warmup_s)
+    sampler = Sampler(sample, sample_s) if sample is not None else None
+    if sampler is not None:
+        sampler.start()
+    t_a, a = time.monotonic(), snapshot()
+    time.sleep(max(0.0, window_s - (time.monotonic() - t_a)))
+    t_b, b = time.monotonic(), snapshot()
+    samples = sampler.stop() if sampler is not None else []
+    extra = at_end() if at_end is not None else None
+    stop.set()
+    thread.join(30)
+    return a, b, t_b - t_a, samples, extra
+
+
 # -- the bench context and results ---------------------------------------------------------
 class Bench:
     """What every scenario shares: a work folder, one private Redis, a cache of sources."""

@@ -11,8 +11,6 @@ The direct client at each N also documents the engine's own ceiling at that batc
 
 from __future__ import annotations
 
-import threading
-import time
 from statistics import mean
 from typing import Any
 
@@ -23,6 +21,7 @@ from bench.common import (
     config_toml,
     load_run_config,
     log,
+    measure_window,
     mem_mb,
     ordered_prompts,
     row,
@@ -73,25 +72,15 @@ def pipeline(bench: Bench, sim: Sim, sources: dict, n: int) -> dict[str, Any]:
     cfg = load_run_config(d / "run.toml", config_toml(
         f"sat{n}", d / "out", CATS, sources, seed=SEED, context_length=32768))
     pipe = Pipeline(cfg, bench.redis.url, sim.url, d / "workers.log")
-    stop = threading.Event()
     try:
         pipe.build()
         pipe.start_writer()
         pipe.start_workers(n)
         sim.wait_idle()
-        thread = threading.Thread(target=pipe.run, kwargs={"should_stop": stop.is_set},
-                                  daemon=True)
-        thread.start()
-        time.sleep(WARMUP_S)
-        t_a = time.monotonic()
-        a = _snapshot(sim)
-        time.sleep(WINDOW_S - (time.monotonic() - t_a))
-        t_b = time.monotonic()
-        b = _snapshot(sim)
-        mems = [mem_mb(p.pid) for p in pipe.workers]
-        stop.set()
-        thread.join(30)
-        out: dict[str, Any] = _figures(a, b, t_b - t_a)
+        a, b, wall, _samples, mems = measure_window(
+            pipe, lambda: _snapshot(sim), WARMUP_S, WINDOW_S,
+            at_end=lambda: [mem_mb(p.pid) for p in pipe.workers])
+        out: dict[str, Any] = _figures(a, b, wall)
         out["worker_rss_mb_max"] = max(m["rss_mb"] for m in mems)
         out["worker_pss_mb_mean"] = mean(m["pss_mb"] for m in mems)
         out["committed"] = sum(st["samples"] for st in pipe.status().values())

@@ -67,16 +67,17 @@ class RedisServer:
                 "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",
                 *(["--requirepass", self.password] if self.password else []), *self.extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
         client = Redis.from_url(self.url)
-        while True:
+
+        def up() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on {self.port}") from None
-                time.sleep(0.02)
+                return False
+
+        wait_until(up, START_TIMEOUT_S, f"redis-server on port {self.port}")
         client.close()
         return self
 
