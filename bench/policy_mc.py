@@ -1,5 +1,6 @@
 """A Monte Carlo of admission policies on the cap scenario's mix (not a bench scenario:
-evidence for the fix proposed in the report). `python -m bench.policy_mc [RUNS]`.
+evidence for the default admission policy). `python -m bench.policy_mc [RUNS] [SCALE]`
+(SCALE multiplies the cap scenario's caps at scale 1; default: the scenario's own).
 
 64 slots decode one token per step each; eight categories (the cap scenario's lengths and
 caps) are served round robin; a free slot takes the next category whose policy admits a
@@ -8,12 +9,11 @@ the true conditional law (so only the policy differs, never the model):
 
 - stop-after-passing: admit while counted < cap; count at the end of each sample;
 - reserve-mean: reserve E[L] per sample, never updated;
-- conditional/beat=B: reserve E[L | L > g] with g refreshed every B tokens (B = 147 is the
-  30 s lease's 10 s heartbeat at 14.7 tok/s per request; B = 16, one histogram bucket, is
-  close to exact);
-- +guard: also require used + sum(max_new of in-flight) < cap (admit.lua's hard guard);
+- conditional: reserve E[L | L > g] with g refreshed every BEAT = 147 tokens (a 30 s
+  lease's 10 s heartbeat at 14.7 tok/s per request);
+- +guard: also require used + sum(max_new of in-flight) < cap (`hard_cap = true`);
 - +z=Z: admit only while used + reserved + est + Z * sqrt(sum Var[L_i | L_i > g_i] + Var[L])
-  < cap.
+  < cap (`margin_sigmas = Z`; the default is 3).
 
 All but stop-after-passing also admit when nothing of the category is in flight and
 used < cap (tokencap's rule). Reported: overshoot / cap per category (mean and worst over
@@ -32,6 +32,7 @@ from statistics import mean
 from bench.cap import N, cats
 
 DRAWS = 20_000
+BEAT = 147
 
 
 class Law:
@@ -63,9 +64,9 @@ class Law:
         return self.xs[rng.randrange(len(self.xs))]
 
 
-def simulate(policy: str, beat: int, z: float, seed: int,
-             guard: bool = False) -> tuple[list[float], float]:
-    mix = cats()
+def simulate(policy: str, beat: int, z: float, seed: int, guard: bool = False,
+             scale: float | None = None) -> tuple[list[float], float]:
+    mix = cats(scale)
     rng = random.Random(seed)
     laws = [Law(c.mean, c.sigma, c.max_new, random.Random(1000 + i)) for i, c in enumerate(mix)]
     k = len(mix)
@@ -132,20 +133,20 @@ def simulate(policy: str, beat: int, z: float, seed: int,
 
 def main(argv: list[str]) -> int:
     runs = int(argv[0]) if argv else 10
-    policies = [("stop-after-passing", 1, 0.0, False), ("reserve-mean", 10**9, 0.0, False),
-                ("conditional/beat=147", 147, 0.0, False),
-                ("conditional/beat=147+guard", 147, 0.0, True),
-                ("conditional/beat=16", 16, 0.0, False),
-                ("conditional/beat=16+z=1", 16, 1.0, False),
-                ("conditional/beat=16+z=2", 16, 2.0, False)]
-    names = [c.name for c in cats()]
+    scale = float(argv[1]) if len(argv) > 1 else None
+    policies = [("stop-after-passing", 0.0, False), ("reserve-mean", 0.0, False),
+                ("conditional", 0.0, False), ("conditional+guard", 0.0, True),
+                ("conditional+z=2", 2.0, False), ("conditional+z=3", 3.0, False)]
+    names = [c.name for c in cats(scale)]
+    print(f"caps {cats(scale)[0].cap:,}..{cats(scale)[-1].cap:,}, {runs} runs each")
     print(f"{'policy':28s} {'mean over':>9s} {'worst':>7s} {'cats>0.5%':>9s} {'<90%':>6s}  "
           + " ".join(f"{n[:8]:>8s}" for n in names))
-    for name, beat, z, guard in policies:
+    for name, z, guard in policies:
+        beat = BEAT if name.startswith("conditional") else 10**9  # others never re-estimate
         per_cat: list[list[float]] = [[] for _ in names]
         idles = []
         for seed in range(runs):
-            over, idle = simulate(name, beat, z, seed, guard)
+            over, idle = simulate(name, beat, z, seed, guard, scale)
             for i, o in enumerate(over):
                 per_cat[i].append(o)
             idles.append(idle)
@@ -153,7 +154,7 @@ def main(argv: list[str]) -> int:
         bad = sum(1 for o in flat if o > 0.005) / len(flat)
         print(f"{name:28s} {100 * mean(flat):8.2f}% {100 * max(flat):6.2f}% {100 * bad:8.0f}% "
               f"{100 * mean(idles):5.1f}%  "
-              + " ".join(f"{100 * mean(c):7.2f}%" for c in per_cat))
+              + " ".join(f"{100 * mean(c):7.2f}%" for c in per_cat), flush=True)
     return 0
 
 

@@ -25,7 +25,7 @@ from tokencap.wire import DeadLetter, Pending, Result, encode
 RATE_EWMA_WEIGHT = 0.1
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "skipped", "failed", "rejected", "waste",
-    "closed", "exhausted", "rate", "dup_prompts", "worst",
+    "closed", "exhausted", "rate", "dup_prompts", "worst", "var",
 )  # fmt: skip
 
 
@@ -114,26 +114,31 @@ class Budget:
 
     # -- per sample (workers) -----------------------------------------------------------
     def admit(
-        self, category: str, sample_id: str, estimate: int, lease_ms: int, max_add: int = 0
+        self, category: str, sample_id: str, estimate: int, lease_ms: int, max_add: int = 0,
+        variance: int = 0, sigmas: float = 0.0,
     ) -> tuple[str, Pending | None]:
-        """Admit a sample: reserve `estimate` tokens; with `max_add` > 0 (the most the sample
-        can add to `used`), also keep `used` + what in-flight samples can add below the cap."""
+        """Admit a sample: reserve `estimate` tokens (whose variance is `variance`) while
+        used + reserved + estimate + `sigmas` standard deviations of the in-flight total stay
+        below the cap; with `max_add` > 0 (the most the sample can add to `used`), also keep
+        `used` + what in-flight samples can add below the cap."""
         ck = self.keys.cat(category)
         now = now_ms()
         out = self.scripts.admit(
-            keys=[ck.state, ck.pending, ck.leases, ck.parked, ck.reserved, ck.final, ck.worst],
-            args=[sample_id, estimate, now + lease_ms, now, max_add],
+            keys=[ck.state, ck.pending, ck.leases, ck.parked, ck.reserved, ck.final, ck.worst,
+                  ck.var],
+            args=[sample_id, estimate, now + lease_ms, now, max_add, variance, sigmas],
         )
         status = _s(out[0])
         payload = msgspec.json.decode(out[1], type=Pending) if status == "ok" else None
         return status, payload
 
-    def heartbeat(self, category: str, sample_id: str, estimate: int, lease_ms: int) -> bool:
+    def heartbeat(self, category: str, sample_id: str, estimate: int, lease_ms: int,
+                  variance: int = 0) -> bool:
         ck = self.keys.cat(category)
         return bool(
             self.scripts.heartbeat(
-                keys=[ck.state, ck.reserved, ck.leases],
-                args=[sample_id, estimate, now_ms() + lease_ms],
+                keys=[ck.state, ck.reserved, ck.leases, ck.var],
+                args=[sample_id, estimate, now_ms() + lease_ms, variance],
             )
         )
 
@@ -141,7 +146,7 @@ class Budget:
         ck = self.keys.cat(result.category)
         out = self.scripts.commit(
             keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.hist, ck.results,
-                  ck.worst],
+                  ck.worst, ck.var],
             args=[
                 result.id, result.counted_tokens, waste, bucket_of(result.completion_tokens),
                 f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result),
@@ -153,7 +158,7 @@ class Budget:
         ck = self.keys.cat(category)
         return bool(
             self.scripts.release(
-                keys=[ck.state, ck.reserved, ck.pending, ck.final, ck.leases, ck.worst],
+                keys=[ck.state, ck.reserved, ck.pending, ck.final, ck.leases, ck.worst, ck.var],
                 args=[p.sample_id, encode(p), retry_at_ms],
             )
         )
@@ -165,7 +170,7 @@ class Budget:
         value = ("r:" if rejected else "d:") + dead.reason
         return self.scripts.fail(
             keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.parked, ck.dead,
-                  ck.reasons, ck.worst],
+                  ck.reasons, ck.worst, ck.var],
             args=[dead.id, value, "rejected" if rejected else "failed", encode(dead),
                   dead.reason],
             client=pipe or self.redis,
@@ -225,6 +230,7 @@ class Budget:
                 "used": used,
                 "reserved": int(st["reserved"]),
                 "worst": int(st["worst"]),
+                "var": int(st["var"]),
                 "samples": int(st["samples"]),
                 "skipped": int(st["skipped"]),
                 "failed": int(st["failed"]),

@@ -4,6 +4,10 @@ A flat mean under-reserves because long samples stay in flight longer (inspectio
 For a sample that has produced `g` tokens we reserve E[L | L > g], with L taken from the
 category's committed output lengths (a histogram of `HIST_BUCKET_TOKENS`-wide buckets).
 Before `MIN_SAMPLES` commits the configured expected length stands in for the histogram.
+
+Admission also keeps a margin of `margin_sigmas` standard deviations of what the in-flight
+samples will still add, so each sample carries Var[L | L > g] from the same histogram
+(before `MIN_SAMPLES` commits: a coefficient of variation of PRIOR_CV).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping
 from budget_service.keys import HIST_BUCKET_TOKENS
 
 MIN_SAMPLES = 16
+PRIOR_CV = 1.0
 
 
 def bucket_of(tokens: int) -> int:
@@ -29,12 +34,14 @@ class LengthModel:
         self.n = sum(c for _, c in items)
         # suffix sums over buckets: count and token mass at or above each bucket
         self._buckets = [b for b, _ in items]
-        self._suffix: list[tuple[int, float]] = []
-        cnt, mass = 0, 0.0
+        self._suffix: list[tuple[int, float, float]] = []
+        cnt, mass, sq = 0, 0.0, 0.0
         for b, c in reversed(items):
+            x = (b + 0.5) * HIST_BUCKET_TOKENS
             cnt += c
-            mass += c * (b + 0.5) * HIST_BUCKET_TOKENS
-            self._suffix.append((cnt, mass))
+            mass += c * x
+            sq += c * x * x
+            self._suffix.append((cnt, mass, sq))
         self._suffix.reverse()
 
     @classmethod
@@ -46,16 +53,32 @@ class LengthModel:
 
     def conditional(self, progressed_tokens: float) -> int:
         """Expected final output length of a sample known to exceed `progressed_tokens`."""
+        return self.moments(progressed_tokens)[0]
+
+    def variance(self) -> int:
+        return self.moments(0)[1]
+
+    def moments(self, progressed_tokens: float) -> tuple[int, int]:
+        """(E[L | L > g], Var[L | L > g]) in tokens and tokens squared, g = progressed."""
         g = max(0.0, float(progressed_tokens))
+        var = None
         if self.n < MIN_SAMPLES:
             est = max(float(self.expected), g + 1)
+            var = (PRIOR_CV * est) ** 2
         else:
             est = None
             for i, b in enumerate(self._buckets):
                 if (b + 1) * HIST_BUCKET_TOKENS > g:
-                    cnt, mass = self._suffix[i]
-                    est = max(mass / cnt, g + 1)
+                    cnt, mass, sq = self._suffix[i]
+                    mean = mass / cnt
+                    est = max(mean, g + 1)
+                    # within-bucket spread (uniform over a bucket) on top of the bucket centres
+                    var = max(0.0, sq / cnt - mean * mean) + HIST_BUCKET_TOKENS ** 2 / 12
                     break
             if est is None:  # longer than anything seen so far
                 est = g + HIST_BUCKET_TOKENS
-        return int(min(self.max_tokens, round(est)))
+                var = float(HIST_BUCKET_TOKENS ** 2)
+        est = min(self.max_tokens, round(est))
+        # what is left can be no more than max_tokens - g: cap the spread at that range
+        room = max(0.0, self.max_tokens - g)
+        return int(est), int(round(min(var, room * room)))

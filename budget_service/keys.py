@@ -18,10 +18,12 @@ category on one slot (each Lua script touches one category only).
 | `P:run:{cat}:prompts`  | hash   | dedup (digest -> id)    | dedup                   | run       |
 | `P:run:{cat}:reasons`  | hash   | fail, dedup (counts)    | status                  | run       |
 | `P:run:{cat}:worst`    | hash   | admit                   | admit (hard guard)      | in flight |
+| `P:run:{cat}:var`      | hash   | admit, heartbeat        | admit (margin)          | in flight |
 | `P:run:producer`       | string | producer (lock, TTL)    | producer                | 15 s TTL  |
 | `P:refused`            | stream | worker (refused jobs)   | operators               | capped    |
 
 State hash fields: cap, used, reserved, worst (the most in-flight samples can still add),
+var (the variance of what they will add, tokens^2),
 samples, skipped, failed, rejected, waste, closed (0/1), exhausted (0/1), rate (EWMA of
 per-request decode tok/s), dup_prompts, cursor (producer position in the shuffled order).
 `final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
@@ -51,6 +53,7 @@ class CategoryKeys(NamedTuple):
     prompts: str
     reasons: str
     worst: str
+    var: str
 
 
 class Keys:

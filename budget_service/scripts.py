@@ -11,6 +11,8 @@ LUA_DIR = Path(__file__).with_name("lua")
 NAMES = (
     "feed", "admit", "heartbeat", "commit", "fail", "release", "close", "reconcile", "dedup",
 )
+# scripts that end a sample's time in flight start with the shared `drop_inflight` helper
+WITH_INFLIGHT = frozenset({"admit", "commit", "fail", "release"})
 
 
 class Scripts:
@@ -27,5 +29,9 @@ class Scripts:
     dedup: Script
 
     def __init__(self, redis: Redis) -> None:
+        prelude = (LUA_DIR / "_inflight.lua").read_text()
         for name in NAMES:
-            setattr(self, name, redis.register_script((LUA_DIR / f"{name}.lua").read_text()))
+            text = (LUA_DIR / f"{name}.lua").read_text()
+            if name in WITH_INFLIGHT:
+                text = prelude + text
+            setattr(self, name, redis.register_script(text))

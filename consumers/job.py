@@ -155,9 +155,9 @@ class _Heartbeat:
             try:
                 model, rate = beat.rc.model(beat.cat)
                 progressed = (time.monotonic() - beat.t0) * rate
-                est = model.conditional(progressed) + beat.extra
-                beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est,
-                                         int(beat.rc.cfg.lease_s * 1000))
+                est, var = model.moments(progressed)
+                beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est + beat.extra,
+                                         int(beat.rc.cfg.lease_s * 1000), var)
             except Exception as exc:  # a missed beat only shortens the lease
                 log.warning("heartbeat failed for %s/%s: %s", beat.cat.name, beat.sample_id,
                             exc)
@@ -177,8 +177,9 @@ def process(ref: dict[str, Any]) -> str:
     model, _rate = rc.model(cat)
     lease_ms = int(rc.cfg.lease_s * 1000)
     max_add = cat.sampling.max_new_tokens + extra if rc.cfg.hard_cap else 0
-    status, pending = budget.admit(cat.name, job.sample_id, model.mean() + extra, lease_ms,
-                                   max_add)
+    est, var = model.moments(0)
+    status, pending = budget.admit(cat.name, job.sample_id, est + extra, lease_ms, max_add,
+                                   var, rc.cfg.margin_sigmas)
     if status != "ok":
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status

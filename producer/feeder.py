@@ -421,15 +421,18 @@ class Producer:
             # only when something changed since the last try, and only as many as admission
             # would take now (else they are parked again at once: measured 20 RQ jobs per
             # committed sample in a tapering category)
-            mark = (st["used"], st["reserved"], st["worst"], st["in_flight"], st["cap"])
+            mark = (st["used"], st["reserved"], st["worst"], st["var"], st["in_flight"],
+                    st["cap"])
             if self._unpark_mark.get(name) == mark:
                 return 0
             self._unpark_mark[name] = mark
             model = LengthModel.from_redis(self.redis.hgetall(ck.hist),
                                            self.cfg.expected_for(feed.cat),
                                            feed.cat.sampling.max_new_tokens)
-            free = st["cap"] - st["used"] - st["reserved"]
-            count = int(free // max(1.0, model.mean())) if st["reserved"] else 1
+            est, var = model.moments(0)
+            margin = self.cfg.margin_sigmas * math.sqrt(st["var"] + var)
+            free = st["cap"] - st["used"] - st["reserved"] - margin
+            count = int(free // max(1.0, est)) if st["reserved"] else 1
             if self.cfg.hard_cap:
                 max_add = feed.cat.sampling.max_new_tokens
                 room = st["cap"] - st["used"] - st["worst"]

@@ -32,3 +32,20 @@ def test_longer_than_anything_seen_and_the_cap() -> None:
     assert m.conditional(1000) == 200  # clamped to max_new_tokens
     m2 = model([50] * 20)
     assert m2.conditional(90) == 90 + W  # beyond the histogram: a little more than seen
+
+
+def test_conditional_variance_over_the_buckets_above_progress() -> None:
+    # two equal groups at bucket centres 0.5 W and 10.5 W: variance (5 W)^2 + W^2/12
+    m = model([1] * 16 + [10 * W + 1] * 16)
+    est, var = m.moments(0)
+    assert est == m.mean()
+    assert var == round((5 * W) ** 2 + W * W / 12)
+    # past bucket 0 only one group is left: nothing but the within-bucket spread
+    assert m.moments(W + 1)[1] == round(W * W / 12)
+
+
+def test_prior_variance_and_the_room_left_cap_the_spread() -> None:
+    m = model([], expected=300, max_tokens=4096)
+    assert m.moments(0) == (300, 300 * 300)  # coefficient of variation 1 before commits
+    # 4,000 of 4,096 tokens produced: what is left can vary by at most 96 tokens
+    assert m.moments(4000)[1] <= 96 * 96

@@ -191,6 +191,32 @@ def test_hard_guard_keeps_used_below_cap_plus_one_sample(budget: Budget) -> None
     assert budget.admit("code", "f", 10, LEASE_MS, max_add=300)[0] == "closed"
 
 
+def test_margin_holds_back_by_sigmas_of_the_in_flight_total(budget: Budget) -> None:
+    # cap 1000, estimates 200 with variance 100^2 each, margin 2 sigmas:
+    # a: nothing in flight -> admitted; b: 0+200+200 + 2*sqrt(2e4)=283 -> 683 < 1000 ok;
+    # c: 400+200 + 2*sqrt(3e4)=346 -> 946 ok; d: 600+200 + 2*sqrt(4e4)=400 -> 1200 wait
+    for sid in "abcd":
+        feed(budget, sid)
+    outcomes = [budget.admit("code", sid, 200, LEASE_MS, variance=10_000, sigmas=2.0)[0]
+                for sid in "abcd"]
+    assert outcomes == ["ok", "ok", "ok", "wait"]
+    assert budget.state("code")["var"] == 30_000
+    # without the margin the same request fits (600 + 200 < 1000)
+    assert budget.admit("code", "d", 200, LEASE_MS, variance=10_000, sigmas=0.0)[0] == "ok"
+    # a heartbeat moves a sample's variance; commit, release and fail drop it
+    assert budget.heartbeat("code", "a", 250, LEASE_MS, variance=2_500)
+    assert budget.state("code")["var"] == 32_500
+    assert budget.heartbeat("code", "d", 64, LEASE_MS, variance=0)  # at its max: no spread
+    assert budget.state("code")["var"] == 22_500
+    budget.commit(result("a", 240), 0, 0.0)
+    budget.release("code", pending("b"), 1)
+    budget.fail(DeadLetter(id="c", category="code", outcome="dead", reason="timeout"))
+    budget.commit(result("d", 10), 0, 0.0)
+    st = budget.state("code")
+    assert (st["var"], st["reserved"]) == (0, 0)
+    assert not budget.redis.exists(budget.keys.cat("code").var)
+
+
 def test_worst_is_released_by_fail_and_release(budget: Budget) -> None:
     feed(budget, "a")
     feed(budget, "b")

@@ -121,6 +121,8 @@ def test_adaptive_concurrency_keeps_the_engine_queue_short(tmp_path, redis_url) 
 run = "adaptive"
 output_dir = "{tmp_path / 'out'}"
 adaptive_max_queue = 2
+# this measures the gate: no admission margin tapering the small cap (31 outputs)
+margin_sigmas = 0
 [[category]]
 name = "x"
 source = "{src}"

@@ -91,7 +91,8 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] = {}
     count: Literal["output", "total"] = "output"
     count_truncated: bool = True
-    hard_cap: bool = True
+    hard_cap: bool = False
+    margin_sigmas: Annotated[float, Meta(ge=0, le=10)] = 3.0
     cap_tokens: NonNegInt = DEFAULT_CAP_TOKENS
     seed: int = 0
     context_length: PositiveInt | None = None

@@ -1,22 +1,13 @@
 -- commit.lua: count a finished sample exactly once and publish its result.
 -- KEYS[1] state  KEYS[2] reserved  KEYS[3] final  KEYS[4] pending  KEYS[5] leases
--- KEYS[6] hist  KEYS[7] results (stream)  KEYS[8] worst
+-- KEYS[6] hist  KEYS[7] results (stream)  KEYS[8] worst  KEYS[9] var
 -- ARGV[1] sample id  ARGV[2] counted tokens  ARGV[3] waste tokens  ARGV[4] hist bucket
 -- ARGV[5] observed decode rate (tok/s per request, 0 = none)  ARGV[6] EWMA weight
 -- ARGV[7] result JSON
 -- Returns {'ok', used}, or {'dup', used} when the sample was final before (then it only
 -- clears the sample's ledger entries).
 local s = ARGV[1]
-local r = redis.call('HGET', KEYS[2], s)
-if r then
-  redis.call('HDEL', KEYS[2], s)
-  redis.call('HINCRBY', KEYS[1], 'reserved', -tonumber(r))
-end
-local w = redis.call('HGET', KEYS[8], s)
-if w then
-  redis.call('HDEL', KEYS[8], s)
-  redis.call('HINCRBY', KEYS[1], 'worst', -tonumber(w))
-end
+drop_inflight(KEYS[1], s, KEYS[2], KEYS[8], KEYS[9])
 if redis.call('HEXISTS', KEYS[3], s) == 1 then
   redis.call('HDEL', KEYS[4], s)
   redis.call('ZREM', KEYS[5], s)
