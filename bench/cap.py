@@ -4,9 +4,9 @@ feeding a category once past its cap, everything in flight still counts).
 
 Eight categories with long-tailed outputs (lognormal sigma 1.0, means 300..2000 tokens,
 max_new_tokens 2048..8192, so some outputs are cut at the maximum) and caps CAPS x scale,
-64 in flight. At the default scale the caps are 160..200 x max_new_tokens (328k..1.64M
-tokens): the ratio of a real run (a 10M cap is 305 x a 32,768-token max_new_tokens), as
-overshoot is at best a fraction of one output and so of max_new_tokens, not of the cap.
+64 in flight. At the default scale the caps are 122..153 x max_new_tokens (250k..1.25M
+tokens), near the ratio of a real run (a 10M cap is 305 x a 32,768-token max_new_tokens):
+overshoot is at best a fraction of one output, so it scales with max_new_tokens, not the cap.
 Both policies run on the same prompts in the same (the producer's seeded) order and draw
 the same output lengths (the simulator derives a length from the prompt); the baseline's
 simulator runs BASELINE_SPEEDUP times faster (its counting does not depend on time). The
@@ -37,6 +37,7 @@ from bench.common import (
 )
 from bench.direct import Feed, stop_after_passing
 from bench.sim import Sim, SimSettings
+from sglang_sim.testing import time_fraction_below
 
 NAME = "cap"
 SEED = 23
@@ -49,18 +50,18 @@ MIX = [
     ("math", 1200, 8192, 657_000), ("agent", 1500, 8192, 771_000),
     ("proofs", 1800, 8192, 886_000), ("reasoning", 2000, 8192, 1_000_000),
 ]
-# BENCH_CAP_SCALE=0.5 runs the smaller caps (80..120 x max_new_tokens) of earlier reports.
-DEFAULT_SCALE = 1.64
-TIME_SCALE = 100.0
-BASELINE_SPEEDUP = 3.0
-HEARTBEAT_SIM_S = 20.0
+# BENCH_CAP_SCALE=0.5 runs the smaller caps (49..61 x max_new_tokens) of earlier reports.
+DEFAULT_SCALE = 1.25
+TIME_SCALE = 60.0
+BASELINE_SPEEDUP = 4.0
+HEARTBEAT_SIM_S = 60.0
 LEASE_S = round(3 * HEARTBEAT_SIM_S / TIME_SCALE, 2)
 PROMPT_TOKENS = (200, 1500)
 TIMELINE_S = 0.2
 # Wall-clock limits that keep the whole benchmark under 10 minutes; a run stopped by one is
 # reported as stopped_early (its figures then cover what ran).
 RUN_DEADLINE_S = 240.0
-SEQUENTIAL_DEADLINE_S = 60.0
+SEQUENTIAL_DEADLINE_S = 45.0
 TARGET_FRAC = 0.005
 
 
@@ -170,13 +171,27 @@ def run_pipeline(bench: Bench, sim: Sim, mix: list[Cat], *, sequential: bool) ->
             "rq_jobs_per_committed": jobs / committed if committed else 0.0}
 
 
-def baseline(sim: Sim, mix: list[Cat], sources: dict) -> dict[str, Any]:
-    feeds = [Feed(c, ordered_prompts(sources[c.name], SEED)) for c in mix]
-    sim.reset()
-    wall = stop_after_passing(sim.url, feeds, N)
-    return {"wall_s": wall, "counted": {f.cat.name: f.counted for f in feeds},
-            "samples": {f.cat.name: f.samples for f in feeds},
-            "source_left": {f.cat.name: f.pos < len(f.prompts) for f in feeds}}
+def baseline(bench: Bench, mix: list[Cat]) -> dict[str, Any]:
+    """The stop-after-passing client on its own (faster) simulator, once per bench run
+    (shared with the tail scenario: it never holds a sample back, so the time its batch
+    spends below 90% is the final drain any policy that stops at caps has)."""
+    key = f"cap:baseline:{[c.cap for c in mix]}"
+    if key in bench.cache:
+        return bench.cache[key]
+    sources = bench.sources("cap", mix, *PROMPT_TOKENS)
+    with Sim(bench.dir, "cap-base", sim_settings(mix, BASELINE_SPEEDUP)) as sim:
+        log(f"{NAME}: stop-after-passing client, {N} in flight")
+        feeds = [Feed(c, ordered_prompts(sources[c.name], SEED)) for c in mix]
+        sim.reset()
+        wall = stop_after_passing(sim.url, feeds, N)
+        stats = sim.stats()
+    out = {"wall_s": wall, "counted": {f.cat.name: f.counted for f in feeds},
+           "samples": {f.cat.name: f.samples for f in feeds},
+           "source_left": {f.cat.name: f.pos < len(f.prompts) for f in feeds},
+           "frac_below_90": time_fraction_below(stats, threshold(N), include_idle=True),
+           "sim_s": stats["sim_time_s"]}
+    bench.cache[key] = out
+    return out
 
 
 def interleaved(bench: Bench, sim: Sim, mix: list[Cat]) -> dict[str, Any]:
@@ -189,13 +204,10 @@ def interleaved(bench: Bench, sim: Sim, mix: list[Cat]) -> dict[str, Any]:
 
 def run(bench: Bench) -> dict[str, Any]:
     mix = cats()
-    sources = bench.sources("cap", mix, *PROMPT_TOKENS)
     with Sim(bench.dir, "cap", sim_settings(mix)) as sim:
         log(f"{NAME}: pipeline, {N} consumers, caps {mix[0].cap:,}..{mix[-1].cap:,}")
         pipe = interleaved(bench, sim, mix)
-    with Sim(bench.dir, "cap-base", sim_settings(mix, BASELINE_SPEEDUP)) as sim:
-        log(f"{NAME}: stop-after-passing client, {N} in flight")
-        base = baseline(sim, mix, sources)
+    base = baseline(bench, mix)
     per_cat, rows = {}, []
     below = 0
     for c in mix:
