@@ -304,6 +304,7 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
         f"tokenizer = {json.dumps(str(TOKENIZER))}",
         'count = "output"',
         "count_truncated = true",
+        "hard_cap = true  # overshoot < max_new_tokens is checked below",
         f"seed = {args.seed}",
         f"expected_tokens = {max(1, int(expected_len(args.max_new, args.stop_prob)))}",
         "lease_s = 60",
