@@ -29,6 +29,7 @@ from sglang_sim.testing import (
     throughput_at_batch,
     time_fraction_below,
 )
+from tests.conftest import wait_until
 
 FAST = 1000.0  # time scale for tests that only look at protocol behaviour
 TIMEOUT_S = 30.0
@@ -348,8 +349,13 @@ def test_engine_timeline_is_exact_and_time_scale_invariant(time_scale: float) ->
 
 
 def test_kv_pressure_retracts_and_everything_finishes() -> None:
-    with SimServer(time_scale=FAST, max_total_tokens=3000, admit_headroom_tokens=16) as sim:
-        outs = asyncio.run(_burst(sim.url, 20, 400))
+    with SimServer(time_scale=FAST, max_total_tokens=3000, admit_headroom_tokens=16) as sim, \
+            ThreadPoolExecutor(max_workers=1) as pool:
+        sim.pause()  # all 20 arrive at one simulated instant, however slow the machine is
+        burst = pool.submit(lambda: asyncio.run(_burst(sim.url, 20, 400)))
+        wait_until(lambda: sim.stats()["submitted_total"] >= 20, 30, "20 requests queued")
+        sim.resume()
+        outs = burst.result(timeout=120)
         stats = sim.stats()
     assert stats["retractions_total"] > 0
     assert sum(o["meta_info"]["num_retractions"] for o in outs) == stats["retractions_total"]
