@@ -55,9 +55,6 @@ class LengthModel:
         """Expected final output length of a sample known to exceed `progressed_tokens`."""
         return self.moments(progressed_tokens)[0]
 
-    def variance(self) -> int:
-        return self.moments(0)[1]
-
     def moments(self, progressed_tokens: float) -> tuple[int, int]:
         """(E[L | L > g], Var[L | L > g]) in tokens and tokens squared, g = progressed."""
         g = max(0.0, float(progressed_tokens))

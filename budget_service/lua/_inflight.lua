@@ -4,9 +4,12 @@
 -- it will add), and subtract each from the state total of the same name.
 local function drop_inflight(state, s, reserved, worst, var)
   for field, key in pairs({reserved = reserved, worst = worst, var = var}) do
-    local v = tonumber(redis.call('HGET', key, s) or '0')
-    redis.call('HDEL', key, s)
-    -- never `-0`: HINCRBY refuses it as "not an integer"
-    if v ~= 0 then redis.call('HINCRBY', state, field, -v) end
+    local raw = redis.call('HGET', key, s)
+    if raw then
+      redis.call('HDEL', key, s)
+      local v = tonumber(raw)
+      -- never `-0`: HINCRBY refuses it as "not an integer"
+      if v ~= 0 then redis.call('HINCRBY', state, field, -v) end
+    end
   end
 end
