@@ -48,6 +48,9 @@ RESULT_TTL_S = 60
 FAILURE_TTL_S = 7 * 24 * 3600
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
+# Leases are checked for expiry at most this often (and at least 4 times per lease), not
+# every tick: a tick is 20 per second when idle, and each check is a round trip per category.
+REAP_EVERY_S = 0.5
 RUN_ID_CHECK_S = 1.0
 # No tokenizer packs more characters than this into one token: longer prompts are rejected
 # before tokenizing (a 50 MB line must not stall the producer).
@@ -102,6 +105,8 @@ class Producer:
         self._last_status: dict[str, Any] | None = None
         self._unpark_mark: dict[str, tuple[int, ...]] = {}
         self._run_id_at = 0.0
+        self._reaped_at = float("-inf")
+        self.reap_every_s = min(REAP_EVERY_S, cfg.lease_s / 4)
 
     # -- setup -------------------------------------------------------------------------
     def add_feed(self, feed: CategoryFeed) -> None:
@@ -115,9 +120,16 @@ class Producer:
         work = 0
         status = self.budget.status(list(self.feeds))["categories"]
         self._last_status = status
+        now = time.monotonic()
+        reap = now - self._reaped_at >= self.reap_every_s
+        if reap:
+            self._reaped_at = now
         for name, feed in self.feeds.items():
             st = status[name]
-            done = self.reap(feed) + self.unpark(feed, st)
+            reaped = self.reap(feed) if reap else 0
+            if reaped:
+                self._reaped_at = float("-inf")  # more may have expired: look again next tick
+            done = reaped + self.unpark(feed, st)
             if st["state"] == "open":
                 done += self.feed(feed, st)
                 if feed.exhausted and st["pending"] == 0 and done == 0:
