@@ -32,7 +32,7 @@ MAX_QUEUE = 2
 QUEUE_BOUND = MAX_QUEUE + BATCH  # the gate's bound plus workers racing between metric reads
 TIME_SCALE = 10.0  # a 500-token output lasts ~2 s of wall time at batch 8
 WARMUP_S = 3.0
-WINDOW_S = 8.0
+WINDOW_S = 6.0
 SAMPLE_S = 0.1
 CATS = [Cat("chat", 500, 0.8, 2048, prompts=2000, cap=10**9)]
 

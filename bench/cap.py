@@ -4,14 +4,15 @@ feeding a category once past its cap, everything in flight still counts).
 
 Eight categories with long-tailed outputs (lognormal sigma 1.0, means 300..2000 tokens,
 max_new_tokens 2048..8192, so some outputs are cut at the maximum) and caps CAPS x scale,
-64 in flight. At the default scale the caps are 122..153 x max_new_tokens (250k..1.25M
-tokens), near the ratio of a real run (a 10M cap is 305 x a 32,768-token max_new_tokens):
+64 in flight. At the default scale the caps are 244..306 x max_new_tokens (500k..2.5M
+tokens), the ratio of a real run (a 10M cap is 305 x a 32,768-token max_new_tokens):
 overshoot is at best a fraction of one output, so it scales with max_new_tokens, not the cap.
 Both policies run on the same prompts in the same (the producer's seeded) order and draw
 the same output lengths (the simulator derives a length from the prompt); the baseline's
 simulator runs BASELINE_SPEEDUP times faster (its counting does not depend on time). The
-pipeline's simulator runs at TIME_SCALE; its lease is LEASE_S so that its heartbeat (a third
-of the lease) re-estimates reservations every HEARTBEAT_SIM_S simulated seconds.
+pipeline's simulator runs at TIME_SCALE; its workers' heartbeat (`heartbeat_s`) re-estimates
+reservations every HEARTBEAT_SIM_S simulated seconds (a real worker's 2 s is ~30-100 tokens
+of one request; 15 simulated s here is ~225), with a LEASE_S wall-second lease.
 
 The pipeline run also keeps a timeline of /_sim/stats for the tail scenario.
 """
@@ -50,18 +51,19 @@ MIX = [
     ("math", 1200, 8192, 657_000), ("agent", 1500, 8192, 771_000),
     ("proofs", 1800, 8192, 886_000), ("reasoning", 2000, 8192, 1_000_000),
 ]
-# BENCH_CAP_SCALE=0.5 runs the smaller caps (49..61 x max_new_tokens) of earlier reports.
-DEFAULT_SCALE = 1.25
+# BENCH_CAP_SCALE=1.25 (or 0.5) runs the smaller caps of earlier reports.
+DEFAULT_SCALE = 2.5
 TIME_SCALE = 60.0
 BASELINE_SPEEDUP = 4.0
-HEARTBEAT_SIM_S = 60.0
-LEASE_S = round(3 * HEARTBEAT_SIM_S / TIME_SCALE, 2)
+HEARTBEAT_SIM_S = 15.0
+HEARTBEAT_S = round(HEARTBEAT_SIM_S / TIME_SCALE, 3)
+LEASE_S = 3.0
 PROMPT_TOKENS = (200, 1500)
 TIMELINE_S = 0.2
 # Wall-clock limits that keep the whole benchmark under 10 minutes; a run stopped by one is
 # reported as stopped_early (its figures then cover what ran).
-RUN_DEADLINE_S = 240.0
-SEQUENTIAL_DEADLINE_S = 45.0
+RUN_DEADLINE_S = 300.0
+SEQUENTIAL_DEADLINE_S = 35.0
 TARGET_FRAC = 0.005
 
 
@@ -124,6 +126,7 @@ def run_pipeline(bench: Bench, sim: Sim, mix: list[Cat], *, sequential: bool) ->
     sources = bench.sources("cap", mix, *PROMPT_TOKENS)
     cfg = load_run_config(d / "run.toml", config_toml(
         f"cap{tag}", d / "out", mix, sources, seed=SEED, lease_s=LEASE_S,
+        heartbeat_s=HEARTBEAT_S,
         context_length=32768))
     pipe = Pipeline(cfg, bench.redis.url, sim.url, d / "workers.log")
     counter = _Count()
@@ -249,6 +252,7 @@ def run(bench: Bench) -> dict[str, Any]:
                     "pipeline_rq_jobs_per_committed": pipe["rq_jobs_per_committed"]},
         "settings": {"consumers": N, "time_scale": TIME_SCALE,
                      "baseline_time_scale": TIME_SCALE * BASELINE_SPEEDUP, "lease_s": LEASE_S,
+                     "heartbeat_s": HEARTBEAT_S,
                      "heartbeat_sim_s": HEARTBEAT_SIM_S, "sigma": SIGMA, "seed": SEED,
                      "prompt_tokens": PROMPT_TOKENS, "cap_scale": mix[0].cap / MIX[0][3],
                      "target": f"overshoot <= {TARGET_FRAC:.1%} of cap"},

@@ -42,8 +42,8 @@ PROMPT_TOKENS = (200, 2000)
 # x25: a 1,000-token output lasts 68 simulated s at batch 64, i.e. 2.7 s of wall time.
 TIME_SCALE = 25.0
 NS = (16, 64)
-WARMUP_S = 5.0
-WINDOW_S = 14.0
+WARMUP_S = 4.0
+WINDOW_S = 10.0
 TARGET = 0.97
 
 

@@ -30,7 +30,7 @@ JOB_FUNC = "consumers.job.process"
 MODEL_REFRESH_S = 5.0
 DEFAULT_DECODE_TOK_S = 20.0  # per-request decode rate assumed before any commit
 RETRY_DELAY_S = 2.0
-BEAT_S = 2.0  # reservation refresh and lease extension while a sample is in flight
+IDLE_WAKE_S = 2.0  # the heartbeat thread's wake-up while no sample is in flight
 
 
 class RunContext:
@@ -48,6 +48,7 @@ class RunContext:
             adaptive_max_queue=cfg.adaptive_max_queue,
         )
         self._models: dict[str, tuple[float, LengthModel, float]] = {}
+        self.beat_s = min(cfg.heartbeat_s, cfg.lease_s / 3)
 
     def model(self, cat: Category) -> tuple[LengthModel, float]:
         """(length model, per-request decode tok/s), refreshed every MODEL_REFRESH_S."""
@@ -126,8 +127,9 @@ class _Beat(NamedTuple):
 
 
 class _Heartbeat:
-    """One daemon thread per process. Every `BEAT_S` it extends the lease of the sample in
-    flight and moves its reservation to E[L | L > g], g = elapsed x per-request decode rate.
+    """One daemon thread per process. Every `heartbeat_s` (at most a third of `lease_s`) it
+    extends the lease of the sample in flight and moves its reservation to E[L | L > g],
+    g = elapsed x per-request decode rate.
     Started once and reused by every job (a thread per job costs more than the job's own
     Redis calls)."""
 
@@ -148,7 +150,7 @@ class _Heartbeat:
     def _run(self) -> None:
         while True:
             beat = self._current
-            self._wake.wait(BEAT_S if beat is None else min(BEAT_S, beat.rc.cfg.lease_s / 3))
+            self._wake.wait(IDLE_WAKE_S if beat is None else beat.rc.beat_s)
             beat = self._current
             if beat is None:
                 continue

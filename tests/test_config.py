@@ -37,6 +37,7 @@ sampling = {{ {sampling} }}
     ("", "", "max_new_tokens = 8, logprobs = 1", "logprobs"),
     ("", "", "max_new_tokens = 0", "$.category[0].sampling.max_new_tokens"),
     ("count = 'input'", "", "max_new_tokens = 1", "$.count"),
+    ("heartbeat_s = 0", "", "max_new_tokens = 1", "$.heartbeat_s"),
 ])
 def test_bad_fields_are_named(tmp_path, extra, cat_extra, sampling, field) -> None:
     path = tmp_path / "bad.toml"
@@ -100,3 +101,15 @@ def test_job_timeout_covers_the_http_retry_budget() -> None:
     worst = (cfg.http_retries + 1) * (cfg.connect_timeout_s + cfg.read_timeout_s) \
         + cfg.http_retries * cfg.backoff_max_s
     assert cfg.job_timeout_s() > worst
+
+
+@pytest.mark.parametrize("lease_s,heartbeat_s,beat", [(30.0, 2.0, 2.0), (3.0, 2.0, 1.0),
+                                                      (3.0, 0.25, 0.25)])
+def test_heartbeat_is_at_most_a_third_of_the_lease(lease_s, heartbeat_s, beat) -> None:
+    from consumers.job import RunContext
+    from tokencap.config import Category, RunConfig, SamplingParams
+
+    cfg = RunConfig(run="r", output_dir="o", lease_s=lease_s, heartbeat_s=heartbeat_s,
+                    category=[Category(name="a", sources=["x"],
+                                       sampling=SamplingParams(max_new_tokens=1))])
+    assert RunContext(None, cfg, ["http://127.0.0.1:1"]).beat_s == pytest.approx(beat)

@@ -99,6 +99,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     expected_tokens: PositiveInt = 512
     high_water: PositiveInt = 16
     lease_s: PositiveFloat = 30.0
+    heartbeat_s: PositiveFloat = 2.0
     max_attempts: PositiveInt = 4
     lock_ttl_s: PositiveFloat = 15.0
     connect_timeout_s: PositiveFloat = 3.05
