@@ -26,7 +26,7 @@ from bench.sim import Sim, SimSettings, window_figures
 
 NAME = "adaptive"
 BATCH = 8
-FIXED = (8, 10, 16)
+FIXED = (8, 16)
 ADAPTIVE_WORKERS = 4 * BATCH
 MAX_QUEUE = 2
 QUEUE_BOUND = MAX_QUEUE + BATCH  # the gate's bound plus workers racing between metric reads

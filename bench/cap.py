@@ -63,7 +63,7 @@ TIMELINE_S = 0.2
 # Wall-clock limits that keep the whole benchmark under 10 minutes; a run stopped by one is
 # reported as stopped_early (its figures then cover what ran).
 RUN_DEADLINE_S = 300.0
-SEQUENTIAL_DEADLINE_S = 35.0
+SEQUENTIAL_DEADLINE_S = 25.0
 TARGET_FRAC = 0.005
 
 

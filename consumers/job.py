@@ -129,7 +129,7 @@ class _Beat(NamedTuple):
 class _Heartbeat:
     """One daemon thread per process. Every `heartbeat_s` (at most a third of `lease_s`) it
     extends the lease of the sample in flight and moves its reservation to E[L | L > g],
-    g = elapsed x per-request decode rate.
+    g = (elapsed + heartbeat_s) x per-request decode rate: its progress by the next beat.
     Started once and reused by every job (a thread per job costs more than the job's own
     Redis calls)."""
 
@@ -155,14 +155,22 @@ class _Heartbeat:
             if beat is None:
                 continue
             try:
-                model, rate = beat.rc.model(beat.cat)
-                progressed = (time.monotonic() - beat.t0) * rate
-                est, var = model.moments(progressed)
-                beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est + beat.extra,
-                                         int(beat.rc.cfg.lease_s * 1000), var)
+                self.send(beat)
             except Exception as exc:  # a missed beat only shortens the lease
                 log.warning("heartbeat failed for %s/%s: %s", beat.cat.name, beat.sample_id,
                             exc)
+
+    @staticmethod
+    def send(beat: _Beat) -> None:
+        """One beat: extend the lease, move the reservation to E[L | L > g] and its variance,
+        g = the sample's progress by the next beat. Until then the reservation cannot move,
+        and E[L | L > g] only grows with g: a sample still running at the next beat is not
+        under-reserved in between (one that finishes first releases its reservation)."""
+        model, rate = beat.rc.model(beat.cat)
+        progressed = (time.monotonic() - beat.t0 + beat.rc.beat_s) * rate
+        est, var = model.moments(progressed)
+        beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est + beat.extra,
+                                 int(beat.rc.cfg.lease_s * 1000), var)
 
 
 _heartbeat = _Heartbeat()

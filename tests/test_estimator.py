@@ -49,3 +49,27 @@ def test_prior_variance_and_the_room_left_cap_the_spread() -> None:
     assert m.moments(0) == (300, 300 * 300)  # coefficient of variation 1 before commits
     # 4,000 of 4,096 tokens produced: what is left can vary by at most 96 tokens
     assert m.moments(4000)[1] <= 96 * 96
+
+
+def test_a_beat_reserves_for_the_progress_at_the_next_beat() -> None:
+    """Between beats a reservation cannot move while E[L | L > g] grows with g: a beat
+    reserves for the progress the sample will have by the next beat, never less."""
+    import time
+    from types import SimpleNamespace
+
+    from consumers.job import _Beat, _Heartbeat
+
+    # half the outputs are ~100 tokens, half ~1,000: E[L | L > g] jumps once g passes 100
+    model = LengthModel({6: 50, 62: 50}, 500, 2048)
+    sent: list[tuple[int, int]] = []
+    budget = SimpleNamespace(heartbeat=lambda cat, sid, est, lease_ms, var: sent.append(
+        (est, var)))
+    rc = SimpleNamespace(model=lambda cat: (model, 20.0), beat_s=5.0, budget=budget,
+                         cfg=SimpleNamespace(lease_s=15.0))
+    cat = SimpleNamespace(name="c")
+    # 1 s in at 20 tok/s: 20 tokens now, 120 by the next beat (5 s later)
+    _Heartbeat.send(_Beat(rc, cat, "s1", 7, time.monotonic() - 1.0))
+    (est, var), = sent
+    assert model.moments(20)[0] < model.moments(120)[0]
+    # (any progress from 112 to 1,007 tokens gives the same moments here)
+    assert (est - 7, var) == model.moments(120)
