@@ -31,8 +31,8 @@ ALLOWED_FUNCS = frozenset({JOB_FUNC})
 REFUSED_STREAM_MAXLEN = 10_000
 RESTART_BACKOFF_MIN_S = 0.5
 RESTART_BACKOFF_MAX_S = 10.0
-# RQ beats the worker key twice per job loop (before and after the dequeue), three round
-# trips each, on top of the beat it pipelines into its suspension check. A beat that only
+# RQ beats the worker key three times per job loop (before and after the dequeue, after the
+# job), three round trips each, on top of the beat it pipelines into its suspension check. A beat that only
 # repeats one sent less than this long ago (same TTL) is skipped: the key's expiry moves by
 # at most this much out of its ~480 s.
 WORKER_BEAT_MIN_S = 1.0
