@@ -26,7 +26,7 @@ import psutil
 from redis import Redis
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures"
+FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
 SHAREGPT = FIXTURES / "datasets" / "sharegpt" / "fastchat_dummy_conversation.json"
 PY = sys.executable

@@ -6,7 +6,7 @@ noise, but they are produced by a real `model.generate` loop on the GPU (CUDA wh
 available, else the CPU), so tokencap's workers, budget and writer run against real
 generation latencies, batching and token ids.
 
-Routes (SGLang's shapes, see shared/reference/sglang_api.md §1-2):
+Routes (SGLang's shapes, as in SGLang's http_server.py and io_struct.py):
 
 - ``POST|PUT /generate``: ``{"input_ids": [...] | "text": "...", "sampling_params": {...},
   "rid": "..."}`` -> ``{"text", "output_ids", "meta_info": {"id", "finish_reason",

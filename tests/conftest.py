@@ -18,7 +18,7 @@ from redis import Redis
 from tokencap.launcher import find_redis_server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures"
+FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
 DATASETS = FIXTURES / "datasets"
 START_TIMEOUT_S = 20.0

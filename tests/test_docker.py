@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
-SCHEMA = ROOT.parent / "shared" / "fixtures" / "schemas" / "compose-spec.json"
+SCHEMA = ROOT / "tests" / "fixtures" / "schemas" / "compose-spec.json"
 
 TOKENCAP_SERVICES = {"sim", "budget", "writer", "producer", "worker"}
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")

@@ -1,4 +1,4 @@
-"""Dataset readers and record normalisation, against the shared fixtures and generated files."""
+"""Dataset readers and record normalisation, against the fixtures in tests/fixtures and generated files."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from producer import readers
 from producer.formats import FORMATS, Rejected, detect_format, to_prompt
 from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 DATASETS = FIXTURES / "datasets"
 
 # (file, records, detected format)

@@ -16,7 +16,7 @@ from tokencap.errors import TokencapError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when transformers is first imported
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
 PHI3 = FIXTURES / "tokenizers" / "phi-3-mini"
 DATASETS = FIXTURES / "datasets"
