@@ -174,7 +174,7 @@ def config_toml(run: str, out: Path, cats: list[Cat], sources: dict[str, Path],
 
 
 def load_run_config(path: Path, body: str) -> Any:
-    from tokencap.config import load_config
+    from foundation.config import load_config
 
     path.write_text(body)
     return load_config(path)
@@ -203,7 +203,7 @@ class Pipeline:
     def __init__(self, cfg: Any, redis_url: str, engine_url: str, log_path: Path) -> None:
         from budget_service.budget import Budget
         from budget_service.keys import Keys
-        from tokencap.redisconn import connect
+        from foundation.redisconn import connect
 
         self.cfg = cfg
         self.redis_url = redis_url

@@ -1,7 +1,12 @@
-"""The budget: every state change of a run, each one Lua call, plus status.
+"""The budget: every change to a run's Redis state, each one Lua call, plus the reads.
 
-Workers call `admit`, `heartbeat`, `commit`, `release` and `fail`; the producer calls
-`init_run`, `feed`, `close` and `reconcile`; everybody may call `status`.
+Who calls what:
+- the producer: `init_run`, `feed`, `requeue`, `keep_lease`, `unpark`, `mark_exhausted`,
+  `reconcile`, `fail` (a sample lost too often);
+- workers: `admit`, `heartbeat`, `commit`, `release`, `fail`, `add_engine_counts`, `refuse`;
+- the writer: `ensure_groups`, `acknowledge`;
+- operators (CLI, HTTP): `set_cap`, `close`;
+- everybody: the reads (`status`, `state`, `hist`, `cursor`, `expired`, `entry`, ...).
 """
 
 from __future__ import annotations
@@ -9,20 +14,21 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 from redis import Redis
-from redis.exceptions import ResponseError
 
 from budget_service.estimator import bucket_of
-from budget_service.keys import WRITER_GROUP, Keys
+from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.scripts import Scripts
-from tokencap.config import RunConfig, config_from_json, config_to_json
-from tokencap.errors import RunMismatch
-from tokencap.wire import DeadLetter, Pending, Result, encode
+from foundation.config import RunConfig, config_from_json, config_to_json
+from foundation.errors import RunMismatch
+from foundation.wire import DeadLetter, Pending, Result, encode
 
 RATE_EWMA_WEIGHT = 0.1
+REFUSED_STREAM_MAXLEN = 10_000
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "skipped", "failed", "rejected", "waste",
     "closed", "exhausted", "rate", "dup_prompts", "worst", "var",
@@ -37,6 +43,27 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def prompt_digest(prompt_ids: Sequence[int]) -> str:
+    """What two samples with the same prompt token ids share (duplicate_prompt)."""
+    return hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12).hexdigest()
+
+
+class Entry(NamedTuple):
+    """What the ledger holds for one open sample (`Budget.entry`)."""
+
+    pending: Pending | None
+    seq: int
+    in_flight: bool
+
+
+class Unparked(NamedTuple):
+    """`Budget.unpark`'s answer: samples to enqueue again (id, seq), and how many were
+    skipped because the category is closed."""
+
+    leased: list[tuple[str, int]]
+    skipped: int
+
+
 class Budget:
     """All reads and writes of one run's budget state."""
 
@@ -44,6 +71,9 @@ class Budget:
         self.redis = redis
         self.keys = keys
         self.scripts = Scripts(redis)
+
+    def _ck(self, category: str) -> CategoryKeys:
+        return self.keys.cat(category)
 
     # -- run lifecycle (producer) -------------------------------------------------------
     def load_config(self) -> RunConfig | None:
@@ -54,7 +84,7 @@ class Budget:
         return bool(self.redis.exists(self.keys.meta))
 
     def init_run(self, cfg: RunConfig) -> bool:
-        """Create the run's keys if absent. Returns True if the run was created now.
+        """Create the run's keys where absent. Returns True if the run was created now.
 
         An existing run must have the same categories; caps already in Redis win (they
         may have been changed live), the rest of the stored config is replaced.
@@ -68,65 +98,101 @@ class Budget:
                     f"run {cfg.run!r} already exists in Redis with categories {old}; the config "
                     f"has {new}. Use another run name, or `tokencap reset {cfg.run}`."
                 )
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.meta, mapping={"config": config_to_json(cfg), "run": cfg.run})
-        pipe.hsetnx(self.keys.meta, "created_ms", now_ms())
+        self.scripts.init_run(keys=[self.keys.meta], args=[config_to_json(cfg), cfg.run, now_ms()])
         for cat in cfg.category:
-            ck = self.keys.cat(cat.name)
-            pipe.hsetnx(ck.state, "cap", cfg.cap_for(cat))
-            pipe.hsetnx(ck.state, "used", 0)
-            pipe.hsetnx(ck.state, "reserved", 0)
-        pipe.execute()
-        for cat in cfg.category:
-            ck = self.keys.cat(cat.name)
-            for stream in (ck.results, ck.dead):
-                try:
-                    self.redis.xgroup_create(stream, WRITER_GROUP, id="0", mkstream=True)
-                except ResponseError as exc:
-                    if "BUSYGROUP" not in str(exc):
-                        raise
+            self.scripts.init_category(keys=self._ck(cat.name),
+                                       args=[cfg.cap_for(cat), WRITER_GROUP])
         return existing is None
 
-    # -- feeding (producer) -------------------------------------------------------------
-    def feed(self, category: str, p: Pending, deadline_ms: int, pipe: Any = None) -> Any:
-        ck = self.keys.cat(category)
-        return self.scripts.feed(
-            keys=[ck.pending, ck.leases, ck.final],
-            args=[p.sample_id, encode(p), deadline_ms],
-            client=pipe or self.redis,
+    def ensure_groups(self, category: str) -> None:
+        """The writer's consumer group on the category's streams (after Redis lost them)."""
+        self.scripts.init_category(keys=self._ck(category), args=["", WRITER_GROUP])
+
+    # -- feeding and reaping (producer) -------------------------------------------------
+    def feed(self, category: str, cursor: int, new_cursor: int, deadline_ms: int,
+             samples: Sequence[Pending], rejected: Sequence[DeadLetter]) -> list[str] | None:
+        """Record `samples` (pending, leased until `deadline_ms`) and `rejected` (final) and
+        move the cursor from `cursor` to `new_cursor`, in one call. Returns the ids recorded
+        now, or None when Redis's cursor is not `cursor` (nothing written)."""
+        args: list[Any] = [cursor, new_cursor, deadline_ms, len(samples)]
+        for p in samples:
+            dup = DeadLetter(id=p.sample_id, category=category, outcome="rejected",
+                             reason="duplicate_prompt", where=p.where,
+                             message="same prompt token ids as an earlier sample")
+            args += [p.sample_id, prompt_digest(p.prompt_ids), encode(p), encode(dup)]
+        for d in rejected:
+            args += [d.id, d.reason, encode(d)]
+        out = self.scripts.feed(keys=self._ck(category), args=args)
+        if _s(out[0]) == "stale":
+            return None
+        return [_s(v) for v in out[1:]]
+
+    def requeue(self, category: str, p: Pending, seen_seq: int, deadline_ms: int) -> int:
+        """Give a sample whose lease expired back to its queue: returns its new seq (enqueue
+        its job with it), or -1 when it changed since it was read (nothing done)."""
+        return int(self.scripts.requeue(
+            keys=self._ck(category),
+            args=[p.sample_id, encode(p), now_ms(), deadline_ms, seen_seq],
+        ))
+
+    def keep_lease(self, category: str, sample_id: str, deadline_ms: int) -> bool:
+        """Extend the lease of a sample whose job still waits in its queue (False: it is no
+        longer pending, and its lease entry is dropped)."""
+        return bool(self.scripts.lease(keys=self._ck(category),
+                                       args=[sample_id, deadline_ms]))
+
+    def unpark(self, category: str, estimate: int, variance: int, max_add: int,
+               sigmas: float, deadline_ms: int, limit: int) -> Unparked:
+        """Lease again, with a new seq, as many parked samples as admission would take now
+        (each counted with `estimate`); skip them all if the category is closed."""
+        out = self.scripts.unpark(
+            keys=self._ck(category),
+            args=[deadline_ms, estimate, variance, max_add, sigmas, limit],
         )
+        pairs = [(_s(out[i]), int(out[i + 1])) for i in range(1, len(out), 2)]
+        return Unparked(pairs, int(out[0]))
 
-    def close(self, category: str, action: str, cap: int | None = None) -> tuple[bool, bool, int]:
-        ck = self.keys.cat(category)
-        args = [action] + ([cap] if cap is not None else [])
-        closed, exhausted, old = self.scripts.close(keys=[ck.state], args=args)
-        return _s(closed) == "1", _s(exhausted) == "1", int(old)
-
-    def reconcile(self, category: str, records: list[tuple[str, str, int, int, int | str]]) -> int:
-        ck = self.keys.cat(category)
+    def reconcile(self, category: str, records: Iterable[tuple[str, str, int, int, int | str]]
+                  ) -> int:
         args: list[Any] = []
         for rec in records:
             args.extend(rec)
         if not args:
             return 0
-        return int(self.scripts.reconcile(keys=[ck.state, ck.final, ck.hist, ck.reasons],
-                                          args=args))
+        return int(self.scripts.reconcile(keys=self._ck(category), args=args))
+
+    # -- caps and states (operators, producer) ------------------------------------------
+    def _close(self, category: str, *args: Any) -> tuple[bool, bool, int]:
+        closed, exhausted, old = self.scripts.close(keys=self._ck(category), args=list(args))
+        return _s(closed) == "1", _s(exhausted) == "1", int(old)
+
+    def set_cap(self, category: str, cap: int) -> tuple[bool, int]:
+        """Change the cap: a category below it (re)opens, one at or above it closes.
+        Returns (closed, old cap)."""
+        closed, _exhausted, old = self._close(category, "cap", cap)
+        return closed, old
+
+    def close(self, category: str) -> None:
+        self._close(category, "close")
+
+    def mark_exhausted(self, category: str) -> None:
+        """The source is used up and nothing is pending: the category is done."""
+        self._close(category, "exhausted")
 
     # -- per sample (workers) -----------------------------------------------------------
     def admit(
         self, category: str, sample_id: str, estimate: int, lease_ms: int, max_add: int = 0,
-        variance: int = 0, sigmas: float = 0.0,
+        variance: int = 0, sigmas: float = 0.0, seq: int = 0,
     ) -> tuple[str, Pending | None]:
         """Admit a sample: reserve `estimate` tokens (whose variance is `variance`) while
         used + reserved + estimate + `sigmas` standard deviations of the in-flight total stay
         below the cap; with `max_add` > 0 (the most the sample can add to `used`), also keep
-        `used` + what in-flight samples can add below the cap."""
-        ck = self.keys.cat(category)
+        `used` + what in-flight samples can add below the cap. `seq` is the job's: a job of
+        an earlier enqueue of the sample is refused ('stale')."""
         now = now_ms()
         out = self.scripts.admit(
-            keys=[ck.state, ck.pending, ck.leases, ck.parked, ck.reserved, ck.final, ck.worst,
-                  ck.var],
-            args=[sample_id, estimate, now + lease_ms, now, max_add, variance, sigmas],
+            keys=self._ck(category),
+            args=[sample_id, estimate, now + lease_ms, now, max_add, variance, sigmas, seq],
         )
         status = _s(out[0])
         payload = msgspec.json.decode(out[1], type=Pending) if status == "ok" else None
@@ -134,19 +200,14 @@ class Budget:
 
     def heartbeat(self, category: str, sample_id: str, estimate: int, lease_ms: int,
                   variance: int = 0) -> bool:
-        ck = self.keys.cat(category)
-        return bool(
-            self.scripts.heartbeat(
-                keys=[ck.state, ck.reserved, ck.leases, ck.var],
-                args=[sample_id, estimate, now_ms() + lease_ms, variance],
-            )
-        )
+        return bool(self.scripts.heartbeat(
+            keys=self._ck(category),
+            args=[sample_id, estimate, now_ms() + lease_ms, variance],
+        ))
 
     def commit(self, result: Result, waste: int, rate_tok_s: float) -> tuple[str, int]:
-        ck = self.keys.cat(result.category)
         out = self.scripts.commit(
-            keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.hist, ck.results,
-                  ck.worst, ck.var],
+            keys=self._ck(result.category),
             args=[
                 result.id, result.counted_tokens, waste, bucket_of(result.completion_tokens),
                 f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result),
@@ -155,53 +216,94 @@ class Budget:
         return _s(out[0]), int(out[1])
 
     def release(self, category: str, p: Pending, retry_at_ms: int) -> bool:
-        ck = self.keys.cat(category)
-        return bool(
-            self.scripts.release(
-                keys=[ck.state, ck.reserved, ck.pending, ck.final, ck.leases, ck.worst, ck.var],
-                args=[p.sample_id, encode(p), retry_at_ms],
-            )
-        )
+        return bool(self.scripts.release(keys=self._ck(category),
+                                         args=[p.sample_id, encode(p), retry_at_ms]))
 
-    def fail(self, dead: DeadLetter, pipe: Any = None) -> Any:
-        """Record a terminal rejection (`outcome` rejected) or dead letter (`outcome` dead)."""
-        ck = self.keys.cat(dead.category)
-        rejected = dead.outcome == "rejected"
-        value = ("r:" if rejected else "d:") + dead.reason
-        return self.scripts.fail(
-            keys=[ck.state, ck.reserved, ck.final, ck.pending, ck.leases, ck.parked, ck.dead,
-                  ck.reasons, ck.worst, ck.var],
-            args=[dead.id, value, "rejected" if rejected else "failed", encode(dead),
-                  dead.reason],
-            client=pipe or self.redis,
-        )
+    def fail(self, dead: DeadLetter) -> bool:
+        """Record a terminal rejection (`outcome` rejected) or dead letter (`outcome` dead).
+        False if the sample was final already."""
+        return bool(self.scripts.fail(keys=self._ck(dead.category),
+                                      args=[dead.id, dead.outcome, dead.reason, encode(dead)]))
 
-    def dedup(self, category: str, sample_id: str, prompt_ids: list[int], where: str,
-              pipe: Any = None) -> Any:
-        """Reject (`duplicate_prompt`) a sample whose token ids another sample already has."""
-        ck = self.keys.cat(category)
-        digest = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12).hexdigest()
-        dead = DeadLetter(id=sample_id, category=category, outcome="rejected",
-                          reason="duplicate_prompt", where=where,
-                          message="same prompt token ids as an earlier sample")
-        return self.scripts.dedup(
-            keys=[ck.state, ck.prompts, ck.final, ck.reasons, ck.dead],
-            args=[sample_id, digest, encode(dead)],
-            client=pipe or self.redis,
-        )
+    def add_engine_counts(self, counts: Mapping[str, int]) -> None:
+        """Add a worker's per-engine counters (`consumers.stats`) to the run's totals."""
+        args: list[Any] = []
+        for field, delta in counts.items():
+            args += [field, delta]
+        if args:
+            self.scripts.engine_counts(keys=[self.keys.engines], args=args)
+
+    def refuse(self, record: Mapping[str, Any]) -> None:
+        """Record a job a worker refused to run (capped stream, for operators)."""
+        self.redis.xadd(self.keys.refused, {"r": encode(record)},
+                        maxlen=REFUSED_STREAM_MAXLEN, approximate=True)
+
+    # -- the writer ---------------------------------------------------------------------
+    def acknowledge(self, category: str, dead: bool, entry_ids: Sequence[bytes | str],
+                    correction: int = 0) -> int:
+        """Ack and delete stream entries now on disk; correct `used` by `correction`."""
+        args: list[Any] = ["dead" if dead else "results", WRITER_GROUP, correction, *entry_ids]
+        return int(self.scripts.acknowledge(keys=self._ck(category), args=args))
 
     # -- reads --------------------------------------------------------------------------
     def state(self, category: str) -> dict[str, int | float]:
-        ck = self.keys.cat(category)
-        vals = self.redis.hmget(ck.state, STATE_FIELDS)
+        vals = self.redis.hmget(self._ck(category).state, STATE_FIELDS)
         out: dict[str, int | float] = {}
         for f, v in zip(STATE_FIELDS, vals, strict=True):
             out[f] = float(v) if f == "rate" and v else int(v or 0)
         return out
 
     def hist(self, category: str) -> dict[int, int]:
-        raw = self.redis.hgetall(self.keys.cat(category).hist)
+        raw = self.redis.hgetall(self._ck(category).hist)
         return {int(k): int(v) for k, v in raw.items()}
+
+    def cursor(self, category: str) -> int:
+        return int(self.redis.hget(self._ck(category).state, "cursor") or 0)
+
+    def expired(self, category: str, now: int, limit: int) -> list[str]:
+        """Samples whose lease ended before `now` (ms), oldest first."""
+        raw = self.redis.zrangebyscore(self._ck(category).leases, "-inf", now, start=0,
+                                       num=limit)
+        return [_s(v) for v in raw]
+
+    def entry(self, category: str, sample_id: str) -> Entry:
+        ck = self._ck(category)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(ck.pending, sample_id)
+        pipe.hget(ck.seq, sample_id)
+        pipe.hexists(ck.reserved, sample_id)
+        raw, seq, in_flight = pipe.execute()
+        pending = msgspec.json.decode(raw, type=Pending) if raw else None
+        return Entry(pending, int(seq or 0), bool(in_flight))
+
+    def known(self, category: str, sample_ids: Sequence[str]) -> list[bool]:
+        """For each id: is the sample final or pending already?"""
+        if not sample_ids:
+            return []
+        ck = self._ck(category)
+        pipe = self.redis.pipeline(transaction=False)
+        for sid in sample_ids:
+            pipe.hexists(ck.final, sid)
+            pipe.hexists(ck.pending, sid)
+        flags = pipe.execute()
+        return [bool(flags[2 * i] or flags[2 * i + 1]) for i in range(len(sample_ids))]
+
+    def final_marks(self, category: str) -> dict[str, str]:
+        raw = self.redis.hgetall(self._ck(category).final)
+        return {_s(k): _s(v) for k, v in raw.items()}
+
+    def unwritten(self, categories: Iterable[str]) -> int:
+        """Stream entries the writer has not written and acknowledged yet, over `categories`."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in categories:
+            ck = self._ck(name)
+            pipe.xlen(ck.results)
+            pipe.xlen(ck.dead)
+        return int(sum(pipe.execute()))
+
+    def engine_counts(self) -> dict[str, int]:
+        raw = self.redis.hgetall(self.keys.engines)
+        return {_s(k): int(v) for k, v in raw.items()}
 
     def status(self, categories: list[str] | None = None) -> dict[str, Any]:
         """The `tokencap status --json` document."""
@@ -210,7 +312,7 @@ class Budget:
             categories = [c.name for c in cfg.category] if cfg else []
         pipe = self.redis.pipeline(transaction=False)
         for name in categories:
-            ck = self.keys.cat(name)
+            ck = self._ck(name)
             pipe.hmget(ck.state, STATE_FIELDS)
             pipe.hlen(ck.pending)
             pipe.hlen(ck.reserved)

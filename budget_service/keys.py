@@ -1,33 +1,43 @@
 """Every Redis key and queue name tokencap uses, in one place.
 
 Per-category keys carry a hash tag `{run:category}` so that a Redis Cluster keeps a
-category on one slot (each Lua script touches one category only).
+category on one slot (each Lua script touches one category only). Every script of a
+category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names them).
 
-| key (prefix `P:run`)   | type   | writer                  | reader                  | lifetime  |
-|------------------------|--------|-------------------------|-------------------------|-----------|
-| `P:run:meta`           | hash   | producer (init)         | all                     | run       |
-| `P:run:{cat}:state`    | hash   | admit/commit/fail/close | status, producer        | run       |
-| `P:run:{cat}:pending`  | hash   | producer (feed)         | admit, reaper           | to final  |
-| `P:run:{cat}:leases`   | zset   | feed, admit, heartbeat  | reaper                  | to final  |
-| `P:run:{cat}:parked`   | zset   | admit ("wait")          | producer (unpark)       | to unpark |
-| `P:run:{cat}:reserved` | hash   | admit, heartbeat        | commit, fail            | in flight |
-| `P:run:{cat}:final`    | hash   | commit, fail, skip      | admit, feed, reconcile  | run       |
-| `P:run:{cat}:hist`     | hash   | commit, reconcile       | workers (estimates)     | run       |
-| `P:run:{cat}:results`  | stream | commit                  | writer (group `writer`) | to write  |
-| `P:run:{cat}:dead`     | stream | fail                    | writer (group `writer`) | to write  |
-| `P:run:{cat}:prompts`  | hash   | dedup (digest -> id)    | dedup                   | run       |
-| `P:run:{cat}:reasons`  | hash   | fail, dedup (counts)    | status                  | run       |
-| `P:run:{cat}:worst`    | hash   | admit                   | admit (hard guard)      | in flight |
-| `P:run:{cat}:var`      | hash   | admit, heartbeat        | admit (margin)          | in flight |
-| `P:run:producer`       | string | producer (lock, TTL)    | producer                | 15 s TTL  |
-| `P:refused`            | stream | worker (refused jobs)   | operators               | capped    |
+| key (P = prefix:run) | type   | written by (Budget method)      | read by            | lifetime  |
+|----------------------|--------|---------------------------------|--------------------|-----------|
+| `P:meta`             | hash   | init_run                        | all                | run       |
+| `P:{cat}:state`      | hash   | every category script           | status, producer   | run       |
+| `P:{cat}:pending`    | hash   | feed; requeue, release update   | admit, reaper      | to final  |
+| `P:{cat}:leases`     | zset   | feed, admit, heartbeat, release,| reaper             | to final  |
+|                      |        | requeue, unpark, keep_lease     |                    |           |
+| `P:{cat}:parked`     | zset   | admit ("wait"); unpark takes    | unpark             | to unpark |
+| `P:{cat}:reserved`   | hash   | admit, heartbeat                | status, admit      | in flight |
+| `P:{cat}:worst`      | hash   | admit (hard guard)              | admit              | in flight |
+| `P:{cat}:var`        | hash   | admit, heartbeat                | admit (margin)     | in flight |
+| `P:{cat}:seq`        | hash   | requeue, unpark (times enqueued | admit, reaper      | to final  |
+|                      |        | again)                          |                    |           |
+| `P:{cat}:final`      | hash   | commit, fail, feed (rejects),   | all                | run       |
+|                      |        | admit/unpark (skips), reconcile |                    |           |
+| `P:{cat}:hist`       | hash   | commit, reconcile               | workers, producer  | run       |
+| `P:{cat}:results`    | stream | commit; acknowledge deletes     | writer (group)     | to write  |
+| `P:{cat}:dead`       | stream | fail, feed; acknowledge deletes | writer (group)     | to write  |
+| `P:{cat}:prompts`    | hash   | feed (prompt digest -> sample)  | feed               | run       |
+| `P:{cat}:reasons`    | hash   | fail, feed, reconcile (counts)  | status             | run       |
+| `P:producer`         | string | `RunLock` (redis-py `Lock`)     | producer           | lock TTL  |
+| `P:engines`          | hash   | add_engine_counts               | `/metrics`         | run       |
+| `prefix:refused`     | stream | refuse                          | operators          | capped    |
+
+A script that ends a sample (commit, fail, a skip, reconcile) also drops what the ledger kept
+for it while open: its pending, leases, parked, reserved, worst, var and seq entries
+(`forget` in `lua/_lib.lua`).
 
 State hash fields: cap, used, reserved, worst (the most in-flight samples can still add),
-var (the variance of what they will add, tokens^2),
-samples, skipped, failed, rejected, waste, closed (0/1), exhausted (0/1), rate (EWMA of
-per-request decode tok/s), dup_prompts, cursor (producer position in the shuffled order).
+var (the variance of what they will add, tokens^2), samples, skipped, failed, rejected,
+waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s), dup_prompts,
+cursor (the producer's position in the shuffled order; moved only by feed, compare-and-set).
 `final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
-RQ queue names: `<run>.<category>` (so `rq info` shows one queue per category).
+RQ queue names: `P.<category>` (so `rq info` shows one queue per category, under the prefix).
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from typing import NamedTuple
+
+from foundation.config import DEFAULT_KEY_PREFIX
 
 WRITER_GROUP = "writer"
 HIST_BUCKET_TOKENS = 16
@@ -54,6 +66,7 @@ class CategoryKeys(NamedTuple):
     reasons: str
     worst: str
     var: str
+    seq: str
 
 
 class Keys:
@@ -68,12 +81,24 @@ class Keys:
     def meta(self) -> str:
         return f"{self.base}:meta"
 
+    @property
+    def producer_lock(self) -> str:
+        return f"{self.base}:producer"
+
+    @property
+    def engines(self) -> str:
+        return f"{self.base}:engines"
+
+    @property
+    def refused(self) -> str:
+        return f"{self.prefix}:refused"
+
     def cat(self, category: str) -> CategoryKeys:
         tag = f"{self.base}:{{{self.run}:{category}}}"
         return CategoryKeys(*(f"{tag}:{name}" for name in CategoryKeys._fields))
 
     def queue_name(self, category: str) -> str:
-        return f"{self.run}.{category}"
+        return f"{self.base}.{category}"
 
     def queue_names(self, categories: Iterable[str]) -> list[str]:
         return [self.queue_name(c) for c in categories]
@@ -86,5 +111,10 @@ class Keys:
         return f"tc-{digest[:24]}-{seq}"
 
     @staticmethod
-    def runs_pattern(prefix: str) -> str:
+    def runs_pattern(prefix: str = DEFAULT_KEY_PREFIX) -> str:
         return f"{prefix}:*:meta"
+
+    @staticmethod
+    def run_of_meta(prefix: str, meta_key: str) -> str:
+        """The run name in a key matched by `runs_pattern(prefix)`."""
+        return meta_key.removeprefix(prefix + ":").removesuffix(":meta")

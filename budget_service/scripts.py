@@ -1,37 +1,55 @@
-"""Loads the `.lua` files once and registers them with redis-py (EVALSHA, NOSCRIPT reload)."""
+"""Loads the `.lua` files once and registers them with redis-py (EVALSHA, NOSCRIPT reload).
+
+A per-category script starts with `lua/_lib.lua` (the names of its KEYS and the helpers the
+scripts share: the admission rule among them) and is called with the category's keys in
+`CategoryKeys` order. `init_run` and `engine_counts` touch no category and get no prelude.
+"""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from redis import Redis
 from redis.commands.core import Script
 
 LUA_DIR = Path(__file__).with_name("lua")
-NAMES = (
-    "feed", "admit", "heartbeat", "commit", "fail", "release", "close", "reconcile", "dedup",
-)
-# scripts that end a sample's time in flight start with the shared `drop_inflight` helper
-WITH_INFLIGHT = frozenset({"admit", "commit", "fail", "release"})
+CATEGORY_SCRIPTS = (
+    "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
+    "lease", "unpark", "close", "reconcile", "acknowledge",
+)  # fmt: skip
+OTHER_SCRIPTS = ("init_run", "engine_counts")
+PRELUDE = "_lib.lua"
+
+
+@functools.cache
+def script_text(name: str) -> str:
+    """The text registered for script `name` (prelude included)."""
+    text = (LUA_DIR / f"{name}.lua").read_text()
+    if name in CATEGORY_SCRIPTS:
+        text = (LUA_DIR / PRELUDE).read_text() + text
+    return text
 
 
 class Scripts:
     """One registered `Script` per `.lua` file, as attributes named after the file."""
 
+    init_category: Script
     feed: Script
     admit: Script
     heartbeat: Script
     commit: Script
     fail: Script
     release: Script
+    requeue: Script
+    lease: Script
+    unpark: Script
     close: Script
     reconcile: Script
-    dedup: Script
+    acknowledge: Script
+    init_run: Script
+    engine_counts: Script
 
     def __init__(self, redis: Redis) -> None:
-        prelude = (LUA_DIR / "_inflight.lua").read_text()
-        for name in NAMES:
-            text = (LUA_DIR / f"{name}.lua").read_text()
-            if name in WITH_INFLIGHT:
-                text = prelude + text
-            setattr(self, name, redis.register_script(text))
+        for name in CATEGORY_SCRIPTS + OTHER_SCRIPTS:
+            setattr(self, name, redis.register_script(script_text(name)))

@@ -1,8 +1,27 @@
-"""HTTP face of the budget: `GET /status` (JSON), `GET /metrics` (Prometheus text),
-`POST /cap` (change a cap while the run goes on; needs the bearer token).
+"""HTTP face of the budget: `GET /status` (JSON), `GET /metrics` (Prometheus text, made by
+`prometheus_client`), `POST /cap` (change a cap while the run goes on; needs the bearer token).
 
 Binds 127.0.0.1 unless told otherwise. Without a token configured, state-changing calls
 are refused outright.
+
+Metrics (every series has a `run` label; per category also `category`):
+
+| metric | type | meaning |
+|---|---|---|
+| `tokencap_cap_tokens` | gauge | the category's cap |
+| `tokencap_used_tokens` | gauge | tokens counted against the cap (corrections may lower it) |
+| `tokencap_reserved_tokens` | gauge | tokens reserved by samples in flight |
+| `tokencap_overshoot_tokens` | gauge | used past the cap |
+| `tokencap_samples_pending` | gauge | fed and not final |
+| `tokencap_samples_in_flight` | gauge | being generated |
+| `tokencap_samples_parked` | gauge | waiting until they fit the budget |
+| `tokencap_category_open` | gauge | 1 while the category is fed |
+| `tokencap_samples_total{outcome}` | counter | committed, skipped, failed, rejected |
+| `tokencap_waste_tokens_total` | counter | tokens of outputs cut at max_new_tokens |
+| `tokencap_failure_reasons_total{reason}` | counter | rejected and dead samples by reason |
+| `tokencap_engine_requests_total{engine,outcome}` | counter | requests the workers sent |
+| `tokencap_engine_request_duration_seconds{engine}` | histogram | their latency |
+| `tokencap_workers` | gauge | workers registered on the run's queues |
 """
 
 from __future__ import annotations
@@ -11,9 +30,18 @@ import hmac
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from budget_service.budget import Budget
 
@@ -22,86 +50,115 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8321
 MAX_BODY_BYTES = 4096
-METRIC_FIELDS = (
-    ("cap", "tokencap_cap_tokens", "Token cap per category"),
-    ("used", "tokencap_used_tokens", "Tokens counted per category"),
-    ("reserved", "tokencap_reserved_tokens", "Tokens reserved by in-flight samples"),
-    ("samples", "tokencap_samples_committed", "Samples committed"),
-    ("skipped", "tokencap_samples_skipped", "Samples skipped (category closed)"),
-    ("failed", "tokencap_samples_failed", "Samples dead-lettered"),
-    ("rejected", "tokencap_samples_rejected", "Samples rejected"),
-    ("waste_tokens", "tokencap_waste_tokens", "Tokens of truncated outputs"),
-    ("overshoot", "tokencap_overshoot_tokens", "Tokens past the cap"),
-    ("in_flight", "tokencap_in_flight", "Samples being generated"),
-    ("pending", "tokencap_pending", "Samples fed and not final"),
+CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
+CATEGORY_GAUGES = (
+    ("cap", "tokencap_cap_tokens", "Token cap of the category"),
+    ("used", "tokencap_used_tokens", "Tokens counted against the cap"),
+    ("reserved", "tokencap_reserved_tokens", "Tokens reserved by samples in flight"),
+    ("overshoot", "tokencap_overshoot_tokens", "Tokens counted past the cap"),
+    ("pending", "tokencap_samples_pending", "Samples fed and not final"),
+    ("in_flight", "tokencap_samples_in_flight", "Samples being generated"),
+    ("parked", "tokencap_samples_parked", "Samples waiting until they fit the budget"),
 )
+SAMPLE_OUTCOMES = (("samples", "committed"), ("skipped", "skipped"), ("failed", "failed"),
+                   ("rejected", "rejected"))
 
 
-def render_engine_metrics(counts: dict[str, int], workers: int) -> list[str]:
-    """Per-engine requests by outcome and latency histograms (from workers' counters)."""
-    lines = ["# HELP tokencap_workers Consumers registered on the run's queues",
-             "# TYPE tokencap_workers gauge", f"tokencap_workers {workers}",
-             "# HELP tokencap_engine_requests_total Requests by engine and outcome",
-             "# TYPE tokencap_engine_requests_total counter"]
-    hist: dict[str, dict[str, int]] = {}
-    sums: dict[str, int] = {}
+def worker_count(budget: Budget) -> int:
+    """Workers registered on the run's queues (RQ's registry)."""
+    from rq import Queue, Worker
+
+    cfg = budget.load_config()
+    if not cfg or not cfg.category:
+        return 0
+    q = Queue(budget.keys.queue_name(cfg.category[0].name), connection=budget.redis)
+    return int(Worker.count(connection=budget.redis, queue=q))
+
+
+def _category_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    run, cats = status["run"], status["categories"]
+    labels = ["run", "category"]
+    for field, name, help_text in CATEGORY_GAUGES:
+        g = GaugeMetricFamily(name, help_text, labels=labels)
+        for cat, st in cats.items():
+            g.add_metric([run, cat], st[field])
+        yield g
+    g = GaugeMetricFamily("tokencap_category_open", "1 while the category is fed, else 0",
+                          labels=labels)
+    for cat, st in cats.items():
+        g.add_metric([run, cat], int(st["state"] == "open"))
+    yield g
+    c = CounterMetricFamily("tokencap_samples", "Samples by final outcome",
+                            labels=[*labels, "outcome"])
+    for cat, st in cats.items():
+        for field, outcome in SAMPLE_OUTCOMES:
+            c.add_metric([run, cat, outcome], st[field])
+    yield c
+    c = CounterMetricFamily("tokencap_waste_tokens",
+                            "Tokens of outputs cut at max_new_tokens", labels=labels)
+    for cat, st in cats.items():
+        c.add_metric([run, cat], st["waste_tokens"])
+    yield c
+    c = CounterMetricFamily("tokencap_failure_reasons",
+                            "Samples rejected or dead-lettered, by reason",
+                            labels=[*labels, "reason"])
+    for cat, st in cats.items():
+        for reason, n in st["reasons"].items():
+            c.add_metric([run, cat, reason], n)
+    yield c
+
+
+def _engine_metrics(run: str, counts: dict[str, int], workers: int) -> Iterator[Metric]:
+    """Requests by engine and outcome, and their latency histogram, from the workers'
+    counters (`consumers.stats`: `<engine>|requests|<outcome>`, `<engine>|latency_le|<s>`,
+    `<engine>|latency_sum_ms`)."""
+    g = GaugeMetricFamily("tokencap_workers", "Workers registered on the run's queues",
+                          labels=["run"])
+    g.add_metric([run], workers)
+    yield g
+    requests_ = CounterMetricFamily("tokencap_engine_requests", "Requests by engine and outcome",
+                                    labels=["run", "engine", "outcome"])
+    buckets: dict[str, dict[float, int]] = {}
+    sums_ms: dict[str, int] = {}
     for key, value in sorted(counts.items()):
         engine, kind, rest = (key.split("|") + ["", ""])[:3]
         if kind == "requests":
-            lines.append(f'tokencap_engine_requests_total{{engine="{engine}",'
-                         f'outcome="{rest}"}} {value}')
+            requests_.add_metric([run, engine, rest], value)
         elif kind == "latency_le":
-            hist.setdefault(engine, {})[rest] = value
+            buckets.setdefault(engine, {})[float(rest)] = value
         elif kind == "latency_sum_ms":
-            sums[engine] = value
-    lines += ["# HELP tokencap_engine_latency_seconds Request latency by engine",
-              "# TYPE tokencap_engine_latency_seconds histogram"]
-    for engine, buckets in sorted(hist.items()):
-        ordered = sorted(buckets.items(), key=lambda kv: float(kv[0]))
-        for le, n in ordered:
-            le_text = "+Inf" if le == "inf" else le
-            lines.append(f'tokencap_engine_latency_seconds_bucket{{engine="{engine}",'
-                         f'le="{le_text}"}} {n}')
-        total = buckets.get("inf", 0)
-        lines.append(f'tokencap_engine_latency_seconds_count{{engine="{engine}"}} {total}')
-        lines.append(f'tokencap_engine_latency_seconds_sum{{engine="{engine}"}} '
-                     f'{sums.get(engine, 0) / 1000:.3f}')
-    return lines
+            sums_ms[engine] = value
+    yield requests_
+    h = HistogramMetricFamily("tokencap_engine_request_duration_seconds",
+                              "Latency of the requests the workers sent, by engine",
+                              labels=["run", "engine"])
+    for engine, by_le in sorted(buckets.items()):
+        ordered = [("+Inf" if le == float("inf") else f"{le:g}", n)
+                   for le, n in sorted(by_le.items())]
+        if ordered[-1][0] != "+Inf":
+            ordered.append(("+Inf", ordered[-1][1]))
+        h.add_metric([run, engine], ordered, sums_ms.get(engine, 0) / 1000)
+    yield h
 
 
-def render_metrics(status: dict[str, Any], engine_counts: dict[str, int] | None = None,
-                   workers: int | None = None) -> str:
-    run = status["run"]
-    lines: list[str] = []
-    for field, metric, help_text in METRIC_FIELDS:
-        lines.append(f"# HELP {metric} {help_text}")
-        lines.append(f"# TYPE {metric} gauge")
-        for cat, st in status["categories"].items():
-            lines.append(f'{metric}{{run="{run}",category="{cat}"}} {st[field]}')
-    lines.append("# HELP tokencap_category_open 1 if the category is open")
-    lines.append("# TYPE tokencap_category_open gauge")
-    for cat, st in status["categories"].items():
-        lines.append(f'tokencap_category_open{{run="{run}",category="{cat}"}} '
-                     f'{int(st["state"] == "open")}')
-    if engine_counts is not None:
-        lines += render_engine_metrics(engine_counts, workers or 0)
-    return "\n".join(lines) + "\n"
+class BudgetCollector:
+    """A `prometheus_client` collector that reads the run's state at each scrape."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.budget.status()
+        yield from _category_metrics(status)
+        yield from _engine_metrics(status["run"], self.budget.engine_counts(),
+                                   worker_count(self.budget))
 
 
-def engine_counts(budget: Budget) -> tuple[dict[str, int], int]:
-    """Workers' per-engine counters and the number of workers on the run's queues."""
-    from rq import Queue, Worker
-
-    from consumers.stats import engines_key
-
-    raw = budget.redis.hgetall(engines_key(budget.keys.prefix))
-    counts = {k.decode(): int(v) for k, v in raw.items()}
-    cfg = budget.load_config()
-    workers = 0
-    if cfg and cfg.category:
-        q = Queue(budget.keys.queue_name(cfg.category[0].name), connection=budget.redis)
-        workers = Worker.count(connection=budget.redis, queue=q)
-    return counts, workers
+def render_metrics(budget: Budget) -> bytes:
+    """The `/metrics` page of `budget`'s run."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BudgetCollector(budget))  # type: ignore[arg-type]
+    return bytes(generate_latest(registry))
 
 
 def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
@@ -126,9 +183,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             if self.path == "/status":
                 self._json(200, budget.status())
             elif self.path == "/metrics":
-                counts, workers = engine_counts(budget)
-                body = render_metrics(budget.status(), counts, workers)
-                self._send(200, body.encode(), "text/plain; version=0.0.4")
+                self._send(200, render_metrics(budget), CONTENT_TYPE_METRICS)
             elif self.path == "/health":
                 self._json(200, {"ok": True})
             else:
@@ -157,7 +212,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             if cat not in budget.status()["categories"]:
                 self._json(404, {"error": f"no category {cat!r}"})
                 return
-            closed, _exhausted, old = budget.close(cat, "cap", cap)
+            closed, old = budget.set_cap(cat, cap)
             log.warning("cap of %s changed from %d to %d over HTTP", cat, old, cap)
             self._json(200, {"category": cat, "old_cap": old, "cap": cap, "closed": closed})
 

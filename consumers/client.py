@@ -26,7 +26,8 @@ from urllib3.util.retry import Retry
 
 from consumers.engines import EnginePool
 from consumers.stats import EngineStats
-from tokencap.wire import ErrorKind
+from foundation.errors import TokencapError
+from foundation.wire import ErrorKind, TokenId
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class _Meta(msgspec.Struct):
 
 class _Reply(msgspec.Struct):
     meta_info: _Meta
-    output_ids: list[int] | None = None
+    output_ids: list[TokenId] | None = None
     text: str = ""
 
 
@@ -169,7 +170,7 @@ class EngineClient:
         adaptive_max_queue: int | None = None,
     ) -> None:
         if not urls:
-            raise ValueError("no engine URL given")
+            raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = (connect_timeout_s, read_timeout_s)
         self.retries = retries

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 import requests
+
+from foundation.sglang import parse_metrics
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +26,6 @@ GATE_REFRESH_S = 0.1
 GATE_WAIT_S = 0.2
 DOWN_S = 5.0
 PROBE_TIMEOUT_S = (1.0, 2.0)
-_GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:token_usage)"
-                    r"(?:\{[^}]*\})?\s+([-+0-9.eE]+|NaN)\s*$", re.M)
-
-
-def parse_load(text: str) -> dict[str, float]:
-    """running, queued, token_usage from SGLang's `/metrics` (summed over label sets)."""
-    names = {"sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "queued",
-             "sglang:token_usage": "token_usage"}
-    out: dict[str, float] = {}
-    for name, value in _GAUGE.findall(text):
-        if value != "NaN":
-            key = names[name]
-            out[key] = (max if key == "token_usage" else sum)((out.get(key, 0.0), float(value)))
-    return out
 
 
 @dataclass
@@ -74,9 +61,9 @@ class EnginePool:
         if r.status_code == 404:
             e.has_metrics = False  # SGLang started without --enable-metrics
             return
-        load = parse_load(r.text)
-        e.queued = load.get("queued", 0.0)
-        e.load = load.get("running", 0.0) + e.queued
+        load = parse_metrics(r.text)
+        e.queued = load["queued"] or 0.0
+        e.load = (load["running"] or 0.0) + e.queued
 
     def _probe(self, e: EngineState) -> bool:
         try:

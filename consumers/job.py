@@ -20,13 +20,13 @@ from budget_service.budget import Budget, now_ms
 from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
 from consumers.client import EngineClient, EngineError, Generation
-from tokencap.config import Category, RunConfig
-from tokencap.redisconn import connect
-from tokencap.wire import DeadLetter, JobRef, Pending, Result
+from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
+from foundation.errors import RunNotFound
+from foundation.redisconn import DEFAULT_REDIS_URL, connect
+from foundation.sglang import parse_urls
+from foundation.wire import DeadLetter, JobRef, Pending, Result
 
 log = logging.getLogger(__name__)
-
-JOB_FUNC = "consumers.job.process"
 MODEL_REFRESH_S = 5.0
 DEFAULT_DECODE_TOK_S = 20.0  # per-request decode rate assumed before any commit
 RETRY_DELAY_S = 2.0
@@ -71,12 +71,13 @@ class RunContext:
 class Context:
     """Per-process: one Redis connection, engine URLs, and a RunContext per run."""
 
-    def __init__(self, redis_url: str, engines: list[str]) -> None:
+    def __init__(self, redis_url: str, engines: list[str],
+                 prefix: str = DEFAULT_KEY_PREFIX) -> None:
         self.redis_url = redis_url
         self.engines = engines
         self.redis = connect(redis_url)
         self._runs: dict[tuple[str, str], RunContext] = {}
-        self.prefix = "tokencap"
+        self.prefix = prefix
 
     def run(self, run: str) -> RunContext:
         key = (self.prefix, run)
@@ -84,7 +85,7 @@ class Context:
             budget = Budget(self.redis, Keys(self.prefix, run))
             cfg = budget.load_config()
             if cfg is None:
-                raise LookupError(f"run {run!r} not found in Redis (prefix {self.prefix!r})")
+                raise RunNotFound(f"run {run!r} not found in Redis (prefix {self.prefix!r})")
             self._runs[key] = RunContext(budget, cfg, self.engines)
         return self._runs[key]
 
@@ -92,11 +93,10 @@ class Context:
 _ctx: Context | None = None
 
 
-def configure(redis_url: str, engines: list[str], prefix: str = "tokencap") -> Context:
+def configure(redis_url: str, engines: list[str], prefix: str = DEFAULT_KEY_PREFIX) -> Context:
     """Set this process's context (the worker calls it once at start)."""
     global _ctx
-    _ctx = Context(redis_url, engines)
-    _ctx.prefix = prefix
+    _ctx = Context(redis_url, engines, prefix)
     return _ctx
 
 
@@ -104,17 +104,18 @@ def flush_stats() -> None:
     """Write this process's remaining engine counters (on the way out)."""
     if _ctx is None:
         return
-    for (_prefix, _run), rc in _ctx._runs.items():
+    for rc in _ctx._runs.values():
         try:
-            rc.client.stats.flush(rc.budget.redis, rc.cfg.key_prefix, force=True)
+            rc.client.stats.flush(rc.budget, force=True)
         except Exception as exc:  # exiting anyway: the counters are best effort
             log.warning("could not flush engine counters: %s", exc)
 
 
 def _context() -> Context:
     if _ctx is None:
-        urls = [u for u in os.environ.get("SGLANG_URL", "").split(",") if u]
-        return configure(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), urls)
+        return configure(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+                         parse_urls(os.environ.get("SGLANG_URL")),
+                         os.environ.get("TOKENCAP_PREFIX", DEFAULT_KEY_PREFIX))
     return _ctx
 
 
@@ -177,8 +178,8 @@ _heartbeat = _Heartbeat()
 
 
 def process(ref: dict[str, Any]) -> str:
-    """Run one sample. Returns the outcome: committed, dup, done, closed, wait, released,
-    rejected, dead or unknown."""
+    """Run one sample. Returns the outcome: committed, dup, done, closed, wait, stale,
+    released, rejected, dead or unknown."""
     job = msgspec.convert(ref, JobRef)
     rc = _context().run(job.run)
     cat = rc.cfg.by_name(job.category)
@@ -189,7 +190,7 @@ def process(ref: dict[str, Any]) -> str:
     max_add = cat.sampling.max_new_tokens + extra if rc.cfg.hard_cap else 0
     est, var = model.moments(0)
     status, pending = budget.admit(cat.name, job.sample_id, est + extra, lease_ms, max_add,
-                                   var, rc.cfg.margin_sigmas)
+                                   var, rc.cfg.margin_sigmas, job.seq)
     if status != "ok":
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status
@@ -201,7 +202,7 @@ def process(ref: dict[str, Any]) -> str:
         return _failed(rc, cat, pending, exc)
     finally:
         _heartbeat.track(None)
-        rc.client.stats.flush(budget.redis, rc.cfg.key_prefix)
+        rc.client.stats.flush(budget)
     return _commit(rc, cat, pending, gen)
 
 

@@ -1,8 +1,9 @@
 """Per-engine request counters and latency histograms, kept per worker process and added
-to Redis every `FLUSH_EVERY_S` (one pipelined HINCRBY round trip), for `/metrics`.
+to the run's totals every `FLUSH_EVERY_S` (`Budget.add_engine_counts`, one Lua call), for
+`/metrics`.
 
-Key `P:engines` (hash): `<engine>|requests|<outcome>` counts and
-`<engine>|latency_le|<bucket>` cumulative histogram counts, `<engine>|latency_sum_ms`.
+Fields: `<engine>|requests|<outcome>` counts, `<engine>|latency_le|<bucket>` cumulative
+histogram counts, `<engine>|latency_sum_ms`.
 """
 
 from __future__ import annotations
@@ -10,14 +11,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from redis import Redis
+from budget_service.budget import Budget
 
 LATENCY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
 FLUSH_EVERY_S = 5.0
-
-
-def engines_key(prefix: str) -> str:
-    return f"{prefix}:engines"
 
 
 class EngineStats:
@@ -32,13 +29,10 @@ class EngineStats:
                 self.counts[f"{engine}|latency_le|{b:g}"] += 1
         self.counts[f"{engine}|latency_sum_ms"] += int(latency_s * 1000)
 
-    def flush(self, redis: Redis, prefix: str, force: bool = False) -> None:
+    def flush(self, budget: Budget, force: bool = False) -> None:
         if not self.counts or (not force and time.monotonic() - self._flushed_at
                                < FLUSH_EVERY_S):
             return
-        pipe = redis.pipeline(transaction=False)
-        for k, v in self.counts.items():
-            pipe.hincrby(engines_key(prefix), k, v)
-        pipe.execute()
+        budget.add_engine_counts(self.counts)
         self.counts.clear()
         self._flushed_at = time.monotonic()

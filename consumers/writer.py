@@ -1,12 +1,10 @@
 """The writer: drains each category's result and dead-letter streams into JSONL files.
 
-Order per batch: append lines, flush, fsync, then XACK + XDEL. A crash between fsync and
-ack redelivers entries that are already on disk: the writer keeps the ids it has written
-(read back from the files at start) and skips them, so no id is written twice. A torn last
-line from a crash mid-write is cut off at start.
-
-Layout: `<out>/<category>/part-NNNNN.jsonl` (results, rotated at `PART_MAX_BYTES`) and
-`<out>/<category>/dead-letter.jsonl` (rejected and dead samples).
+Order per batch: append lines, flush, fsync, then acknowledge (`Budget.acknowledge`: XACK,
+XDEL and any correction of `used`, in one Lua call). A crash between fsync and the ack
+redelivers entries that are already on disk: the writer keeps the ids it has written (read
+back from the files at start) and skips them, so no id is written twice. A torn last line
+from a crash mid-write is cut off at start. The file layout is `foundation.outputs`'.
 """
 
 from __future__ import annotations
@@ -15,103 +13,70 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 import msgspec
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from budget_service.budget import Budget
 from budget_service.keys import WRITER_GROUP, Keys
+from foundation.backoff import REDIS_DOWN, Backoff
+from foundation.outputs import (
+    PART_MAX_BYTES,
+    BadLine,
+    category_dir,
+    dead_letter_path,
+    part_files,
+    part_path,
+    read_dead_letters,
+    read_results,
+    repair_tail,
+)
+from foundation.wire import DeadLetter, Result
 
 log = logging.getLogger(__name__)
 
-PART_MAX_BYTES = 256 * 1024 * 1024
 READ_COUNT = 512
 BLOCK_MS = 500
-DEAD_FILE = "dead-letter.jsonl"
-PART_GLOB = "part-*.jsonl"
 RECOVER_EVERY_S = 5.0
-REDIS_BACKOFF_MIN_S = 0.2
-REDIS_BACKOFF_MAX_S = 5.0
-
-
-class _Id(msgspec.Struct):
-    id: str
-    counted_tokens: int = 0
-
-
-_id_decoder = msgspec.json.Decoder(_Id)
-
-
-def repair_tail(path: Path) -> int:
-    """Cut a partial last line (no trailing newline). Returns bytes removed."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with path.open("rb+") as f:
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return 0
-        pos = size
-        chunk = 65536
-        while pos > 0:
-            start = max(0, pos - chunk)
-            f.seek(start)
-            buf = f.read(pos - start)
-            nl = buf.rfind(b"\n")
-            if nl >= 0:
-                keep = start + nl + 1
-                break
-            pos = start
-        else:
-            keep = 0
-        f.truncate(keep)
-        os.fsync(f.fileno())
-        return size - keep
-
-
-def iter_lines(path: Path) -> Iterator[bytes]:
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                yield line
 
 
 class CategorySink:
     """Append-only files of one category, with the set of ids already written."""
 
     def __init__(self, root: Path, category: str) -> None:
-        self.dir = root / category
+        self.dir = category_dir(root, category)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.seen: dict[str, int] = {}  # id -> counted tokens on disk
-        self.dead_seen: set[str] = set()
-        parts = sorted(self.dir.glob(PART_GLOB))
-        for p in parts + [self.dir / DEAD_FILE]:
+        parts = part_files(self.dir)
+        for p in [*parts, dead_letter_path(self.dir)]:
             if p.exists() and repair_tail(p):
                 log.warning("cut a torn last line in %s", p)
-        for p in parts:
-            for line in iter_lines(p):
-                rec = _id_decoder.decode(line)
+        self.seen: dict[str, int] = {}  # id -> counted tokens on disk
+        self.dead_seen: set[str] = set()
+        for rec in read_results(self.dir):
+            if isinstance(rec, BadLine):
+                log.warning("%s: unreadable result line kept as is: %s", rec.where, rec.error)
+            else:
                 self.seen[rec.id] = rec.counted_tokens
-        dead = self.dir / DEAD_FILE
-        if dead.exists():
-            self.dead_seen.update(_id_decoder.decode(line).id for line in iter_lines(dead))
+        for dead in read_dead_letters(self.dir):
+            if not isinstance(dead, BadLine):
+                self.dead_seen.add(dead.id)
         self.part_no = len(parts)
         self._part: IO[bytes] | None = None
         self._dead: IO[bytes] | None = None
+        self._result = msgspec.json.Decoder(Result)
+        self._dead_letter = msgspec.json.Decoder(DeadLetter)
 
     def _part_file(self) -> IO[bytes]:
         if self._part is None or self._part.tell() >= PART_MAX_BYTES:
             if self._part is not None:
                 self._part.close()
-            path = self.dir / f"part-{self.part_no:05d}.jsonl"
+            path = part_path(self.dir, self.part_no)
             if path.exists() and path.stat().st_size >= PART_MAX_BYTES:
                 self.part_no += 1
-                path = self.dir / f"part-{self.part_no:05d}.jsonl"
+                path = part_path(self.dir, self.part_no)
             self._part = path.open("ab")
         return self._part
 
@@ -123,12 +88,13 @@ class CategorySink:
         new: list[bytes] = []
         correction = 0
         for raw in payloads:
-            rec = _id_decoder.decode(raw)
             if dead:
-                if rec.id in self.dead_seen:
+                sid = self._dead_letter.decode(raw).id
+                if sid in self.dead_seen:
                     continue
-                self.dead_seen.add(rec.id)
+                self.dead_seen.add(sid)
             else:
+                rec = self._result.decode(raw)
                 on_disk = self.seen.get(rec.id)
                 if on_disk is not None:
                     correction += on_disk - rec.counted_tokens
@@ -139,7 +105,7 @@ class CategorySink:
             return 0, correction
         if dead:
             if self._dead is None:
-                self._dead = (self.dir / DEAD_FILE).open("ab")
+                self._dead = dead_letter_path(self.dir).open("ab")
             f = self._dead
         else:
             f = self._part_file()
@@ -160,7 +126,7 @@ class Writer:
     def __init__(self, redis: Redis, keys: Keys, categories: list[str], out_dir: Path,
                  consumer: str = "writer-1") -> None:
         self.redis = redis
-        self.keys = keys
+        self.budget = Budget(redis, keys)
         self.out_dir = out_dir
         self.consumer = consumer
         self.sinks = {c: CategorySink(out_dir, c) for c in categories}
@@ -189,14 +155,10 @@ class Writer:
             payloads = [fields[b"r"] for _, fields in entries if fields]
             written, correction = self.sinks[category].write(payloads, dead)
             n += written
-            pipe = self.redis.pipeline(transaction=True)
             if correction:
                 log.warning("%s: a sample already on disk was generated again (Redis lost its "
                             "commit); used corrected by %+d tokens", category, correction)
-                pipe.hincrby(self.keys.cat(category).state, "used", correction)
-            pipe.xack(name, WRITER_GROUP, *ids)
-            pipe.xdel(name, *ids)
-            pipe.execute()
+            self.budget.acknowledge(category, dead, ids, correction)
         self.written += n
         return n
 
@@ -213,23 +175,16 @@ class Writer:
 
     def lag(self) -> int:
         """Entries not yet written and acked, over all streams."""
-        pipe = self.redis.pipeline(transaction=False)
-        for s in self.streams:
-            pipe.xlen(s)
-        return sum(pipe.execute())
+        return self.budget.unwritten(self.sinks)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (after Redis lost them)."""
-        for stream in self.streams:
-            try:
-                self.redis.xgroup_create(stream, WRITER_GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        for category in self.sinks:
+            self.budget.ensure_groups(category)
 
     def run(self) -> None:
         """Drain until stopped; ride out Redis outages and restarts."""
-        backoff = REDIS_BACKOFF_MIN_S
+        backoff = Backoff(stop=self.stop_event)
         recovered = False
         last_recover = 0.0
         while not self.stop_event.is_set():
@@ -241,19 +196,19 @@ class Writer:
                     recovered = True
                     last_recover = time.monotonic()
                 self.drain_once()
-                backoff = REDIS_BACKOFF_MIN_S
+                backoff.reset()
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("writer group missing (Redis restarted?); creating it again")
                 self.ensure_groups()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 # after a restart from AOF, entries delivered before the crash may be back in
                 # our pending list: read it again once Redis answers
                 recovered = False
-                log.error("Redis unavailable (%s); writer retries in %.1f s", exc, backoff)
-                self.stop_event.wait(backoff)
-                backoff = min(backoff * 2, REDIS_BACKOFF_MAX_S)
+                log.error("Redis unavailable (%s); writer retries in %.1f s", exc,
+                          backoff.delay_s)
+                backoff.wait()
 
     def close(self) -> None:
         for s in self.sinks.values():

@@ -327,7 +327,7 @@ class Run:
     def __init__(self, cfg: Any, redis_url: str, engine_url: str, out: Path) -> None:
         from budget_service.budget import Budget
         from budget_service.keys import Keys
-        from tokencap.redisconn import connect
+        from foundation.redisconn import connect
 
         self.cfg, self.redis_url, self.engine_url, self.out = cfg, redis_url, engine_url, out
         self.redis = connect(redis_url)
@@ -401,7 +401,7 @@ class Run:
 
 
 def _context_length(url: str) -> int | None:
-    from tokencap.engines import context_length
+    from foundation.sglang import context_length
 
     return context_length([url])
 
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         log.info("calibration: %s", cal)
 
         # caps
-        from tokencap.config import load_config
+        from foundation.config import load_config
 
         caps: dict[str, int] = {}
         draft = write_config(args, work, {c[0]: 1 for c in CATEGORIES})

@@ -10,6 +10,10 @@ Per tick and category:
 4. mark the category exhausted when its source is used up and nothing is pending.
 The run ends when every category is closed or exhausted, nothing is pending and the writer
 has written every result.
+
+Every change to the ledger is one `Budget` call (one Lua script) made before the RQ job that
+carries it is enqueued: a producer killed between the two leaves a sample pending with a
+lease, which the reaper enqueues again once the lease has passed.
 """
 
 from __future__ import annotations
@@ -24,25 +28,23 @@ from typing import Any
 
 import msgspec
 from redis import Redis
-from redis import exceptions as redis_exc
 from rq import Queue, Worker
 from rq.job import Job
 
 from budget_service.budget import Budget, now_ms
 from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
-from consumers.job import JOB_FUNC
+from foundation.backoff import REDIS_DOWN, Backoff
+from foundation.config import Category, RunConfig
+from foundation.wire import JOB_FUNC, DeadLetter, ErrorKind, JobRef, MsgspecSerializer, Pending
 from producer.formats import Rejected
-from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
-from tokencap.config import Category, RunConfig
-from tokencap.wire import DeadLetter, ErrorKind, JobRef, MsgspecSerializer, Pending
+from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
+from producer.reconcile import reconcile
 
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 256
-REDIS_BACKOFF_MIN_S = 0.2
-REDIS_BACKOFF_MAX_S = 5.0
-REDIS_DOWN = (redis_exc.ConnectionError, redis_exc.TimeoutError)
+UNPARK_BATCH = 1024
 # tokencap keeps outcomes in its ledger; a short TTL spares RQ its delete path (7 round trips)
 RESULT_TTL_S = 60
 FAILURE_TTL_S = 7 * 24 * 3600
@@ -111,8 +113,7 @@ class Producer:
     # -- setup -------------------------------------------------------------------------
     def add_feed(self, feed: CategoryFeed) -> None:
         self.feeds[feed.cat.name] = feed
-        raw = self.redis.hget(self.keys.cat(feed.cat.name).state, "cursor")
-        feed.cursor = int(raw or 0)
+        feed.cursor = self.budget.cursor(feed.cat.name)
 
     # -- the loop ----------------------------------------------------------------------
     def tick(self) -> int:
@@ -133,7 +134,7 @@ class Producer:
             if st["state"] == "open":
                 done += self.feed(feed, st)
                 if feed.exhausted and st["pending"] == 0 and done == 0:
-                    self.budget.close(name, "exhausted")
+                    self.budget.mark_exhausted(name)
                     log.info("%s: source exhausted (%d samples committed)", name, st["samples"])
             work += done
         return work
@@ -148,12 +149,7 @@ class Producer:
         return done and self.writer_lag() == 0
 
     def writer_lag(self) -> int:
-        pipe = self.redis.pipeline(transaction=False)
-        for name in self.feeds:
-            ck = self.keys.cat(name)
-            pipe.xlen(ck.results)
-            pipe.xlen(ck.dead)
-        return sum(pipe.execute())
+        return self.budget.unwritten(self.feeds)
 
     def run(self, poll_s: float = IDLE_TICK_S, progress_s: float = 2.0,
             should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
@@ -164,7 +160,7 @@ class Producer:
         rebuilds it from the output files before feeding again.
         """
         last = 0.0
-        backoff = REDIS_BACKOFF_MIN_S
+        backoff = Backoff()
         while True:
             try:
                 if should_stop():
@@ -180,12 +176,12 @@ class Producer:
                         self.finalize()
                         break
                     time.sleep(poll_s)
-                backoff = REDIS_BACKOFF_MIN_S
+                backoff.reset()
             except REDIS_DOWN as exc:
                 log.error("Redis unavailable (%s): nothing is fed (fail closed); retry in %.1f s",
-                          exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, REDIS_BACKOFF_MAX_S)
+                          exc, backoff.delay_s)
+                backoff.wait()
+                self._run_id_at = float("-inf")  # look for a restart as soon as it answers
         return self.budget.status(list(self.feeds))
 
     def ensure_run(self) -> None:
@@ -195,10 +191,9 @@ class Producer:
         the files, and feeding restarts from the top of the order (final samples are
         skipped). Restarted from AOF (`appendfsync everysec` may lose the last second):
         samples on disk but not final in Redis are marked final so they are not redone.
+        Feeds Redis lost are found by the cursor's compare-and-set (`feed`).
         """
-        from producer.reconcile import reconcile
-
-        if not self.redis.hexists(self.keys.meta, "config"):
+        if not self.budget.has_run():
             log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
                       "counters from %s before feeding again", self.cfg.run,
                       self.cfg.output_dir)
@@ -216,11 +211,6 @@ class Producer:
                 log.warning("Redis restarted (run_id changed); reconciling with output files")
                 added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
                 log.warning("after the restart, from output files: %s", added)
-                # feeds of the last second may be lost with the AOF tail: go back to the
-                # cursor Redis kept (it is written in the same transaction as the feeds)
-                for name, feed in self.feeds.items():
-                    raw = self.redis.hget(self.keys.cat(name).state, "cursor")
-                    feed.cursor = int(raw or 0)
             self._run_id = run_id
 
     def finalize(self) -> None:
@@ -255,35 +245,34 @@ class Producer:
         if waiting > high // 2:  # low-water mark: feed in batches, not one job per tick
             return 0
         room = high - waiting
-        ck = self.keys.cat(feed.cat.name)
+        name = feed.cat.name
         fed = 0
         while room > 0 and not feed.exhausted:
-            take = feed.order[feed.cursor : feed.cursor + room]
-            positions = list(take)
+            start = feed.cursor
+            positions = list(feed.order[start : start + room])
             samples, rejected = self._read(feed, positions)
-            self._known_filter(feed, samples)
+            known = self.budget.known(name, [s.sample_id for s in samples])
+            samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume
             prepared, too_long = self._render(feed, samples)
-            rejected.extend(too_long)
-            prepared = self._dedup(feed.cat.name, prepared)
-            pipe = self.redis.pipeline(transaction=True)
-            deadline = now_ms() + self.lease_ms
-            jobs = []
-            for p, n_prompt in prepared:
-                self.budget.feed(feed.cat.name, p, deadline, pipe=pipe)
-                jobs.append(self._job_data(feed.cat.name, p, n_prompt))
-            for dead in rejected:
-                self.budget.fail(dead, pipe=pipe)
-            if jobs:
-                self.queues[feed.cat.name].enqueue_many(jobs, pipeline=pipe)
-            feed.cursor += len(positions)
-            pipe.hset(ck.state, "cursor", feed.cursor)
-            pipe.execute()
+            ids = self.budget.feed(name, start, start + len(positions),
+                                   now_ms() + self.lease_ms, prepared, rejected + too_long)
+            if ids is None:
+                feed.cursor = self.budget.cursor(name)
+                log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); "
+                            "feeding again from there", name, feed.cursor, start)
+                return fed
+            feed.cursor = start + len(positions)
+            recorded = set(ids)
+            self._enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
+                                 if p.sample_id in recorded])
             fed += len(positions)
-            room -= max(1, len(prepared))
+            room -= max(1, len(ids))
         return fed
 
-    def _read(self, feed: CategoryFeed, positions: list[int]):
-        samples, rejected = [], []
+    def _read(self, feed: CategoryFeed, positions: list[int]
+              ) -> tuple[list[Sample], list[DeadLetter]]:
+        samples: list[Sample] = []
+        rejected: list[DeadLetter] = []
         cat = feed.cat
         for pos in positions:
             try:
@@ -298,31 +287,8 @@ class Producer:
                                            reason=exc.reason, message=str(exc), where=where))
         return samples, rejected
 
-    def _known_filter(self, feed: CategoryFeed, samples: list) -> None:
-        """Drop samples already final or pending (resume)."""
-        if not samples:
-            return
-        ck = self.keys.cat(feed.cat.name)
-        pipe = self.redis.pipeline(transaction=False)
-        for s in samples:
-            pipe.hexists(ck.final, s.sample_id)
-            pipe.hexists(ck.pending, s.sample_id)
-        flags = pipe.execute()
-        keep = [s for i, s in enumerate(samples) if not (flags[2 * i] or flags[2 * i + 1])]
-        samples[:] = keep
-
-    def _dedup(self, category: str, prepared: list) -> list:
-        """Drop samples whose prompt ids an earlier sample of the category already has
-        (recorded as rejected: duplicate_prompt). Own earlier feeds are not duplicates."""
-        if not prepared:
-            return prepared
-        pipe = self.redis.pipeline(transaction=False)
-        for p, _n in prepared:
-            self.budget.dedup(category, p.sample_id, p.prompt_ids, p.where, pipe=pipe)
-        keep = pipe.execute()
-        return [item for item, ok in zip(prepared, keep, strict=True) if ok]
-
-    def _render(self, feed: CategoryFeed, samples: list):
+    def _render(self, feed: CategoryFeed, samples: list[Sample]
+                ) -> tuple[list[Pending], list[DeadLetter]]:
         cat = feed.cat
         limit_chars = (self.context_length or CONTEXT_UNKNOWN_TOKENS) * MAX_CHARS_PER_TOKEN
         huge = {s.sample_id for s in samples if s.prompt and isinstance(s.prompt[0], dict)
@@ -335,7 +301,8 @@ class Producer:
             rendered = {s.sample_id: o for s, o in zip(chat, outs, strict=True)}
         sampling = msgspec.to_builtins(cat.sampling)
         max_new = cat.sampling.max_new_tokens
-        prepared, rejected = [], []
+        prepared: list[Pending] = []
+        rejected: list[DeadLetter] = []
         for s in samples:
             if s.sample_id in huge:
                 rejected.append(DeadLetter(
@@ -358,106 +325,91 @@ class Producer:
                 rejected.append(DeadLetter(id=s.sample_id, category=cat.name, outcome="rejected",
                                            reason=reason, message=msg, where=s.where))
                 continue
-            prepared.append((Pending(sample_id=s.sample_id, ordinal=s.ordinal, prompt_ids=ids,
-                                     sampling=sampling, where=s.where,
-                                     source_id=s.source_id), len(ids)))
+            prepared.append(Pending(sample_id=s.sample_id, ordinal=s.ordinal, prompt_ids=ids,
+                                    sampling=sampling, where=s.where, source_id=s.source_id))
         return prepared, rejected
 
-    def _job_data(self, category: str, p: Pending, n_prompt: int) -> Any:
-        ref = JobRef(run=self.cfg.run, category=category, sample_id=p.sample_id, seq=p.seq,
-                     prompt_tokens=n_prompt)
-        return Queue.prepare_data(
-            JOB_FUNC,
-            args=(msgspec.to_builtins(ref),),
-            job_id=self.keys.job_id(category, p.sample_id, p.seq),
-            timeout=self.cfg.job_timeout_s(),
-            result_ttl=RESULT_TTL_S,
-            failure_ttl=FAILURE_TTL_S,
-            description=f"{category}/{p.sample_id}#{p.seq}",
-        )
-
-    def _enqueue_again(self, category: str, p: Pending, pipe: Any) -> None:
-        ck = self.keys.cat(category)
-        n_prompt = len(p.prompt_ids)
-        pipe.hset(ck.pending, p.sample_id, msgspec.json.encode(p))
-        pipe.zadd(ck.leases, {p.sample_id: now_ms() + self.lease_ms})
-        self.queues[category].enqueue_many([self._job_data(category, p, n_prompt)], pipeline=pipe)
+    def _enqueue(self, category: str, samples: list[tuple[str, int, int]]) -> None:
+        """Enqueue one job per (sample id, seq, prompt tokens), in one round trip. The ledger
+        already holds each sample with a lease: a job lost here is enqueued again by the
+        reaper."""
+        if not samples:
+            return
+        jobs = [
+            Queue.prepare_data(
+                JOB_FUNC,
+                args=(msgspec.to_builtins(JobRef(run=self.cfg.run, category=category,
+                                                 sample_id=sid, seq=seq,
+                                                 prompt_tokens=n_prompt)),),
+                job_id=self.keys.job_id(category, sid, seq),
+                timeout=self.cfg.job_timeout_s(),
+                result_ttl=RESULT_TTL_S,
+                failure_ttl=FAILURE_TTL_S,
+                description=f"{category}/{sid}#{seq}",
+            )
+            for sid, seq, n_prompt in samples
+        ]
+        self.queues[category].enqueue_many(jobs)
 
     def reap(self, feed: CategoryFeed) -> int:
         """Re-enqueue samples whose lease expired and that are not waiting in the queue."""
         name = feed.cat.name
-        ck = self.keys.cat(name)
-        expired = self.redis.zrangebyscore(ck.leases, "-inf", now_ms(), start=0, num=REAP_BATCH)
+        expired = self.budget.expired(name, now_ms(), REAP_BATCH)
         if not expired:
             return 0
         queue_key = self.queues[name].key
         n = 0
-        for raw_sid in expired:
-            sid = raw_sid.decode()
-            raw = self.redis.hget(ck.pending, sid)
-            if raw is None:
-                self.redis.zrem(ck.leases, sid)
+        for sid in expired:
+            entry = self.budget.entry(name, sid)
+            deadline = now_ms() + self.lease_ms
+            if entry.pending is None:
+                self.budget.keep_lease(name, sid, deadline)  # drops a stray lease entry
                 continue
-            p = msgspec.json.decode(raw, type=Pending)
-            job_id = self.keys.job_id(name, sid, p.seq)
-            if self.redis.lpos(queue_key, job_id) is not None:
-                self.redis.zadd(ck.leases, {sid: now_ms() + self.lease_ms}, xx=True)
+            if self.redis.lpos(queue_key, self.keys.job_id(name, sid, entry.seq)) is not None:
+                self.budget.keep_lease(name, sid, deadline)
                 continue
-            lost_in_flight = self.redis.hexists(ck.reserved, sid)
-            failures = p.failures + (1 if lost_in_flight else 0)
+            p = entry.pending
+            failures = p.failures + (1 if entry.in_flight else 0)
             if failures >= self.cfg.max_attempts:
                 self.budget.fail(DeadLetter(id=sid, category=name, outcome="dead",
                                             reason=ErrorKind.LOST.value, where=p.where,
                                             message="worker lost the sample too often",
                                             attempts=failures))
                 continue
-            if lost_in_flight:
+            if entry.in_flight:
                 log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)
-            p = msgspec.structs.replace(p, seq=p.seq + 1, failures=failures)
-            self.budget.release(name, p, now_ms() + self.lease_ms)
-            pipe = self.redis.pipeline(transaction=True)
-            self._enqueue_again(name, p, pipe)
-            pipe.execute()
+            seq = self.budget.requeue(name, msgspec.structs.replace(p, failures=failures),
+                                      entry.seq, deadline)
+            if seq < 0:
+                continue  # it moved meanwhile (a worker extended its lease, or it ended)
+            self._enqueue(name, [(sid, seq, len(p.prompt_ids))])
             n += 1
         return n
 
     def unpark(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
-        """Re-enqueue deferred samples that now fit, or all of them once closed."""
+        """Re-enqueue deferred samples that now fit, or skip all of them once closed."""
         if not st["parked"]:
             return 0
         name = feed.cat.name
-        ck = self.keys.cat(name)
-        if st["state"] == "closed":
-            count = st["parked"]
-        else:
-            # only when something changed since the last try, and only as many as admission
-            # would take now (else they are parked again at once: measured 20 RQ jobs per
-            # committed sample in a tapering category)
+        if st["state"] != "closed":
+            # only when something changed since the last try (else admission answers as
+            # before: measured 20 RQ jobs per committed sample in a tapering category when
+            # every parked sample was tried again each tick)
             mark = (st["used"], st["reserved"], st["worst"], st["var"], st["in_flight"],
-                    st["cap"])
+                    st["cap"], st["parked"])
             if self._unpark_mark.get(name) == mark:
                 return 0
             self._unpark_mark[name] = mark
-            model = LengthModel.from_redis(self.redis.hgetall(ck.hist),
-                                           self.cfg.expected_for(feed.cat),
-                                           feed.cat.sampling.max_new_tokens)
-            est, var = model.moments(0)
-            margin = self.cfg.margin_sigmas * math.sqrt(st["var"] + var)
-            free = st["cap"] - st["used"] - st["reserved"] - margin
-            count = int(free // max(1.0, est)) if st["reserved"] else 1
-            if self.cfg.hard_cap:
-                max_add = feed.cat.sampling.max_new_tokens
-                room = st["cap"] - st["used"] - st["worst"]
-                count = min(count, max(0, math.ceil(room / max_add)))
-            if count <= 0:
-                return 0
-        popped = self.redis.zpopmin(ck.parked, count)
-        pipe = self.redis.pipeline(transaction=True)
-        for raw_sid, _score in popped:
-            raw = self.redis.hget(ck.pending, raw_sid)
-            if raw is None:
-                continue
-            p = msgspec.json.decode(raw, type=Pending)
-            self._enqueue_again(name, msgspec.structs.replace(p, seq=p.seq + 1), pipe)
-        pipe.execute()
-        return len(popped)
+        model = LengthModel(self.budget.hist(name), self.cfg.expected_for(feed.cat),
+                            feed.cat.sampling.max_new_tokens)
+        est, var = model.moments(0)
+        max_add = feed.cat.sampling.max_new_tokens if self.cfg.hard_cap else 0
+        got = self.budget.unpark(name, est, var, max_add, self.cfg.margin_sigmas,
+                                 now_ms() + self.lease_ms, UNPARK_BATCH)
+        prompts = [0] * len(got.leased)
+        if self.cfg.count == "total":  # the worker reserves for the prompt too
+            prompts = [len(e.pending.prompt_ids) if e.pending else 0
+                       for e in (self.budget.entry(name, sid) for sid, _seq in got.leased)]
+        self._enqueue(name, [(sid, seq, n) for (sid, seq), n in zip(got.leased, prompts,
+                                                                  strict=True)])
+        return len(got.leased) + got.skipped

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokencap.config import FORMATS, TURN_POLICIES
+from foundation.config import FORMATS, TURN_POLICIES
 
 __all__ = ["FORMATS", "TURN_POLICIES", "Rejected", "detect_format", "to_prompt"]
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any, NamedTuple, Self
 
+from foundation.errors import SourceError
 from producer.formats import Rejected, to_prompt
 
 log = logging.getLogger(__name__)
@@ -108,15 +109,17 @@ class SourceIndex:
     def build(cls, paths: Iterable[Path | str]) -> SourceIndex:
         """Index `paths` in one streaming pass; no record is kept in memory.
 
-        Raises `OSError` (`FileNotFoundError`, ...) naming the path of a file that cannot
-        be opened, and `ValueError` naming it for a file of unknown type or a JSON array
-        whose brackets do not balance.
+        Raises `SourceError` naming the path of a file that cannot be opened, of a file of
+        unknown type, or of a JSON array whose brackets do not balance.
         """
         segments: list[_Segment] = []
         total = 0
         for raw in paths:
             path = Path(raw)
-            seg = _index_file(path, total)
+            try:
+                seg = _index_file(path, total)
+            except OSError as exc:
+                raise SourceError(f"{path}: cannot read: {exc.strerror or exc}") from None
             segments.append(seg)
             count = len(seg.span) if seg.span is not None else seg.row_group_starts[-1]
             log.debug("indexed %s: %d records", path, count)
@@ -282,7 +285,7 @@ def _index_file(path: Path, start: int) -> _Segment:
     if suffix in PARQUET_EXTENSIONS:
         return _Segment(path, start, None, _parquet_row_groups(path))
     if suffix not in JSON_EXTENSIONS:
-        raise ValueError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)")
+        raise SourceError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)")
     span = _Span()
     with open(path, "rb") as f:
         first = _first_byte(f)
@@ -361,7 +364,7 @@ def _scan_json_array(f: IO[bytes], span: _Span, path: Path) -> None:
                 break
             token, here, at = m.group(), m.start(), m.end()
             if done or (depth == 0 and token != b"["):
-                raise ValueError(f"{path}: unexpected {token[:20]!r} outside the top-level array")
+                raise SourceError(f"{path}: unexpected {token[:20]!r} outside the top-level array")
             if depth == 1 and elem_start < 0 and token not in (b",", b"]"):
                 line += chunk.count(b"\n", counted, here)
                 counted = here
@@ -382,13 +385,13 @@ def _scan_json_array(f: IO[bytes], span: _Span, path: Path) -> None:
                 if elem_start >= 0:
                     span.add(elem_start, elem_end - elem_start, elem_line)
                 elif token == b",":
-                    raise ValueError(f"{path}:{line}: empty element in the top-level array")
+                    raise SourceError(f"{path}:{line}: empty element in the top-level array")
                 elem_start = -1
         line += chunk.count(b"\n", counted)
         counted = 0
         base += size
     if not done:
-        raise ValueError(f"{path}: the top-level JSON array is not closed")
+        raise SourceError(f"{path}: the top-level JSON array is not closed")
 
 
 def _parquet_row_groups(path: Path) -> list[int]:
@@ -400,7 +403,7 @@ def _parquet_row_groups(path: Path) -> list[int]:
         try:
             meta = pq.ParquetFile(f).metadata
         except pa.ArrowException as exc:
-            raise ValueError(f"{path}: not a readable Parquet file: {exc}") from None
+            raise SourceError(f"{path}: not a readable Parquet file: {exc}") from None
         starts = [0]
         for g in range(meta.num_row_groups):
             starts.append(starts[-1] + meta.row_group(g).num_rows)

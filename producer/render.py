@@ -17,8 +17,8 @@ from typing import Any
 
 import jinja2
 
+from foundation.errors import TokencapError
 from producer.formats import Rejected
-from tokencap.errors import TokencapError
 
 log = logging.getLogger(__name__)
 

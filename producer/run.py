@@ -1,4 +1,6 @@
-"""Producer start-up: lock the run, create or check it, reconcile, index sources, feed."""
+"""Producer start-up and the one "run to the end": lock the run, create or check it in
+Redis, reconcile with the output files, index the sources, feed until every category is
+done. `tokencap run` and `tokencap up` both call `run_to_end`."""
 
 from __future__ import annotations
 
@@ -12,65 +14,76 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import LockError
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from foundation.config import RunConfig
+from foundation.errors import ConfigError, ProducerBusy, SourceError
+from foundation.sglang import context_length
 from producer.feeder import CategoryFeed, Producer
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
-from tokencap.config import RunConfig
-from tokencap.errors import ConfigError, TokencapError
 
 log = logging.getLogger(__name__)
 
 LOCK_POLL_S = 0.2
 
 
-class ProducerBusy(TokencapError):
-    exit_code = 6
-
-
 class RunLock:
-    """One producer per run: a Redis key with a TTL, renewed while the producer lives."""
+    """One producer per run: redis-py's `Lock` on the run's lock key (SET NX PX takes it;
+    extending and releasing are Lua calls that act only while this token holds it)."""
 
     def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 15.0) -> None:
         self.redis = redis
-        self.key = f"{keys.base}:producer"
+        self.key = keys.producer_lock
+        self.run = keys.run
+        self.ttl_s = ttl_s
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.ttl_ms = int(ttl_s * 1000)
+        self.lock = redis.lock(self.key, timeout=ttl_s, sleep=LOCK_POLL_S, thread_local=False)
+        self._renewed_at = float("-inf")
 
     def acquire(self, wait_s: float | None = None) -> None:
-        """Take the lock, waiting up to `wait_s` (default: a little over its TTL, so a
-        killed producer's lock has expired)."""
-        wait_s = self.ttl_ms / 1000 * 1.5 if wait_s is None else wait_s
-        deadline = time.monotonic() + wait_s
-        while not self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
+        """Take the lock, waiting up to `wait_s` (default: a little over its TTL, so that a
+        killed producer's lock has expired); raise `ProducerBusy` if another holds it."""
+        wait_s = self.ttl_s * 1.5 if wait_s is None else wait_s
+        if self.lock.acquire(blocking=True, blocking_timeout=wait_s, token=self.token):
+            self._renewed_at = time.monotonic()
+        else:
             holder = self.redis.get(self.key)
-            if time.monotonic() > deadline:
-                raise ProducerBusy(
-                    f"another producer holds run lock {self.key} ({holder!r}); "
-                    "stop it first, or wait for its lock to expire"
-                )
-            time.sleep(LOCK_POLL_S)
+            raise ProducerBusy(
+                f"another producer is running run {self.run!r} (lock {self.key} held by "
+                f"{holder.decode() if holder else 'someone'}); stop it first, or wait "
+                f"{self.ttl_s:g} s for the lock of a killed one to expire"
+            )
 
     def renew(self) -> None:
-        """Extend the lock; take it again if Redis lost it; fail if someone else holds it."""
-        if self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
-            log.warning("run lock %s was gone (Redis restarted?); took it again", self.key)
+        """Extend the lock (at most every third of its TTL); take it again if Redis lost it;
+        fail if someone else holds it."""
+        now = time.monotonic()
+        if now - self._renewed_at < self.ttl_s / 3:
             return
-        if self.redis.get(self.key) != self.token.encode():
-            raise ProducerBusy("lost the run lock to another producer")
-        self.redis.pexpire(self.key, self.ttl_ms)
+        self._renewed_at = now
+        try:
+            self.lock.reacquire()
+        except LockError:
+            if self.lock.acquire(blocking=False, token=self.token):
+                log.warning("run lock %s was gone (Redis restarted?); took it again", self.key)
+                return
+            raise ProducerBusy(f"lost the lock of run {self.run!r} to another producer "
+                               "(this one stalled longer than lock_ttl_s?)") from None
 
     def release(self) -> None:
-        if self.redis.get(self.key) == self.token.encode():
-            self.redis.delete(self.key)
+        try:
+            self.lock.release()
+        except LockError:
+            log.warning("run lock %s was no longer ours at the end", self.key)
 
 
 def build_producer(
     cfg: RunConfig,
     redis: Redis,
-    context_length: int | None,
+    context_len: int | None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     renderer: Any = None,
 ) -> Producer:
@@ -84,12 +97,12 @@ def build_producer(
         except TokenizerError as exc:
             raise ConfigError("$.tokenizer", str(exc)) from None
     indexes = {}
-    for cat in cfg.category:
+    for i, cat in enumerate(cfg.category):
         t0 = time.monotonic()
         try:
             indexes[cat.name] = SourceIndex.build([Path(p) for p in cat.paths])
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"$.category[{cat.name}].source", str(exc)) from None
+        except SourceError as exc:
+            raise ConfigError(f"$.category[{i}].source", str(exc)) from None
         log.info("%s: indexed %d records in %.1f s", cat.name, len(indexes[cat.name]),
                  time.monotonic() - t0)
     keys = Keys(cfg.key_prefix, cfg.run)
@@ -99,7 +112,38 @@ def build_producer(
     added = reconcile(budget, out, [c.name for c in cfg.category])
     if created and any(added.values()):
         log.warning("run %s was not in Redis; rebuilt from %s: %s", cfg.run, out, added)
-    producer = Producer(cfg, redis, renderer, context_length, on_progress)
+    producer = Producer(cfg, redis, renderer, context_len, on_progress)
     for cat in cfg.category:
         producer.add_feed(CategoryFeed(cfg, cat, indexes[cat.name]))
     return producer
+
+
+def run_to_end(
+    cfg: RunConfig,
+    redis: Redis,
+    engine_urls: list[str],
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    before_feed: Callable[[Producer], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    progress_s: float = 2.0,
+) -> dict[str, Any]:
+    """Take the run's lock, build the producer (config, tokenizer and sources checked, run
+    created or resumed, counters rebuilt from the files), call `before_feed` (the launcher
+    starts its processes there), then feed until every category is closed or exhausted and
+    every result is written, or until `should_stop()`. Returns the final status."""
+    lock = RunLock(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
+    lock.acquire()
+    try:
+        ctx = cfg.context_length or context_length(engine_urls)
+        producer = build_producer(cfg, redis, ctx, on_progress)
+        if before_feed is not None:
+            before_feed(producer)
+
+        def stop() -> bool:
+            lock.renew()
+            return should_stop()
+
+        return producer.run(progress_s=progress_s, should_stop=stop)
+    finally:
+        lock.release()

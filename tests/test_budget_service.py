@@ -7,10 +7,10 @@ import json
 import pytest
 import requests
 
-from budget_service.budget import Budget, now_ms
+from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.server import DEFAULT_HOST, make_server, serve_in_thread
-from tests.test_lua import make_cfg, pending, result
+from tests.test_lua import feed, make_cfg, result
 
 TOKEN = "t0ken-for-tests"
 
@@ -19,7 +19,7 @@ TOKEN = "t0ken-for-tests"
 def service(redis):
     budget = Budget(redis, Keys("tokencap", "t"))
     budget.init_run(make_cfg(cats=("code", "math")))
-    budget.feed("code", pending("a"), now_ms() + 30_000)
+    feed(budget, "a")
     budget.admit("code", "a", 50, 30_000)
     budget.commit(result("a", 123), 0, 0.0)
     server = make_server(budget, port=0, token=TOKEN)

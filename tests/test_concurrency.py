@@ -7,8 +7,8 @@ import json
 from rq import Queue, Worker
 
 from sglang_sim.testing import SimServer
-from tests.conftest import wait_until
-from tests.harness import started, write_config
+from tests.conftest import write_config
+from tokencap.harness import started, wait_until
 
 WORKERS = 32
 PROMPTS = 400
@@ -32,7 +32,7 @@ sampling = {{ max_new_tokens = 256 }}
 """)
     with SimServer(time_scale=2000.0, max_running_requests=64) as sim:
         with started(cfg, redis_url, [sim.url], WORKERS) as pipe:
-            queue = Queue("conc.one", connection=pipe.redis)
+            queue = Queue(pipe.keys.queue_name("one"), connection=pipe.redis)
             wait_until(lambda: Worker.count(connection=pipe.redis, queue=queue) == WORKERS,
                        timeout_s=120, what="32 workers to register")
             # When 32 workers commit concurrently

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from foundation.config import load_config
+from foundation.errors import ConfigError
 from tests.conftest import DATASETS, QWEN
-from tokencap.config import load_config
-from tokencap.errors import ConfigError
 
 SRC = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 
@@ -92,7 +92,7 @@ def test_cli_reports_config_error_without_traceback(tmp_path) -> None:
 
 
 def test_job_timeout_covers_the_http_retry_budget() -> None:
-    from tokencap.config import Category, RunConfig, SamplingParams
+    from foundation.config import Category, RunConfig, SamplingParams
 
     cfg = RunConfig(run="r", output_dir="o", read_timeout_s=600, connect_timeout_s=3,
                     http_retries=5, backoff_max_s=30,
@@ -107,7 +107,7 @@ def test_job_timeout_covers_the_http_retry_budget() -> None:
                                                       (3.0, 0.25, 0.25)])
 def test_heartbeat_is_at_most_a_third_of_the_lease(lease_s, heartbeat_s, beat) -> None:
     from consumers.job import RunContext
-    from tokencap.config import Category, RunConfig, SamplingParams
+    from foundation.config import Category, RunConfig, SamplingParams
 
     cfg = RunConfig(run="r", output_dir="o", lease_s=lease_s, heartbeat_s=heartbeat_s,
                     category=[Category(name="a", sources=["x"],

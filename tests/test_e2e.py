@@ -6,8 +6,8 @@ import pytest
 from rq import Queue
 
 from sglang_sim.testing import SimServer
-from tests.conftest import DATASETS, QWEN
-from tests.harness import started, write_config
+from tests.conftest import DATASETS, QWEN, write_config
+from tokencap.harness import started
 
 SIM_TIME_SCALE = 400.0
 
@@ -53,7 +53,7 @@ sampling = {{ max_new_tokens = 1024 }}
         assert st["used"] >= cfg.cap_for(cat)
     # and RQ shows one queue per category
     names = {q.name for q in Queue.all(connection=pipe.redis)}
-    assert names == {"e2e.qa", "e2e.chat", "e2e.proofs"}
+    assert names == {"tokencap:e2e.qa", "tokencap:e2e.chat", "tokencap:e2e.proofs"}
     # and each output line carries what training needs
     rec = pipe.records("qa")[0]
     for field in ("id", "category", "prompt_ids", "output_ids", "prompt_tokens",

@@ -16,12 +16,12 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
+from foundation.wire import Result
 from producer.readers import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
 from tokencap.cli_data import export_cmd
 from tokencap.export import ExportError, export
-from tokencap.wire import Result
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 MINERVA = DATASETS / "problem_solution" / "qwen25math_minerva_math_test.jsonl"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from producer import feeder
 from tests.faults.common import two_category_config
-from tests.harness import Pipeline
+from tokencap.harness import Pipeline
 
 
 def test_leases_are_checked_on_an_interval_and_again_while_some_expired(tmp_path,

@@ -11,7 +11,7 @@ import requests
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.server import METRIC_FIELDS, render_metrics
+from budget_service.server import CATEGORY_GAUGES, render_metrics
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.test_lua import make_cfg
@@ -71,13 +71,16 @@ def test_every_panel_has_a_datasource_and_a_target(dashboard: dict[str, Any]) ->
 
 def test_dashboard_covers_the_budget_and_the_engines(dashboard: dict[str, Any]) -> None:
     used = {m for e in expressions(dashboard) for m in METRIC_RE.findall(e)}
-    wanted = {"tokencap_used_tokens", "tokencap_cap_tokens", "tokencap_samples_committed",
-              "tokencap_samples_skipped", "tokencap_samples_failed", "tokencap_samples_rejected",
-              "tokencap_reserved_tokens", "tokencap_in_flight", "tokencap_overshoot_tokens",
-              "tokencap_category_open", "sglang:num_running_reqs", "sglang:num_queue_reqs",
-              "sglang:token_usage", "sglang:gen_throughput"}
+    wanted = {"tokencap_used_tokens", "tokencap_cap_tokens", "tokencap_samples_total",
+              "tokencap_reserved_tokens", "tokencap_samples_in_flight",
+              "tokencap_overshoot_tokens", "tokencap_category_open",
+              "tokencap_engine_requests_total", "sglang:num_running_reqs",
+              "sglang:num_queue_reqs", "sglang:token_usage", "sglang:gen_throughput"}
     assert wanted <= used, sorted(wanted - used)
-    assert any("rate(tokencap_used_tokens" in e and "[1m]" in e for e in expressions(dashboard))
+    # tok/s from a gauge: deriv (rate is for counters only)
+    assert any("deriv(tokencap_used_tokens" in e and "[1m]" in e for e in expressions(dashboard))
+    rated = {m for e in expressions(dashboard) for m in re.findall(r"rate\((tokencap_\w+)", e)}
+    assert rated and all(m.endswith(("_total", "_bucket")) for m in rated), rated
 
 
 def test_every_metric_name_is_exported(dashboard: dict[str, Any], redis) -> None:
@@ -85,11 +88,13 @@ def test_every_metric_name_is_exported(dashboard: dict[str, Any], redis) -> None
     simulator's page."""
     budget = Budget(redis, Keys("tokencap", "t"))
     budget.init_run(make_cfg(cats=("code", "math")))
-    tokencap_page = render_metrics(budget.status())
+    budget.add_engine_counts({"http://e|requests|ok": 1, "http://e|latency_le|1": 1,
+                              "http://e|latency_le|inf": 1, "http://e|latency_sum_ms": 300})
+    tokencap_page = render_metrics(budget).decode()
     with SimServer(time_scale=100) as sim:
         sglang_page = requests.get(f"{sim.url}/metrics", timeout=TIMEOUT_S).text
     exposed = exposed_names(tokencap_page) | exposed_names(sglang_page)
-    assert {metric for _, metric, _ in METRIC_FIELDS} <= exposed  # the parser sees the page
+    assert {metric for _, metric, _ in CATEGORY_GAUGES} <= exposed  # the parser sees the page
 
     used = {m for e in expressions(dashboard) for m in METRIC_RE.findall(e)}
     assert used, "no metric names found in the dashboard"

@@ -1,14 +1,24 @@
-"""Each Lua script called directly against a real Redis."""
+"""Each Lua script called directly against a real Redis, through its `Budget` method.
+
+Every script of `budget_service/lua/` has tests here named `test_<script>_...`
+(`test_every_script_has_a_direct_test` holds that).
+"""
 
 from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from budget_service.budget import Budget, now_ms
-from budget_service.keys import Keys
-from tokencap.config import Category, RunConfig, SamplingParams
-from tokencap.wire import DeadLetter, Pending, Result
+from budget_service.budget import Budget, now_ms, prompt_digest
+from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
+from budget_service.scripts import CATEGORY_SCRIPTS, LUA_DIR, OTHER_SCRIPTS
+from foundation.config import Category, RunConfig, SamplingParams
+from foundation.errors import RunMismatch
+from foundation.wire import DeadLetter, Pending, Result
 
 LEASE_MS = 30_000
 
@@ -28,8 +38,9 @@ def budget(redis) -> Budget:
     return b
 
 
-def pending(sid: str) -> Pending:
-    return Pending(sample_id=sid, ordinal=0, prompt_ids=[1, 2, 3], sampling={"max_new_tokens": 64})
+def pending(sid: str, prompt: tuple[int, ...] = (1, 2, 3)) -> Pending:
+    return Pending(sample_id=sid, ordinal=0, prompt_ids=list(prompt),
+                   sampling={"max_new_tokens": 64})
 
 
 def result(sid: str, n: int, finish: str = "stop") -> Result:
@@ -38,57 +49,136 @@ def result(sid: str, n: int, finish: str = "stop") -> Result:
                   sampling={}, counted_tokens=n)
 
 
-def feed(budget: Budget, sid: str) -> int:
-    return budget.feed("code", pending(sid), now_ms() + LEASE_MS)
+def feed(budget: Budget, sid: str, prompt: tuple[int, ...] | None = None,
+         category: str = "code") -> int:
+    """Feed one sample at the current cursor; 1 if it was recorded now."""
+    at = budget.cursor(category)
+    ids = budget.feed(category, at, at + 1, now_ms() + LEASE_MS,
+                      [pending(sid, prompt or (1, 2, 3, len(sid), *map(ord, sid)))], [])
+    assert ids is not None
+    return len(ids)
 
+
+def ck(budget: Budget, category: str = "code") -> CategoryKeys:
+    return budget.keys.cat(category)
+
+
+# -- the library and the registry -----------------------------------------------------------
+
+def test_lib_names_the_keys_in_category_keys_order() -> None:
+    table = (LUA_DIR / "_lib.lua").read_text().split("local K = {", 1)[1].split("}", 1)[0]
+    names = re.findall(r"(\w+) = KEYS\[(\d+)\]", table)
+    assert [(n, int(i)) for n, i in names] == [
+        (f, i) for i, f in enumerate(CategoryKeys._fields, 1)]
+
+
+def test_every_script_has_a_direct_test() -> None:
+    on_disk = {p.stem for p in LUA_DIR.glob("*.lua") if not p.stem.startswith("_")}
+    assert on_disk == set(CATEGORY_SCRIPTS) | set(OTHER_SCRIPTS)
+    tests = [n for n in dir(sys.modules[__name__]) if n.startswith("test_")]
+    untested = [s for s in sorted(on_disk) if not any(t.startswith(f"test_{s}_") for t in tests)]
+    assert untested == []
+
+
+def test_no_script_builds_a_key_name() -> None:
+    for path in Path(LUA_DIR).glob("*.lua"):
+        code = "\n".join(line.split("--", 1)[0] for line in path.read_text().splitlines())
+        assert "..':'" not in code.replace(" ", "") and "':'.." not in code.replace(" ", ""), \
+            path.name
+
+
+# -- init ---------------------------------------------------------------------------------
+
+def test_init_run_creates_once_and_keeps_live_caps(redis) -> None:
+    b = Budget(redis, Keys("tokencap", "t"))
+    assert b.init_run(make_cfg(cap=1000, cats=("code", "math"))) is True
+    b.set_cap("code", 5000)
+    assert b.init_run(make_cfg(cap=1000, cats=("code", "math"))) is False
+    assert b.state("code")["cap"] == 5000 and b.state("math")["cap"] == 1000
+    with pytest.raises(RunMismatch):
+        b.init_run(make_cfg(cats=("code",)))
+
+
+def test_init_category_creates_the_writer_group_on_both_streams(budget: Budget) -> None:
+    for stream in (ck(budget).results, ck(budget).dead):
+        groups = budget.redis.xinfo_groups(stream)
+        assert [g["name"] for g in groups] == [WRITER_GROUP.encode()]
+    budget.redis.delete(ck(budget).results)
+    budget.ensure_groups("code")  # again after Redis lost it; BUSYGROUP on the other ignored
+    assert budget.redis.xinfo_groups(ck(budget).results)[0]["name"] == WRITER_GROUP.encode()
+    assert budget.state("code")["cap"] == 1000
+
+
+# -- feed ---------------------------------------------------------------------------------
 
 def test_feed_records_once(budget: Budget) -> None:
     assert feed(budget, "a") == 1
     assert feed(budget, "a") == 0
     budget.commit(result("a", 5), 0, 0.0)
     assert feed(budget, "a") == 0  # final samples are never fed again
+    assert budget.cursor("code") == 3
 
+
+def test_feed_with_a_stale_cursor_writes_nothing(budget: Budget) -> None:
+    assert feed(budget, "a") == 1
+    # a producer that believes the cursor is 5 (Redis lost feeds it made)
+    assert budget.feed("code", 5, 6, now_ms() + LEASE_MS, [pending("b", (9,))], []) is None
+    assert budget.cursor("code") == 1
+    assert budget.redis.hget(ck(budget).pending, "b") is None
+
+
+def test_feed_leases_records_rejections_and_duplicate_prompts(budget: Budget) -> None:
+    bad = DeadLetter(id="x", category="code", outcome="rejected", reason="invalid_json",
+                     where="f:3")
+    deadline = now_ms() + LEASE_MS
+    ids = budget.feed("code", 0, 4, deadline,
+                      [pending("a", (1, 2)), pending("b", (1, 2)), pending("c", (3,))], [bad])
+    assert ids == ["a", "c"]
+    assert budget.redis.zscore(ck(budget).leases, "a") == deadline
+    st = budget.status()["categories"]["code"]
+    assert (st["pending"], st["rejected"], st["duplicate_prompts"]) == (2, 2, 1)
+    assert st["reasons"] == {"duplicate_prompt": 1, "invalid_json": 1}
+    final = budget.final_marks("code")
+    assert final == {"b": "r:duplicate_prompt", "x": "r:invalid_json"}
+    assert budget.redis.xlen(ck(budget).dead) == 2
+    assert budget.redis.hget(ck(budget).prompts, prompt_digest([1, 2])) == b"a"
+    # its own earlier feed is not a duplicate, and a rejection is recorded once
+    assert budget.feed("code", 4, 5, deadline, [pending("a", (1, 2))], [bad]) == []
+    assert budget.status()["categories"]["code"]["rejected"] == 2
+
+
+# -- admit, heartbeat, commit, release, fail -----------------------------------------------
 
 def test_admit_returns_payload_and_reserves(budget: Budget) -> None:
     feed(budget, "a")
     status, p = budget.admit("code", "a", 100, LEASE_MS)
-    assert status == "ok" and p == pending("a")
-    st = budget.state("code")
-    assert st["reserved"] == 100
+    assert status == "ok" and p is not None and p.sample_id == "a"
+    assert budget.state("code")["reserved"] == 100
     # admitted again (a retry of the same sample) keeps one reservation
     assert budget.admit("code", "a", 100, LEASE_MS)[0] == "ok"
     assert budget.state("code")["reserved"] == 100
 
 
-def test_commit_twice_counts_once(budget: Budget) -> None:
+def test_admit_refuses_the_job_of_an_earlier_enqueue(budget: Budget) -> None:
     feed(budget, "a")
-    budget.admit("code", "a", 100, LEASE_MS)
-    assert budget.commit(result("a", 40), 0, 10.0) == ("ok", 40)
-    assert budget.commit(result("a", 40), 0, 10.0) == ("dup", 40)
-    st = budget.state("code")
-    assert (st["used"], st["reserved"], st["samples"]) == (40, 0, 1)
-    assert budget.redis.xlen(budget.keys.cat("code").results) == 1
-    assert budget.redis.hlen(budget.keys.cat("code").pending) == 0
+    budget.redis.zadd(ck(budget).leases, {"a": 1})  # its lease expired
+    p = msgspec.json.decode(budget.redis.hget(ck(budget).pending, "a"), type=Pending)
+    assert budget.requeue("code", p, 0, now_ms() + LEASE_MS) == 1
+    assert budget.admit("code", "a", 100, LEASE_MS, seq=0) == ("stale", None)
+    assert budget.state("code")["reserved"] == 0
+    assert budget.admit("code", "a", 100, LEASE_MS, seq=1)[0] == "ok"
+    assert budget.admit("code", "zz", 100, LEASE_MS) == ("unknown", None)
 
 
-def test_admit_refuses_a_closed_category(budget: Budget) -> None:
-    budget.close("code", "close")
+def test_admit_skips_the_samples_of_a_closed_category(budget: Budget) -> None:
+    budget.close("code")
     feed(budget, "a")
     assert budget.admit("code", "a", 10, LEASE_MS) == ("closed", None)
     st = budget.state("code")
     assert st["skipped"] == 1 and st["reserved"] == 0
-    assert budget.redis.hget(budget.keys.cat("code").final, "a") == b"s"
-
-
-def test_commit_closes_at_cap(budget: Budget) -> None:
-    for sid in ("a", "b"):
-        feed(budget, sid)
-        budget.admit("code", sid, 10, LEASE_MS)
-    budget.commit(result("a", 600), 0, 0.0)
-    assert budget.status()["categories"]["code"]["state"] == "open"
-    budget.commit(result("b", 500), 0, 0.0)
-    st = budget.status()["categories"]["code"]
-    assert st["state"] == "closed" and st["overshoot"] == 100
+    assert budget.final_marks("code") == {"a": "s"}
+    assert budget.admit("code", "a", 10, LEASE_MS) == ("done", None)
+    assert budget.state("code")["skipped"] == 1
 
 
 def test_admit_waits_when_reservations_fill_the_cap(budget: Budget) -> None:
@@ -96,87 +186,17 @@ def test_admit_waits_when_reservations_fill_the_cap(budget: Budget) -> None:
         feed(budget, sid)
     assert budget.admit("code", "a", 600, LEASE_MS)[0] == "ok"
     assert budget.admit("code", "b", 600, LEASE_MS)[0] == "wait"  # 600 + 600 >= 1000
-    ck = budget.keys.cat("code")
-    assert budget.redis.zscore(ck.parked, "b") is not None
-    assert budget.redis.zscore(ck.leases, "b") is None
+    assert budget.redis.zscore(ck(budget).parked, "b") is not None
+    assert budget.redis.zscore(ck(budget).leases, "b") is None
     budget.commit(result("a", 900), 0, 0.0)
     # nothing in flight and used < cap: the next sample is admitted even if it may pass
     assert budget.admit("code", "b", 600, LEASE_MS)[0] == "ok"
-    assert budget.redis.zscore(ck.parked, "b") is None
+    assert budget.redis.zscore(ck(budget).parked, "b") is None
     budget.commit(result("b", 200), 0, 0.0)
     assert budget.admit("code", "c", 600, LEASE_MS)[0] == "closed"
 
 
-def test_heartbeat_moves_reservation(budget: Budget) -> None:
-    feed(budget, "a")
-    budget.admit("code", "a", 100, LEASE_MS)
-    assert budget.heartbeat("code", "a", 250, LEASE_MS)
-    assert budget.state("code")["reserved"] == 250
-    budget.commit(result("a", 260), 0, 0.0)
-    assert budget.state("code")["reserved"] == 0
-    assert not budget.heartbeat("code", "a", 300, LEASE_MS)
-
-
-def test_fail_is_terminal_and_uncounted(budget: Budget) -> None:
-    feed(budget, "a")
-    budget.admit("code", "a", 100, LEASE_MS)
-    dead = DeadLetter(id="a", category="code", outcome="dead", reason="server_error")
-    assert budget.fail(dead) == 1
-    assert budget.fail(dead) == 0
-    st = budget.state("code")
-    assert (st["failed"], st["used"], st["reserved"]) == (1, 0, 0)
-    assert budget.commit(result("a", 10), 0, 0.0)[0] == "dup"
-    assert budget.state("code")["used"] == 0
-
-
-def test_release_returns_reservation_and_reschedules(budget: Budget) -> None:
-    feed(budget, "a")
-    budget.admit("code", "a", 100, LEASE_MS)
-    p = msgspec.structs.replace(pending("a"), failures=1)
-    assert budget.release("code", p, 12345)
-    ck = budget.keys.cat("code")
-    assert budget.state("code")["reserved"] == 0
-    assert budget.redis.zscore(ck.leases, "a") == 12345
-    stored = msgspec.json.decode(budget.redis.hget(ck.pending, "a"), type=Pending)
-    assert stored.failures == 1
-
-
-def test_close_cap_reopens_and_closes(budget: Budget) -> None:
-    feed(budget, "a")
-    budget.admit("code", "a", 10, LEASE_MS)
-    budget.commit(result("a", 1500), 0, 0.0)
-    assert budget.status()["categories"]["code"]["state"] == "closed"
-    closed, _, old = budget.close("code", "cap", 5000)
-    assert (closed, old) == (False, 1000)
-    assert budget.status()["categories"]["code"]["state"] == "open"
-    closed, _, _ = budget.close("code", "cap", 100)
-    assert closed
-
-
-def test_reconcile_adds_only_missing(budget: Budget) -> None:
-    feed(budget, "a")
-    budget.admit("code", "a", 10, LEASE_MS)
-    budget.commit(result("a", 30), 0, 0.0)
-    records = [("a", "c:30", 30, 0, 1), ("b", "c:50", 50, 50, 3), ("c", "r:invalid_json", 0, 0, "")]
-    assert budget.reconcile("code", records) == 2
-    assert budget.reconcile("code", records) == 0
-    st = budget.state("code")
-    assert (st["used"], st["samples"], st["waste"], st["rejected"]) == (80, 2, 50, 1)
-
-
-def test_dedup_rejects_a_second_sample_with_the_same_prompt(budget: Budget) -> None:
-    assert budget.dedup("code", "a", [1, 2, 3], "f:1") == 1
-    assert budget.dedup("code", "a", [1, 2, 3], "f:1") == 1  # its own earlier feed
-    assert budget.dedup("code", "b", [1, 2, 3], "f:2") == 0
-    assert budget.dedup("code", "b", [1, 2, 3], "f:2") == 0  # recorded once
-    assert budget.dedup("code", "c", [1, 2, 4], "f:3") == 1
-    st = budget.status()["categories"]["code"]
-    assert (st["rejected"], st["duplicate_prompts"]) == (1, 1)
-    assert st["reasons"] == {"duplicate_prompt": 1}
-    assert budget.redis.hget(budget.keys.cat("code").final, "b") == b"r:duplicate_prompt"
-
-
-def test_hard_guard_keeps_used_below_cap_plus_one_sample(budget: Budget) -> None:
+def test_admit_hard_guard_keeps_used_below_cap_plus_one_sample(budget: Budget) -> None:
     # cap 1000; each sample may add up to 300 tokens; reservations (10) alone would admit all
     for sid in "abcdef":
         feed(budget, sid)
@@ -191,7 +211,7 @@ def test_hard_guard_keeps_used_below_cap_plus_one_sample(budget: Budget) -> None
     assert budget.admit("code", "f", 10, LEASE_MS, max_add=300)[0] == "closed"
 
 
-def test_margin_holds_back_by_sigmas_of_the_in_flight_total(budget: Budget) -> None:
+def test_admit_margin_holds_back_by_sigmas_of_the_in_flight_total(budget: Budget) -> None:
     # cap 1000, estimates 200 with variance 100^2 each, margin 2 sigmas:
     # a: nothing in flight -> admitted; b: 0+200+200 + 2*sqrt(2e4)=283 -> 683 < 1000 ok;
     # c: 400+200 + 2*sqrt(3e4)=346 -> 946 ok; d: 600+200 + 2*sqrt(4e4)=400 -> 1200 wait
@@ -214,14 +234,221 @@ def test_margin_holds_back_by_sigmas_of_the_in_flight_total(budget: Budget) -> N
     budget.commit(result("d", 10), 0, 0.0)
     st = budget.state("code")
     assert (st["var"], st["reserved"]) == (0, 0)
-    assert not budget.redis.exists(budget.keys.cat("code").var)
+    assert not budget.redis.exists(ck(budget).var)
 
 
-def test_worst_is_released_by_fail_and_release(budget: Budget) -> None:
+def test_heartbeat_moves_reservation_and_lease(budget: Budget) -> None:
     feed(budget, "a")
+    budget.admit("code", "a", 100, LEASE_MS)
+    before = budget.redis.zscore(ck(budget).leases, "a")
+    assert budget.heartbeat("code", "a", 250, 10 * LEASE_MS)
+    assert budget.state("code")["reserved"] == 250
+    assert budget.redis.zscore(ck(budget).leases, "a") > before
+    budget.commit(result("a", 260), 0, 0.0)
+    assert budget.state("code")["reserved"] == 0
+    assert not budget.heartbeat("code", "a", 300, LEASE_MS)
+    assert budget.redis.zscore(ck(budget).leases, "a") is None  # no lease comes back
+
+
+def test_commit_twice_counts_once(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 100, LEASE_MS)
+    assert budget.commit(result("a", 40), 0, 10.0) == ("ok", 40)
+    assert budget.commit(result("a", 40), 0, 10.0) == ("dup", 40)
+    st = budget.state("code")
+    assert (st["used"], st["reserved"], st["samples"]) == (40, 0, 1)
+    assert budget.redis.xlen(ck(budget).results) == 1
+    assert budget.redis.hlen(ck(budget).pending) == 0
+
+
+def test_commit_closes_at_cap(budget: Budget) -> None:
+    for sid in ("a", "b"):
+        feed(budget, sid)
+        budget.admit("code", sid, 10, LEASE_MS)
+    budget.commit(result("a", 600), 0, 0.0)
+    assert budget.status()["categories"]["code"]["state"] == "open"
+    budget.commit(result("b", 500), 0, 0.0)
+    st = budget.status()["categories"]["code"]
+    assert st["state"] == "closed" and st["overshoot"] == 100
+
+
+def test_release_returns_reservation_and_reschedules(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 100, LEASE_MS, max_add=64)
+    p = msgspec.structs.replace(pending("a"), failures=1)
+    assert budget.release("code", p, 12345)
+    st = budget.state("code")
+    assert (st["reserved"], st["worst"]) == (0, 0)
+    assert budget.redis.zscore(ck(budget).leases, "a") == 12345
+    stored = msgspec.json.decode(budget.redis.hget(ck(budget).pending, "a"), type=Pending)
+    assert stored.failures == 1
+    budget.commit(result("a", 3), 0, 0.0)
+    assert not budget.release("code", p, 1)  # final: nothing to give back
+
+
+def test_fail_is_terminal_and_uncounted(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 100, LEASE_MS)
+    dead = DeadLetter(id="a", category="code", outcome="dead", reason="server_error")
+    assert budget.fail(dead) is True
+    assert budget.fail(dead) is False
+    st = budget.state("code")
+    assert (st["failed"], st["used"], st["reserved"]) == (1, 0, 0)
+    assert budget.commit(result("a", 10), 0, 0.0)[0] == "dup"
+    assert budget.state("code")["used"] == 0
+    rejected = DeadLetter(id="b", category="code", outcome="rejected", reason="bad_request")
     feed(budget, "b")
-    budget.admit("code", "a", 10, LEASE_MS, max_add=300)
-    budget.admit("code", "b", 10, LEASE_MS, max_add=300)
-    budget.release("code", pending("a"), 1)
-    budget.fail(DeadLetter(id="b", category="code", outcome="dead", reason="timeout"))
-    assert budget.state("code")["worst"] == 0 and budget.state("code")["reserved"] == 0
+    assert budget.fail(rejected) is True
+    assert budget.status()["categories"]["code"]["reasons"] == {"bad_request": 1,
+                                                                "server_error": 1}
+    assert budget.final_marks("code") == {"a": "d:server_error", "b": "r:bad_request"}
+    assert budget.redis.hlen(ck(budget).pending) == 0
+
+
+# -- the reaper: requeue and lease ---------------------------------------------------------
+
+def test_requeue_gives_a_lost_sample_a_new_seq_and_lease(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 100, LEASE_MS, max_add=64)
+    budget.redis.zadd(ck(budget).leases, {"a": 1})  # the worker died: its lease expired
+    p = msgspec.structs.replace(pending("a"), failures=1)
+    deadline = now_ms() + LEASE_MS
+    assert budget.requeue("code", p, 0, deadline) == 1
+    st = budget.state("code")
+    assert (st["reserved"], st["worst"]) == (0, 0)  # the lost reservation is returned
+    assert budget.redis.zscore(ck(budget).leases, "a") == deadline
+    assert budget.entry("code", "a") == (p, 1, False)
+    # read at seq 0 (a second reaper pass on stale data): refused, nothing changes
+    budget.redis.zadd(ck(budget).leases, {"a": 1})
+    assert budget.requeue("code", p, 0, deadline) == -1
+    assert budget.entry("code", "a").seq == 1
+
+
+def test_requeue_leaves_a_sample_whose_lease_was_extended_meanwhile(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 100, LEASE_MS)  # lease in the future: the worker lives
+    assert budget.requeue("code", pending("a"), 0, now_ms() + LEASE_MS) == -1
+    assert budget.state("code")["reserved"] == 100
+    budget.commit(result("a", 5), 0, 0.0)
+    assert budget.requeue("code", pending("a"), 0, now_ms()) == -1  # final
+
+
+def test_lease_extends_a_waiting_sample_and_drops_a_stray_entry(budget: Budget) -> None:
+    feed(budget, "a")
+    assert budget.keep_lease("code", "a", 777) is True
+    assert budget.redis.zscore(ck(budget).leases, "a") == 777
+    budget.redis.zadd(ck(budget).leases, {"ghost": 1})
+    assert budget.keep_lease("code", "ghost", 777) is False
+    assert budget.redis.zscore(ck(budget).leases, "ghost") is None
+
+
+# -- unpark ---------------------------------------------------------------------------------
+
+def park(budget: Budget, sids: str) -> None:
+    for sid in sids:
+        feed(budget, sid)
+        budget.redis.zadd(ck(budget).parked, {sid: now_ms()})
+        budget.redis.zrem(ck(budget).leases, sid)
+
+
+def test_unpark_takes_as_many_as_admission_would(budget: Budget) -> None:
+    feed(budget, "x")
+    assert budget.admit("code", "x", 300, LEASE_MS)[0] == "ok"  # reserved 300 of 1000
+    park(budget, "abcd")
+    deadline = now_ms() + LEASE_MS
+    # 300 + 300 < 1000 ok, 600 + 300 < 1000 ok, 900 + 300 no: two leave the park
+    got = budget.unpark("code", 300, 0, 0, 0.0, deadline, 100)
+    assert got.leased == [("a", 1), ("b", 1)] and got.skipped == 0
+    assert budget.redis.zrange(ck(budget).parked, 0, -1) == [b"c", b"d"]
+    assert budget.redis.zscore(ck(budget).leases, "a") == deadline
+    assert budget.state("code")["reserved"] == 300  # unpark reserves nothing itself
+    # with a margin of 2 sigmas of 150^2 each: 300 + 300 + 2*sqrt(2 * 150^2) > 1000 - ... ok
+    got = budget.unpark("code", 300, 150**2, 0, 2.0, deadline, 100)
+    assert got.leased == [("c", 1)]  # 300+300+424 = 1024 >= 1000 stops the second
+    # the stale job of b's first enqueue is refused, the new one admitted
+    assert budget.admit("code", "b", 300, LEASE_MS, seq=0)[0] == "stale"
+    assert budget.admit("code", "b", 300, LEASE_MS, seq=1)[0] == "ok"
+
+
+def test_unpark_takes_one_when_nothing_is_in_flight(budget: Budget) -> None:
+    park(budget, "ab")
+    got = budget.unpark("code", 5000, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
+    assert got.leased == [("a", 1)]
+
+
+def test_unpark_skips_every_parked_sample_of_a_closed_category(budget: Budget) -> None:
+    park(budget, "abc")
+    budget.commit(result("a", 5), 0, 0.0)  # a is final already
+    budget.close("code")
+    got = budget.unpark("code", 10, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
+    assert got == ([], 2)
+    assert budget.final_marks("code") == {"a": "c:5", "b": "s", "c": "s"}
+    st = budget.status()["categories"]["code"]
+    assert (st["parked"], st["pending"], st["skipped"]) == (0, 0, 2)
+
+
+def test_unpark_drops_entries_of_samples_no_longer_pending(budget: Budget) -> None:
+    budget.redis.zadd(ck(budget).parked, {"gone": 1})
+    park(budget, "a")
+    got = budget.unpark("code", 10, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
+    assert got.leased == [("a", 1)] and budget.redis.zcard(ck(budget).parked) == 0
+
+
+def test_unpark_hard_guard_counts_what_each_taken_sample_can_add(budget: Budget) -> None:
+    park(budget, "abcd")
+    got = budget.unpark("code", 10, 0, 300, 0.0, now_ms() + LEASE_MS, 100)
+    assert [s for s, _ in got.leased] == ["a", "b", "c", "d"][:4]  # 0, 300, 600, 900 < 1000
+    park(budget, "e")
+    budget.redis.hset(ck(budget).state, "worst", 1000)
+    assert budget.unpark("code", 10, 0, 300, 0.0, now_ms(), 100).leased == []
+
+
+# -- caps -------------------------------------------------------------------------------------
+
+def test_close_cap_reopens_and_closes(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 10, LEASE_MS)
+    budget.commit(result("a", 1500), 0, 0.0)
+    assert budget.status()["categories"]["code"]["state"] == "closed"
+    assert budget.set_cap("code", 5000) == (False, 1000)
+    assert budget.status()["categories"]["code"]["state"] == "open"
+    assert budget.set_cap("code", 100) == (True, 5000)
+    budget.mark_exhausted("code")
+    budget.set_cap("code", 9000)  # raising the cap reopens an exhausted category too
+    assert budget.status()["categories"]["code"]["state"] == "open"
+    budget.mark_exhausted("code")
+    assert budget.status()["categories"]["code"]["state"] == "exhausted"
+
+
+# -- reconcile, acknowledge, engine counts -----------------------------------------------------
+
+def test_reconcile_adds_only_missing_and_forgets_what_is_on_disk(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 10, LEASE_MS)
+    budget.commit(result("a", 30), 0, 0.0)
+    feed(budget, "b")
+    budget.admit("code", "b", 40, LEASE_MS)  # in flight when Redis lost its commit
+    records = [("a", "c:30", 30, 0, 1), ("b", "c:50", 50, 50, 3), ("c", "r:invalid_json", 0, 0, "")]
+    assert budget.reconcile("code", records) == 2
+    assert budget.reconcile("code", records) == 0
+    st = budget.status()["categories"]["code"]
+    assert (st["used"], st["samples"], st["waste_tokens"], st["rejected"]) == (80, 2, 50, 1)
+    assert (st["pending"], st["in_flight"], st["reserved"]) == (0, 0, 0)
+
+
+def test_acknowledge_deletes_entries_and_corrects_used(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.commit(result("a", 30), 0, 0.0)
+    stream = ck(budget).results
+    [(_, entries)] = budget.redis.xreadgroup(WRITER_GROUP, "w", {stream: ">"})
+    ids = [eid for eid, _ in entries]
+    assert budget.acknowledge("code", False, ids, correction=-5) == 1
+    assert budget.redis.xlen(stream) == 0 and budget.state("code")["used"] == 25
+    assert budget.redis.xpending(stream, WRITER_GROUP)["pending"] == 0
+    assert budget.acknowledge("code", True, [], 0) == 0
+
+
+def test_engine_counts_add_up(budget: Budget) -> None:
+    budget.add_engine_counts({"http://e|requests|ok": 2, "http://e|latency_sum_ms": 150})
+    budget.add_engine_counts({"http://e|requests|ok": 1})
+    assert budget.engine_counts() == {"http://e|requests|ok": 3, "http://e|latency_sum_ms": 150}

@@ -9,11 +9,11 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from budget_service.server import engine_counts, render_metrics
+from budget_service.server import render_metrics, worker_count
 from sglang_sim.testing import SimServer, free_port, start_sim_subprocess, time_fraction_below
-from tests.conftest import wait_until
+from tests.conftest import write_config
 from tests.faults.common import Background, two_category_config
-from tests.harness import Pipeline, started, write_config
+from tokencap.harness import Pipeline, started, wait_until
 
 
 def samples_of(text: str, name: str) -> list:
@@ -26,20 +26,24 @@ def test_metrics_agree_with_status_and_count_engine_requests(tmp_path, redis_url
     with SimServer(time_scale=500.0) as sim:
         with started(cfg, redis_url, [sim.url], 3) as pipe:
             status = pipe.run()
-            wait_until(lambda: engine_counts(pipe.budget)[1] == 3, what="3 workers")
+            wait_until(lambda: worker_count(pipe.budget) == 3, what="3 workers")
+            (workers,) = samples_of(render_metrics(pipe.budget).decode(), "tokencap_workers")
             pipe.kill_workers(15)  # SIGTERM: workers flush their counters on the way out
         sim_requests = sim.stats()["requests_total"]
-    counts, _workers = engine_counts(pipe.budget)
-    text = render_metrics(status, counts, 3)
+    assert workers.value == 3 and workers.labels == {"run": cfg.run}
+    text = render_metrics(pipe.budget).decode()
     used = {s.labels["category"]: s.value for s in samples_of(text, "tokencap_used_tokens")}
     assert used == {c: st["used"] for c, st in status["categories"].items()}
+    committed = {s.labels["category"]: s.value for s in samples_of(text, "tokencap_samples_total")
+                 if s.labels["outcome"] == "committed"}
+    assert committed == {c: st["samples"] for c, st in status["categories"].items()}
     ok = sum(s.value for s in samples_of(text, "tokencap_engine_requests_total")
              if s.labels["outcome"] == "ok")
     assert ok == sim_requests == sum(st["samples"] for st in status["categories"].values())
-    (workers,) = samples_of(text, "tokencap_workers")
-    assert workers.value == 3
-    counts_hist = samples_of(text, "tokencap_engine_latency_seconds_count")
-    assert counts_hist and counts_hist[0].labels["engine"] == sim.url
+    (latency,) = samples_of(text, "tokencap_engine_request_duration_seconds_count")
+    assert latency.labels == {"run": cfg.run, "engine": sim.url} and latency.value == ok
+    every = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert every and all(s.labels.get("run") == cfg.run for s in every)
 
 
 def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
@@ -53,12 +57,12 @@ def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
             st = pipe.budget.status()["categories"]
             if "raised" not in events and st["a"]["state"] == "closed":
                 # a closed category gets more budget: it must reopen and finish at 5,000
-                events["raised"] = pipe.budget.close("a", "cap", 5000)
+                events["raised"] = pipe.budget.set_cap("a", 5000)
             if "lowered" not in events and st["b"]["used"] >= 2000:
                 ck = pipe.keys.cat("b")
                 committed = {k.decode() for k in pipe.redis.hkeys(ck.final)}
                 in_flight = {k.decode() for k in pipe.redis.hkeys(ck.reserved)}
-                pipe.budget.close("b", "cap", st["b"]["used"])
+                pipe.budget.set_cap("b", st["b"]["used"])
                 events["lowered"] = (committed, in_flight)
             return False
 
@@ -70,7 +74,7 @@ def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
         finally:
             pipe.close()
     pipe.check_invariants(status)
-    closed_before, _exh, old_cap = events["raised"]
+    closed_before, old_cap = events["raised"]
     assert (closed_before, old_cap) == (False, 2000)
     a = status["categories"]["a"]
     assert a["cap"] == 5000 and a["state"] == "closed" and 5000 <= a["used"] < 5000 + 256
@@ -104,7 +108,7 @@ def test_two_engines_one_killed_midway_and_back(tmp_path, redis_url) -> None:
                        .json()["finished_total"] >= 3, timeout_s=60,
                        what="engine A to receive work again")
             for c in ("a", "b"):  # end the run now
-                pipe.budget.close(c, "cap", pipe.budget.state(c)["used"])
+                pipe.budget.set_cap(c, int(pipe.budget.state(c)["used"]))
             status = bg.join(120)
         finally:
             pipe.close()
@@ -165,12 +169,12 @@ def test_worker_pool_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path, redis
 
     from rq import Queue, Worker
 
-    from tests.harness import ROOT
+    from tests.conftest import ROOT
 
     cfg = two_category_config(tmp_path)
     pipe = Pipeline(cfg, redis_url, ["http://127.0.0.1:9"])
     pipe.budget.init_run(cfg)
-    queue = Queue("faults.a", connection=pipe.redis)
+    queue = Queue(pipe.keys.queue_name("a"), connection=pipe.redis)
     pool = subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker", "--pool", "3"],
                             env=pipe.env(), cwd=ROOT)
     try:

@@ -10,11 +10,12 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
+from foundation.config import load_config
+from foundation.wire import Result
 from producer.readers import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
 from tokencap.cli_data import plan_cmd, preview_cmd
-from tokencap.config import load_config
 from tokencap.plan import PROMPT_SAMPLE_SIZE, Measured, plan, preview, totals
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
@@ -126,9 +127,11 @@ def test_plan_cli_counts_prompts_and_switches_to_measured(tmp_path):
 
     part = tmp_path / "out" / "math" / "part-00000.jsonl"
     part.parent.mkdir(parents=True)
-    part.write_text("".join(json.dumps({"id": f"g:{i}", "counted_tokens": c,
-                                        "completion_tokens": c, "prompt_tokens": 50}) + "\n"
-                            for i, c in enumerate((900, 1_100))) + "torn", encoding="utf-8")
+    lines = [msgspec.json.encode(Result(
+        id=f"g:{i}", category="math", prompt_ids=[1] * 50, output_ids=[2] * c, prompt_tokens=50,
+        completion_tokens=c, finish_reason="stop", text="", sampling={}, counted_tokens=c))
+        for i, c in enumerate((900, 1_100))]
+    part.write_bytes(b"\n".join(lines) + b"\ntorn")
     res = runner.invoke(plan_cmd, [str(cfg), "--json"])
     assert res.exit_code == 0, res.output
     rows = {r["category"]: r for r in json.loads(res.stdout)["categories"]}

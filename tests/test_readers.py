@@ -1,4 +1,4 @@
-"""Dataset readers and record normalisation, against the fixtures in tests/fixtures and generated files."""
+"""Dataset readers and record normalisation, against tests/fixtures and generated files."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from foundation.errors import SourceError
 from producer import readers
 from producer.formats import FORMATS, Rejected, detect_format, to_prompt
 from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
@@ -202,20 +203,20 @@ def test_minified_array_ids_are_unique_per_element(tmp_path: Path) -> None:
 def test_broken_json_array_fails_at_build(tmp_path: Path, text: str) -> None:
     path = tmp_path / "broken.json"
     path.write_text(text)
-    with pytest.raises(ValueError, match="broken.json"):
+    with pytest.raises(SourceError, match="broken.json"):
         SourceIndex.build([path])
 
 
 def test_missing_file_and_unknown_type_name_the_path(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+    with pytest.raises(SourceError, match="nowhere.jsonl: cannot read: No such file"):
         SourceIndex.build([tmp_path / "nowhere.jsonl"])
-    with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
+    with pytest.raises(SourceError, match="nowhere.parquet"):
         SourceIndex.build([tmp_path / "nowhere.parquet"])
     (tmp_path / "junk.parquet").write_text("not parquet")
-    with pytest.raises(ValueError, match="junk.parquet"):
+    with pytest.raises(SourceError, match="junk.parquet"):
         SourceIndex.build([tmp_path / "junk.parquet"])
     (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match="data.csv"):
+    with pytest.raises(SourceError, match="data.csv"):
         SourceIndex.build([tmp_path / "data.csv"])
 
 

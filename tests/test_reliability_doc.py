@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import re
 
-from tests.harness import ROOT
+from tests.conftest import ROOT
 
 DOC = ROOT / "docs" / "RELIABILITY.md"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from foundation.errors import TokencapError
 from producer.formats import Rejected
 from producer.readers import SourceIndex, read_sample
 from producer.render import Renderer, TokenizerError
-from tokencap.errors import TokencapError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when transformers is first imported
 

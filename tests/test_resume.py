@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from sglang_sim.testing import SimServer
-from tests.harness import Pipeline, write_config
+from tests.conftest import write_config
+from tokencap.harness import Pipeline
 
 PROMPTS = 300
 

@@ -17,18 +17,18 @@ import pytest
 import requests
 from rich.console import Console
 
-from budget_service.budget import Budget, now_ms
+from budget_service.budget import Budget
 from budget_service.keys import Keys
+from foundation.sglang import parse_metrics as parse_sglang_metrics
 from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
-from tests.test_lua import LEASE_MS, make_cfg, pending, result
+from tests.test_lua import LEASE_MS, feed, make_cfg, result
 from tokencap.watch import (
     CategoryRate,
     EngineLoad,
     RateTracker,
     engine_load,
     format_eta,
-    parse_sglang_metrics,
     plain_lines,
     render_board,
     watch,
@@ -164,7 +164,7 @@ def test_plain_output_without_a_tty(redis, monkeypatch: pytest.MonkeyPatch) -> N
 
     def fetch_status() -> dict:
         sid = f"s{len(committed)}"
-        budget.feed("code", pending(sid), now_ms() + LEASE_MS)
+        feed(budget, sid)
         budget.admit("code", sid, 100, LEASE_MS)
         committed.append(budget.commit(result(sid, 40), 0, 0.0))
         return budget.status()

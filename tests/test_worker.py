@@ -6,9 +6,12 @@ from __future__ import annotations
 from rq import Queue
 from rq.worker import SimpleWorker
 
+from budget_service.keys import Keys
 from consumers import worker as worker_mod
 from consumers.worker import TokencapWorker, make_worker, run_worker
-from tokencap.wire import MsgspecSerializer
+from foundation.wire import MsgspecSerializer
+
+KEYS = Keys("tokencap", "hb")
 
 
 def _calls(redis, command: str) -> int:
@@ -16,7 +19,7 @@ def _calls(redis, command: str) -> int:
 
 
 def test_repeated_heartbeat_is_one_round_trip_then_skipped(redis) -> None:
-    w = make_worker(redis, ["hb.q"])
+    w = make_worker(redis, KEYS, ["q"])
     w.register_birth()
     redis.config_resetstat()
     w.heartbeat()
@@ -31,7 +34,7 @@ def test_repeated_heartbeat_is_one_round_trip_then_skipped(redis) -> None:
 
 
 def test_heartbeat_with_its_own_ttl_is_never_skipped(redis) -> None:
-    w = make_worker(redis, ["hb.q"])
+    w = make_worker(redis, KEYS, ["q"])
     w.register_birth()
     w.heartbeat()
     w.heartbeat(timeout=7)
@@ -45,10 +48,10 @@ class _RQBeat(TokencapWorker):
 
 
 def _burst(redis, worker_class: type[TokencapWorker], queue: str, jobs: int) -> dict[str, int]:
-    q = Queue(queue, connection=redis, serializer=MsgspecSerializer)
+    q = Queue(KEYS.queue_name(queue), connection=redis, serializer=MsgspecSerializer)
     for i in range(jobs):  # refused (not tokencap's function): still one loop per job
         q.enqueue("builtins.len", [i])
-    w = make_worker(redis, [queue], worker_class=worker_class)
+    w = make_worker(redis, KEYS, [queue], worker_class=worker_class)
     redis.config_resetstat()
     run_worker(w, burst=True)
     assert q.count == 0

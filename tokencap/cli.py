@@ -1,7 +1,8 @@
 """The `tokencap` command: wiring only. Every option has an environment twin.
 
-Exit codes: 0 done; 1 error; 2 bad config; 3 Redis unreachable; 4 Redis refused (evicting
-policy); 5 run mismatch; 6 another producer holds the run.
+Exit codes: 0 done; 1 error; 2 bad config or source; 3 Redis unreachable; 4 Redis refused
+(evicting policy); 5 run mismatch; 6 another producer holds the run; 7 no such run; 130
+stopped by a signal before the end (see `foundation.errors`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from typing import Any
 
 import click
 
+from foundation.config import DEFAULT_KEY_PREFIX
+from foundation.errors import RunNotFound, TokencapError, UnknownCategory
+from foundation.redisconn import DEFAULT_REDIS_URL
 from tokencap import logs
-from tokencap.errors import TokencapError
 
 log = logging.getLogger("tokencap")
 
-REDIS_OPT = click.option("--redis-url", envvar="REDIS_URL", default="redis://127.0.0.1:6379/0",
+REDIS_OPT = click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_REDIS_URL,
                          show_default=True, help="Redis URL (redis://, rediss://, unix://). "
                          "Env: REDIS_URL.")
 SGLANG_OPT = click.option("--sglang-url", envvar="SGLANG_URL", default="",
                           help="SGLang engine URL(s), comma separated. Env: SGLANG_URL.")
 RUN_OPT = click.option("--run", "run_name", envvar="TOKENCAP_RUN", default=None,
                        help="Run name (default: the only run in Redis). Env: TOKENCAP_RUN.")
-PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default="tokencap",
+PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default=DEFAULT_KEY_PREFIX,
                           show_default=True, help="Redis key prefix. Env: TOKENCAP_PREFIX.")
 
 
@@ -61,31 +64,37 @@ def main(log_level: str) -> None:
 
 def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
     from budget_service.keys import Keys
-    from tokencap.errors import TokencapError
 
     if run_name:
         return run_name
     runs = sorted(
-        k.decode().removeprefix(prefix + ":").removesuffix(":meta")
+        Keys.run_of_meta(prefix, k.decode())
         for k in redis.scan_iter(match=Keys.runs_pattern(prefix), count=1000)
     )
     if len(runs) == 1:
         return runs[0]
     if not runs:
-        raise TokencapError(f"no tokencap run in this Redis (prefix {prefix!r})")
+        raise RunNotFound(f"no tokencap run in this Redis (prefix {prefix!r})")
     raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")
 
 
-def _budget(redis_url: str, prefix: str, run_name: str | None):
+def _stored_config(budget: Any) -> Any:
+    cfg = budget.load_config()
+    if cfg is None:
+        raise RunNotFound(f"run {budget.keys.run!r} has no stored config in Redis")
+    return cfg
+
+
+def _budget(redis_url: str, prefix: str, run_name: str | None) -> Any:
     from budget_service.budget import Budget
     from budget_service.keys import Keys
-    from tokencap.redisconn import connect
+    from foundation.redisconn import connect
 
     redis = connect(redis_url)
     run = _resolve_run(redis, prefix, run_name)
     budget = Budget(redis, Keys(prefix, run))
     if not budget.has_run():
-        raise TokencapError(f"run {run!r} not found in Redis (prefix {prefix!r})")
+        raise RunNotFound(f"run {run!r} not found in Redis (prefix {prefix!r})")
     return budget
 
 
@@ -104,11 +113,11 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     each open category, re-enqueues lost samples, and waits for the writer to catch up.
     Safe to stop and restart: committed samples are never fed again.
     """
-    from producer.run import RunLock, build_producer
-    from tokencap.config import load_config
-    from tokencap.engines import context_length, parse_urls
+    from foundation.config import load_config
+    from foundation.redisconn import connect
+    from foundation.sglang import parse_urls
+    from producer.run import run_to_end
     from tokencap.progress import ProgressPrinter, summary_table
-    from tokencap.redisconn import connect
 
     cfg = load_config(config)
     if dry_run:
@@ -117,10 +126,6 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
         click.echo(preview_text(preview(cfg)))
         return
     redis = connect(redis_url)
-    from budget_service.keys import Keys
-
-    lock = RunLock(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
-    lock.acquire()
     stop = {"flag": False}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -128,17 +133,8 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    try:
-        ctx = cfg.context_length or context_length(parse_urls(sglang_url))
-        producer = build_producer(cfg, redis, ctx, ProgressPrinter())
-
-        def should_stop() -> bool:
-            lock.renew()
-            return stop["flag"]
-
-        status = producer.run(progress_s=progress_s, should_stop=should_stop)
-    finally:
-        lock.release()
+    status = run_to_end(cfg, redis, parse_urls(sglang_url), on_progress=ProgressPrinter(),
+                        should_stop=lambda: stop["flag"], progress_s=progress_s)
     click.echo(summary_table(status))
     if stop["flag"]:
         click.echo("stopped before the end; run the same command again to resume", err=True)
@@ -171,20 +167,18 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
                "TOKENCAP_PREFIX": prefix, **({"TOKENCAP_RUN": run_name} if run_name else {})}
         sys.exit(run_pool(argv, env, pool, restart=not burst))
     from consumers.job import configure, flush_stats
-    from consumers.worker import TokencapWorker, supervise
-    from tokencap.engines import parse_urls
-    from tokencap.redisconn import connect
+    from consumers.worker import supervise
+    from foundation.redisconn import connect
+    from foundation.sglang import parse_urls
 
     urls = parse_urls(sglang_url)
     if not urls:
         raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
     budget = _budget(redis_url, prefix, run_name)
-    cfg = budget.load_config()
-    assert cfg is not None
+    cfg = _stored_config(budget)
     configure(redis_url, urls, prefix)
-    TokencapWorker.key_prefix_tokencap = prefix
-    queues = budget.keys.queue_names(c.name for c in cfg.category)
-    code = supervise(lambda: connect(redis_url), queues, name, burst=burst)
+    code = supervise(lambda: connect(redis_url), budget.keys, [c.name for c in cfg.category],
+                     name, burst=burst)
     flush_stats()
     sys.exit(code)
 
@@ -204,8 +198,7 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
     from consumers.writer import Writer
 
     budget = _budget(redis_url, prefix, run_name)
-    cfg = budget.load_config()
-    assert cfg is not None
+    cfg = _stored_config(budget)
     w = Writer(budget.redis, budget.keys, [c.name for c in cfg.category],
                Path(out_dir or cfg.output_dir))
     signal.signal(signal.SIGTERM, lambda *_: w.stop_event.set())
@@ -234,11 +227,11 @@ def status(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, a
 
     budget = _budget(redis_url, prefix, run_name)
     if watch_flag:
-        from budget_service.server import engine_counts
-        from tokencap.engines import parse_urls
+        from budget_service.server import worker_count
+        from foundation.sglang import parse_urls
         from tokencap.watch import watch
 
-        watch(budget.status, parse_urls(sglang_url), lambda: engine_counts(budget)[1],
+        watch(budget.status, parse_urls(sglang_url), lambda: worker_count(budget),
               interval_s=interval)
         return
     st = budget.status()
@@ -284,8 +277,8 @@ def cap_set(category: str, tokens: int, run_name: str | None, redis_url: str,
     below what is used closes it at once."""
     budget = _budget(redis_url, prefix, run_name)
     if category not in budget.status()["categories"]:
-        raise TokencapError(f"no category {category!r} in run {budget.keys.run!r}")
-    closed, _exh, old = budget.close(category, "cap", tokens)
+        raise UnknownCategory(budget.keys.run, category)
+    closed, old = budget.set_cap(category, tokens)
     log.warning("cap of %s changed from %d to %d", category, old, tokens)
     click.echo(f"{category}: cap {old} -> {tokens} ({'closed' if closed else 'open'})")
 

@@ -15,7 +15,7 @@ from typing import Any
 import click
 import msgspec
 
-from tokencap.errors import TokencapError
+from foundation.errors import TokencapError
 from tokencap.export import FORMATS, MAX_BAD_REPORTED
 
 CONFIG_ENV = "TOKENCAP_CONFIG"
@@ -36,7 +36,7 @@ class _Command(click.Command):
 
 
 def _load(config: str) -> Any:
-    from tokencap.config import load_config
+    from foundation.config import load_config
 
     return load_config(config)
 

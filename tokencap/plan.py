@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from tokencap.config import Category, RunConfig
-from tokencap.export import BadLine, part_files, read_lines
+from foundation.config import Category, RunConfig
+from foundation.errors import TokencapError
+from foundation.outputs import BadLine, category_dir, read_results
 
 PROMPT_SAMPLE_SIZE = 64  # prompts rendered to estimate mean prompt tokens
 PREVIEW_SCAN_LIMIT = 1000  # records tried per category before preview gives up
@@ -65,12 +66,6 @@ class PlanRow(msgspec.Struct):
     hours_left: float = 0.0
 
 
-class _Counted(msgspec.Struct):
-    counted_tokens: int
-    completion_tokens: int
-    prompt_tokens: int = 0
-
-
 def plan(
     cfg: RunConfig,
     measured: dict[str, Measured] | None = None,
@@ -85,7 +80,7 @@ def plan(
     length (used only for ``count = "total"`` without measurements; missing counts 0).
     """
     if tok_s <= 0:
-        raise ValueError(f"tok_s must be > 0, got {tok_s}")
+        raise TokencapError(f"tok_s must be > 0, got {tok_s}")
     measured, available, prompt_tokens = measured or {}, available or {}, prompt_tokens or {}
     rows = []
     for cat in cfg.category:
@@ -144,11 +139,10 @@ def measure(out_dir: Path, categories: list[str]) -> dict[str, Measured]:
 
     Lines that are not results are skipped; categories without results are left out.
     """
-    decoder = msgspec.json.Decoder(_Counted)
     found: dict[str, Measured] = {}
     for name in categories:
         n = counted = output = prompt = 0
-        for item in read_lines(part_files(out_dir / name), decoder):
+        for item in read_results(category_dir(out_dir, name)):
             if isinstance(item, BadLine):
                 continue
             n += 1

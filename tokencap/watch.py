@@ -12,7 +12,6 @@ the last minute, so tok/s and ETA follow what the run does now, not its average 
 from __future__ import annotations
 
 import math
-import re
 import threading
 import time
 from collections import deque
@@ -28,55 +27,13 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from foundation.errors import TokencapError
+from foundation.sglang import parse_metrics
+
 RATE_WINDOW_S = 60.0
 ENGINE_TIMEOUT_S = 2.0
 BAR_WIDTH_CHARS = 24
 NO_VALUE = "-"
-
-# SGLang metric name -> key of `parse_sglang_metrics`' result, and how series are combined
-# when an engine exports several (one per DP rank or model): counts add up, usage is the max.
-SGLANG_METRICS = {
-    "sglang:num_running_reqs": ("running", sum),
-    "sglang:num_queue_reqs": ("queued", sum),
-    "sglang:token_usage": ("token_usage", max),
-    "sglang:gen_throughput": ("gen_throughput", sum),
-}
-# One sample line: name, optional {labels} (quoted values may hold '}' or escaped quotes),
-# value, optional timestamp.
-_SAMPLE_RE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
-    r'(?:\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?'
-    r'\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$'
-)
-
-
-def parse_sglang_metrics(text: str) -> dict[str, float | None]:
-    """Running and queued requests, KV-cache usage (0..1) and generation tok/s from `text`.
-
-    `text` is a Prometheus exposition page as SGLang serves at `/metrics`. Comments, other
-    metrics and unparsable lines are ignored; labels are allowed; a metric that is missing (or
-    only NaN) is None. Several series of one metric are summed, except `token_usage` (max).
-    """
-    found: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if m is None or m["name"] not in SGLANG_METRICS:
-            continue
-        try:
-            value = float(m["value"])
-        except ValueError:
-            continue
-        if not math.isnan(value):
-            found.setdefault(m["name"], []).append(value)
-    out: dict[str, float | None] = {}
-    for metric, (key, combine) in SGLANG_METRICS.items():
-        values = found.get(metric)
-        out[key] = float(combine(values)) if values else None
-    return out
-
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -95,7 +52,7 @@ def _one_engine(url: str, timeout_s: float) -> EngineLoad:
     try:
         r = requests.get(f"{url.rstrip('/')}/metrics", timeout=(timeout_s, timeout_s))
         r.raise_for_status()
-        return EngineLoad(url, True, **parse_sglang_metrics(r.text))
+        return EngineLoad(url, True, **parse_metrics(r.text))
     except requests.RequestException as exc:
         return EngineLoad(url, False, error=type(exc).__name__)
 
@@ -296,7 +253,7 @@ def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
     that does not answer is shown as down. Ctrl-C returns normally.
     """
     if iterations is not None and iterations < 1:
-        raise ValueError(f"iterations must be None or >= 1, got {iterations}")
+        raise TokencapError(f"iterations must be None or >= 1, got {iterations}")
     console = console if console is not None else Console()
     tracker = RateTracker()
     stop = threading.Event()

@@ -1,8 +1,36 @@
--- feed.lua: record a fed sample in the category ledger (once).
--- KEYS[1] pending (hash)  KEYS[2] leases (zset)  KEYS[3] final (hash)
--- ARGV[1] sample id  ARGV[2] Pending JSON  ARGV[3] lease deadline (ms)
--- Returns 1 if recorded, 0 if the sample is already final or pending.
-if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 0 end
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-return 1
+-- feed.lua: record a batch read from the shuffled order and move the cursor past it, at once.
+-- KEYS: the category's keys (_lib.lua)
+-- ARGV[1] the cursor the batch was read from (compare-and-set)  ARGV[2] the cursor after it
+-- ARGV[3] lease deadline (ms)  ARGV[4] n, the samples to feed
+-- ARGV[5..]: n groups of 4 (sample id, prompt digest, Pending JSON, the dead letter to write
+-- if another sample of the category has the same prompt), then groups of 3 for the records
+-- rejected while reading (sample id, reason, dead-letter JSON)
+-- Returns {'stale', cursor} and writes nothing when Redis's cursor is not ARGV[1] (Redis lost
+-- the last feeds, or another producer fed); else {'ok', id, ...}: the samples recorded now,
+-- each pending with a lease (one already final or pending is not recorded again; one whose
+-- prompt another sample has is rejected as duplicate_prompt).
+local cursor = tonumber(redis.call('HGET', K.state, 'cursor') or '0')
+if cursor ~= tonumber(ARGV[1]) then return {'stale', cursor} end
+local out = {'ok'}
+local i = 5
+for _ = 1, tonumber(ARGV[4]) do
+  local s, digest = ARGV[i], ARGV[i + 1]
+  if redis.call('HEXISTS', K.final, s) == 0 and redis.call('HEXISTS', K.pending, s) == 0 then
+    local first = redis.call('HGET', K.prompts, digest)
+    if first and first ~= s then
+      reject(s, 'duplicate_prompt', ARGV[i + 3])
+    else
+      if not first then redis.call('HSET', K.prompts, digest, s) end
+      redis.call('HSET', K.pending, s, ARGV[i + 2])
+      redis.call('ZADD', K.leases, ARGV[3], s)
+      out[#out + 1] = s
+    end
+  end
+  i = i + 4
+end
+while i <= #ARGV do
+  reject(ARGV[i], ARGV[i + 1], ARGV[i + 2])
+  i = i + 3
+end
+redis.call('HSET', K.state, 'cursor', ARGV[2])
+return out

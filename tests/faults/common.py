@@ -6,7 +6,10 @@ import json
 import threading
 from pathlib import Path
 
-from tests.harness import Pipeline, write_config
+from rq import Queue
+
+from tests.conftest import write_config
+from tokencap.harness import Pipeline
 
 PROMPTS = 200
 
@@ -73,7 +76,7 @@ class Background:
         for c in pipe.cfg.category:
             ck = pipe.keys.cat(c.name)
             out[c.name] = {
-                "queue": pipe.redis.llen(f"rq:queue:{pipe.keys.queue_name(c.name)}"),
+                "queue": Queue(pipe.keys.queue_name(c.name), connection=pipe.redis).count,
                 "leases": pipe.redis.zrange(ck.leases, 0, -1, withscores=True)[:5],
                 "pending": list(pipe.redis.hkeys(ck.pending))[:5],
                 "cursor": pipe.producer.feeds[c.name].cursor if pipe.producer else None,

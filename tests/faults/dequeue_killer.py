@@ -1,6 +1,6 @@
 """A worker that dies by SIGKILL right after RQ dequeued a job, before it starts it.
 
-Usage: python -m tests.faults.dequeue_killer REDIS_URL QUEUE [QUEUE...]
+Usage: python -m tests.faults.dequeue_killer REDIS_URL PREFIX RUN CATEGORY [CATEGORY...]
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 
+from budget_service.keys import Keys
 from consumers.worker import TokencapWorker, make_worker, run_worker
-from tokencap.redisconn import connect
+from foundation.redisconn import connect
 
 
 class DiesAfterDequeue(TokencapWorker):
@@ -20,4 +21,5 @@ class DiesAfterDequeue(TokencapWorker):
 
 if __name__ == "__main__":
     redis = connect(sys.argv[1])
-    run_worker(make_worker(redis, sys.argv[2:], worker_class=DiesAfterDequeue), burst=True)
+    keys = Keys(sys.argv[2], sys.argv[3])
+    run_worker(make_worker(redis, keys, sys.argv[4:], worker_class=DiesAfterDequeue), burst=True)

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from sglang_sim.testing import SimServer
-from tests.conftest import wait_until
+from tests.conftest import write_config
 from tests.faults.common import Background, two_category_config
-from tests.harness import started, write_config
+from tokencap.harness import started, wait_until
 
 POISON = 151_000
 

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 from sglang_sim.testing import SimServer
-from tests.conftest import RedisServer, wait_until
+from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 from tests.faults.proxy import Proxy
-from tests.harness import ROOT, Pipeline, started
+from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
 
 def used_total(pipe: Pipeline) -> int:

@@ -11,12 +11,12 @@ import pytest
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from foundation.errors import RedisRefused
+from foundation.redisconn import connect
 from sglang_sim.testing import SimServer
-from tests.conftest import RedisServer, wait_until
+from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
-from tests.harness import ROOT, Pipeline, started
-from tokencap.errors import RedisRefused
-from tokencap.redisconn import connect
+from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
 
 def used_total(pipe: Pipeline) -> int:

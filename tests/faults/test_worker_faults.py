@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 
+from rq import Queue
+
 from sglang_sim.testing import SimServer
-from tests.conftest import wait_until
+from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
-from tests.harness import ROOT, Pipeline
+from tokencap.harness import Pipeline, wait_until
 
 KILLS = 6
 
@@ -56,13 +58,14 @@ def test_sigkill_between_dequeue_and_start(tmp_path, redis_url) -> None:
             pipe.start_writer()
             # Given jobs queued and a worker that dies right after dequeueing one
             pipe.producer.tick()
-            queued = pipe.redis.llen("rq:queue:faults.a")
+            queue_key = Queue(pipe.keys.queue_name("a"), connection=pipe.redis).key
+            queued = pipe.redis.llen(queue_key)
             killer = subprocess.run(
-                [sys.executable, "-m", "tests.faults.dequeue_killer", redis_url, "faults.a"],
-                cwd=ROOT, timeout=60)
+                [sys.executable, "-m", "tests.faults.dequeue_killer", redis_url,
+                 cfg.key_prefix, cfg.run, "a"], cwd=ROOT, timeout=60)
             assert killer.returncode == -signal.SIGKILL
             # the job left the queue and nothing records it in RQ (multi-queue BLPOP path)
-            assert pipe.redis.llen("rq:queue:faults.a") == queued - 1
+            assert pipe.redis.llen(queue_key) == queued - 1
             # When normal workers run, the reaper re-enqueues the lost sample
             pipe.start_workers(3)
             status = pipe.run()

@@ -14,9 +14,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from tokencap.errors import ConfigError
+from foundation.errors import ConfigError, UnknownCategory
 
 DEFAULT_CAP_TOKENS = 10_000_000
+# Every Redis key and RQ queue of a run starts with this (budget_service/keys.py).
+DEFAULT_KEY_PREFIX = "tokencap"
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 Name = Annotated[str, Meta(pattern=NAME_RE)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -36,6 +38,8 @@ FORMATS = (
     "input_ids",
 )
 TURN_POLICIES = ("first", "last")
+# `field_map` keys producer/formats.py reads (one of the first two is required)
+FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system")
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -107,7 +111,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     http_retries: NonNegInt = 5
     adaptive_max_queue: NonNegInt | None = None
     backoff_max_s: PositiveFloat = 30.0
-    key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = "tokencap"
+    key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = DEFAULT_KEY_PREFIX
     category: list[Category] = []
 
     def cap_for(self, cat: Category) -> int:
@@ -120,7 +124,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         for cat in self.category:
             if cat.name == name:
                 return cat
-        raise KeyError(name)
+        raise UnknownCategory(self.run, name)
 
     def job_timeout_s(self) -> int:
         """RQ job timeout: longer than the worst HTTP retry budget (reliability.md 5.4)."""
@@ -174,6 +178,12 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
         for p in paths:
             if not Path(p).is_file():
                 raise ConfigError(str(path), f"{where}.source: no such file: {p}")
+        if cat.field_map:
+            unknown = sorted(set(cat.field_map) - set(FIELD_MAP_KEYS))
+            if unknown or not {"prompt", "messages"} & set(cat.field_map):
+                raise ConfigError(str(path), f"{where}.field_map: needs a 'prompt' or a "
+                                  f"'messages' key, and only {', '.join(FIELD_MAP_KEYS)} "
+                                  f"(got {sorted(cat.field_map)})")
         if cat.format != "input_ids" and cfg.tokenizer is None:
             raise ConfigError(str(path), f"{where}.format: needs a top-level `tokenizer` path")
         cats.append(msgspec.structs.replace(cat, source=None, sources=paths))

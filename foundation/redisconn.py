@@ -11,7 +11,7 @@ import re
 import redis
 from redis import Redis
 
-from tokencap.errors import RedisRefused, RedisUnavailable
+from foundation.errors import RedisRefused, RedisUnavailable
 
 SAFE_POLICIES = ("noeviction",)
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -1,17 +1,27 @@
-"""Wire structs (frozen msgspec Structs) and the RQ serializer.
+"""Wire structs (frozen msgspec Structs), the RQ serializer and the job function's name.
 
 Everything that crosses Redis is msgspec JSON. Structs evolve only by adding optional
 fields. The RQ job itself carries only a `JobRef`; the prompt lives in the category's
 ledger (`pending`) so a reaper can re-enqueue it and the payload stays small in the queue.
+A `Result` is also one line of `<out>/<category>/part-*.jsonl`, a `DeadLetter` one line of
+`dead-letter.jsonl` (`foundation.outputs` reads them back).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
+
+from foundation.errors import PayloadRefused
+
+# The one function a tokencap worker runs (consumers/job.py); the producer names it in
+# every job it enqueues, the worker refuses any other.
+JOB_FUNC = "consumers.job.process"
+# A token id as stored: non-negative, and within int32 (Parquet export stores int32).
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 
 
 class ErrorKind(enum.StrEnum):
@@ -37,7 +47,8 @@ class JobRef(Struct, frozen=True):
 
 
 class Pending(Struct, frozen=True):
-    """A fed sample waiting for a terminal state (stored in the category ledger)."""
+    """A fed sample waiting for a terminal state (stored in the category ledger). How often
+    it was enqueued again lives beside it in the ledger (`seq`), not here."""
 
     sample_id: str
     ordinal: int
@@ -45,7 +56,6 @@ class Pending(Struct, frozen=True):
     sampling: dict[str, Any]
     where: str = ""
     source_id: str | None = None
-    seq: int = 0
     failures: int = 0
 
 
@@ -54,8 +64,8 @@ class Result(Struct, frozen=True):
 
     id: str
     category: str
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: list[TokenId]
+    output_ids: list[TokenId]
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
@@ -87,10 +97,6 @@ _encoder = msgspec.json.Encoder()
 
 def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
-
-
-class PayloadRefused(ValueError):
-    """A job payload that is not tokencap's msgspec JSON (pickle, garbage, wrong shape)."""
 
 
 class MsgspecSerializer:

@@ -1,0 +1,82 @@
+-- _lib.lua: prepended to every per-category script (budget_service/scripts.py).
+-- KEYS are the category's keys in `CategoryKeys` order (budget_service/keys.py); K names them
+-- (tests/test_lua.py checks the two orders agree). Nothing here builds a key name.
+local K = {
+  state = KEYS[1], pending = KEYS[2], leases = KEYS[3], parked = KEYS[4],
+  reserved = KEYS[5], final = KEYS[6], hist = KEYS[7], results = KEYS[8], dead = KEYS[9],
+  prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
+}
+
+-- drop_inflight(s): remove sample s from the per-sample hashes `reserved` (its estimate),
+-- `worst` (the most it can add) and `var` (the variance of what it will add), and subtract
+-- each from the state total of the same name.
+local function drop_inflight(s)
+  for field, key in pairs({reserved = K.reserved, worst = K.worst, var = K.var}) do
+    local raw = redis.call('HGET', key, s)
+    if raw then
+      redis.call('HDEL', key, s)
+      local v = tonumber(raw)
+      -- never `-0`: HINCRBY refuses it as "not an integer"
+      if v ~= 0 then redis.call('HINCRBY', K.state, field, -v) end
+    end
+  end
+end
+
+-- forget(s): sample s is final: drop everything the ledger kept for it while it was open.
+local function forget(s)
+  drop_inflight(s)
+  redis.call('HDEL', K.pending, s)
+  redis.call('ZREM', K.leases, s)
+  redis.call('ZREM', K.parked, s)
+  redis.call('HDEL', K.seq, s)
+end
+
+-- skip(s): the category is closed: s ends skipped, never sent. False if s was final already.
+local function skip(s)
+  forget(s)
+  if redis.call('HSETNX', K.final, s, 's') == 0 then return false end
+  redis.call('HINCRBY', K.state, 'skipped', 1)
+  return true
+end
+
+-- reject(s, reason, json): s ends rejected (counted per reason) and its dead letter goes to
+-- the writer. False if s was final already.
+local function reject(s, reason, json)
+  if redis.call('HSETNX', K.final, s, 'r:' .. reason) == 0 then return false end
+  forget(s)
+  redis.call('HINCRBY', K.state, 'rejected', 1)
+  redis.call('HINCRBY', K.reasons, reason, 1)
+  if reason == 'duplicate_prompt' then redis.call('HINCRBY', K.state, 'dup_prompts', 1) end
+  redis.call('XADD', K.dead, '*', 'r', json)
+  return true
+end
+
+-- The admission rule, the only copy (admit.lua and unpark.lua use it).
+-- fits(st, est, est_var, max_add, z): may one more sample be sent now? st is the state
+-- {cap, used, reserved, var, worst}, est the sample's reservation (tokens), est_var its
+-- variance (tokens^2), max_add the most it can add (0: no hard guard), z the margin in
+-- standard deviations. Yes while used < cap and
+--   (expected) used + reserved + est + z * sqrt(var + est_var) < cap, or nothing is in flight
+--              (so a category never stops below its cap), and
+--   (hard)     used + worst < cap, worst = the sum of what in-flight samples can still add,
+-- so `used` ends below cap + one sample's maximum.
+local function fits(st, est, est_var, max_add, z)
+  if st.used >= st.cap then return false end
+  local margin = z * math.sqrt(math.max(0, st.var + est_var))
+  local expected_ok = (st.used + st.reserved + est + margin < st.cap) or st.reserved == 0
+  local hard_ok = max_add == 0 or st.used + st.worst < st.cap
+  return expected_ok and hard_ok
+end
+
+-- budget(): the state fields admission reads, as numbers, and whether the category is closed.
+local function budget()
+  local raw = redis.call('HMGET', K.state, 'cap', 'used', 'reserved', 'var', 'worst', 'closed')
+  return {cap = tonumber(raw[1]) or 0, used = tonumber(raw[2]) or 0,
+          reserved = tonumber(raw[3]) or 0, var = tonumber(raw[4]) or 0,
+          worst = tonumber(raw[5]) or 0}, raw[6] == '1'
+end
+
+-- seq_of(s): how many times s was enqueued again (0 when never).
+local function seq_of(s)
+  return tonumber(redis.call('HGET', K.seq, s) or '0')
+end

@@ -1,0 +1,16 @@
+"""The foundation: what every layer above shares, importing nothing of the project.
+
+Layers, from the ground up (tests/test_layers.py holds them):
+
+- **foundation** (this package): the run config, wire structs and the RQ serializer, errors
+  with exit codes, the Redis connection, the output-file layout and its reader, the job
+  function's name, the Redis backoff, what tokencap reads from an engine besides /generate;
+- **ledger** (`budget_service`): key table, Lua scripts, `Budget`, status, its HTTP face;
+  imports only the foundation;
+- **stages** (`producer`, `consumers`): import the foundation and the ledger, never each other;
+- **roof** (`tokencap`): CLI, launcher, plan, export, watch, harness; imports anything,
+  imported by nothing.
+
+`sglang_sim` stands apart: it imports nothing of these and none of them imports it, but the
+roof (the `tokencap sim` command and the harness).
+"""

@@ -1,0 +1,85 @@
+"""One exception base for every error tokencap raises on purpose, with its exit code.
+
+A `TokencapError` is a user-facing condition (bad config or source, unreachable or unsafe
+Redis, another producer on the run): the CLI prints its message and exits with `exit_code`,
+never a traceback. Anything else reaching the CLI is a bug.
+
+| code | error |
+|---|---|
+| 1 | `TokencapError`: any other expected failure (no engine, no such category, ...) |
+| 2 | `ConfigError`, `SourceError`: the run config, a path it names or a source file |
+| 3 | `RedisUnavailable`: Redis cannot be reached; nothing was fed or sent |
+| 4 | `RedisRefused`: Redis evicts keys (`maxmemory-policy` not `noeviction`) |
+| 5 | `RunMismatch`: the run exists in Redis with other categories |
+| 6 | `ProducerBusy`: another producer holds the run |
+| 7 | `RunNotFound`: no such run in Redis |
+"""
+
+from __future__ import annotations
+
+
+class TokencapError(Exception):
+    """Base of all expected errors. `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class ConfigError(TokencapError):
+    """The run config (or a path it names) is invalid. Raised before anything is enqueued."""
+
+    exit_code = 2
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+class SourceError(TokencapError):
+    """A source file cannot be read as a whole (unsupported type, broken JSON array,
+    unreadable Parquet). A single bad record is not this: it is dead-lettered."""
+
+    exit_code = 2
+
+
+class RedisUnavailable(TokencapError):
+    """Redis cannot be reached or refused a command; the budget fails closed."""
+
+    exit_code = 3
+
+
+class RedisRefused(TokencapError):
+    """Redis is reachable but configured unsafely (for example an evicting maxmemory-policy)."""
+
+    exit_code = 4
+
+
+class RunMismatch(TokencapError):
+    """Redis holds a run of the same name whose categories differ from the config."""
+
+    exit_code = 5
+
+
+class ProducerBusy(TokencapError):
+    """Another producer holds the run's lock."""
+
+    exit_code = 6
+
+
+class RunNotFound(TokencapError):
+    """No such run (or no run at all) under the key prefix in this Redis."""
+
+    exit_code = 7
+
+
+class UnknownCategory(TokencapError):
+    """A category name that the run does not have."""
+
+    def __init__(self, run: str, category: str) -> None:
+        super().__init__(f"no category {category!r} in run {run!r}")
+        self.run = run
+        self.category = category
+
+
+class PayloadRefused(TokencapError):
+    """A job payload that is not tokencap's msgspec JSON (pickle, garbage, wrong shape)."""

@@ -1,0 +1,86 @@
+"""The layers hold: every import of a project package, at module level or inside a function,
+points down (foundation <- ledger <- stages <- roof), the two stages never import each other,
+nothing imports the roof, and sglang_sim stands apart."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+# package -> its layer (higher imports lower)
+LAYER = {
+    "foundation": 0,
+    "budget_service": 1,
+    "producer": 2,
+    "consumers": 2,
+    "tokencap": 3,
+}
+APART = "sglang_sim"  # imports none of the layers; only the roof imports it
+
+
+def project_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level package) of every import of a project package in `path`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top in LAYER or top == APART:
+                found.append((node.lineno, top))
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every import that runs up a layer, across a stage, or into sglang_sim from a layer."""
+    bad = []
+    for package in [*LAYER, APART]:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for line, target in project_imports(path):
+                if target == package:
+                    continue
+                where = f"{rel}:{line} imports {target}"
+                if package == APART:
+                    bad.append(f"{where}: sglang_sim stands apart")
+                elif target == APART:
+                    if LAYER[package] < LAYER["tokencap"]:
+                        bad.append(f"{where}: only the roof may use the simulator")
+                elif LAYER[target] > LAYER[package]:
+                    bad.append(f"{where}: an import up a layer")
+                elif LAYER[target] == LAYER[package]:
+                    bad.append(f"{where}: one stage imports another")
+    return bad
+
+
+def test_no_import_runs_up_a_layer_or_across_the_stages() -> None:
+    assert violations(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("package", "source", "rule"),
+    [
+        ("foundation", "from budget_service.keys import Keys\n", "up a layer"),
+        ("budget_service", "def f():\n    from consumers.stats import x\n", "up a layer"),
+        ("producer", "import consumers.job\n", "one stage imports another"),
+        ("consumers", "from tokencap.cli import main\n", "up a layer"),
+        ("sglang_sim", "from foundation.wire import encode\n", "stands apart"),
+        ("producer", "from sglang_sim.testing import SimServer\n", "only the roof"),
+    ],
+)
+def test_the_check_catches_each_kind_of_wrong_import(tmp_path: Path, package: str, source: str,
+                                                     rule: str) -> None:
+    for name in [*LAYER, APART]:
+        (tmp_path / name).mkdir()
+    (tmp_path / package / "bad.py").write_text(source)
+    [problem] = violations(tmp_path)
+    assert problem.startswith(f"{package}/bad.py:") and rule in problem

