@@ -266,15 +266,26 @@ class Budget:
                                        num=limit)
         return [_s(v) for v in raw]
 
-    def entry(self, category: str, sample_id: str) -> Entry:
+    def entries(self, category: str, sample_ids: Sequence[str]) -> list[Entry]:
+        """What the ledger holds for each of `sample_ids`, in one round trip."""
+        if not sample_ids:
+            return []
         ck = self._ck(category)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(ck.pending, sample_id)
-        pipe.hget(ck.seq, sample_id)
-        pipe.hexists(ck.reserved, sample_id)
-        raw, seq, in_flight = pipe.execute()
-        pending = msgspec.json.decode(raw, type=Pending) if raw else None
-        return Entry(pending, int(seq or 0), bool(in_flight))
+        for sid in sample_ids:
+            pipe.hget(ck.pending, sid)
+            pipe.hget(ck.seq, sid)
+            pipe.hexists(ck.reserved, sid)
+        raw = pipe.execute()
+        out = []
+        for i in range(0, len(raw), 3):
+            payload, seq, in_flight = raw[i : i + 3]
+            pending = msgspec.json.decode(payload, type=Pending) if payload else None
+            out.append(Entry(pending, int(seq or 0), bool(in_flight)))
+        return out
+
+    def entry(self, category: str, sample_id: str) -> Entry:
+        return self.entries(category, [sample_id])[0]
 
     def known(self, category: str, sample_ids: Sequence[str]) -> list[bool]:
         """For each id: is the sample final or pending already?"""

@@ -21,6 +21,7 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_failure_reasons_total{reason}` | counter | rejected and dead samples by reason |
 | `tokencap_engine_requests_total{engine,outcome}` | counter | requests the workers sent |
 | `tokencap_engine_request_duration_seconds{engine}` | histogram | their latency |
+| `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
 | `tokencap_workers` | gauge | workers registered on the run's queues |
 """
 
@@ -118,17 +119,23 @@ def _engine_metrics(run: str, counts: dict[str, int], workers: int) -> Iterator[
     yield g
     requests_ = CounterMetricFamily("tokencap_engine_requests", "Requests by engine and outcome",
                                     labels=["run", "engine", "outcome"])
+    waits = CounterMetricFamily("tokencap_engine_gate_waits",
+                                "Times a worker waited at the adaptive gate (engine queue at "
+                                "adaptive_max_queue)", labels=["run", "engine"])
     buckets: dict[str, dict[float, int]] = {}
     sums_ms: dict[str, int] = {}
     for key, value in sorted(counts.items()):
         engine, kind, rest = (key.split("|") + ["", ""])[:3]
         if kind == "requests":
             requests_.add_metric([run, engine, rest], value)
+        elif kind == "gate_waits":
+            waits.add_metric([run, engine], value)
         elif kind == "latency_le":
             buckets.setdefault(engine, {})[float(rest)] = value
         elif kind == "latency_sum_ms":
             sums_ms[engine] = value
     yield requests_
+    yield waits
     h = HistogramMetricFamily("tokencap_engine_request_duration_seconds",
                               "Latency of the requests the workers sent, by engine",
                               labels=["run", "engine"])

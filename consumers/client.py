@@ -210,7 +210,9 @@ class EngineClient:
     def generate(self, input_ids: list[int], sampling: dict[str, Any], category: str) -> Generation:
         last: EngineError | None = None
         for url in self.pool.order():
-            self.pool.gate(url)
+            waits = self.pool.gate(url)
+            if waits:
+                self.stats.gate_waits(url, waits)
             t0 = time.monotonic()
             try:
                 gen = self._generate_one(url, input_ids, sampling, category)

@@ -104,14 +104,21 @@ class EnginePool:
         rest = sorted((e for e in healthy if e is not first), key=lambda e: e.load)
         return [first.url] + [e.url for e in rest] + down
 
-    def gate(self, url: str) -> None:
-        """Adaptive concurrency: wait while the engine's waiting queue is at its bound."""
+    def gate(self, url: str) -> int:
+        """Adaptive concurrency: wait while the engine's waiting queue is at its bound.
+
+        What it guarantees: a request passes only on a reading of the engine's queue (at
+        most GATE_REFRESH_S old) below the bound, counting the requests this worker passed
+        since that reading. Workers read independently, so several may pass on readings
+        taken before each other's requests arrive. Returns how many times it waited."""
         if self.adaptive_max_queue is None:
-            return
+            return 0
         e = next(x for x in self.engines if x.url == url)
+        waits = 0
         while True:
             self._refresh(e, GATE_REFRESH_S)
             if not e.has_metrics or e.queued < self.adaptive_max_queue:
                 e.queued += 1  # count ourselves until the next refresh
-                return
+                return waits
+            waits += 1
             time.sleep(GATE_WAIT_S * (0.5 + self._rng.random()))

@@ -3,7 +3,8 @@ to the run's totals every `FLUSH_EVERY_S` (`Budget.add_engine_counts`, one Lua c
 `/metrics`.
 
 Fields: `<engine>|requests|<outcome>` counts, `<engine>|latency_le|<bucket>` cumulative
-histogram counts, `<engine>|latency_sum_ms`.
+histogram counts, `<engine>|latency_sum_ms`, `<engine>|gate_waits` (times a worker waited at
+the adaptive gate before sending).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class EngineStats:
             if latency_s <= b:
                 self.counts[f"{engine}|latency_le|{b:g}"] += 1
         self.counts[f"{engine}|latency_sum_ms"] += int(latency_s * 1000)
+
+    def gate_waits(self, engine: str, waits: int) -> None:
+        self.counts[f"{engine}|gate_waits"] += waits
 
     def flush(self, budget: Budget, force: bool = False) -> None:
         if not self.counts or (not force and time.monotonic() - self._flushed_at

@@ -352,23 +352,26 @@ class Producer:
         self.queues[category].enqueue_many(jobs)
 
     def reap(self, feed: CategoryFeed) -> int:
-        """Re-enqueue samples whose lease expired and that are not waiting in the queue."""
+        """Re-enqueue samples whose lease expired and whose job is not waiting in the queue
+        (a worker died with it, or its retry is due); dead-letter one lost too often."""
         name = feed.cat.name
         expired = self.budget.expired(name, now_ms(), REAP_BATCH)
         if not expired:
             return 0
+        entries = self.budget.entries(name, expired)
         queue_key = self.queues[name].key
-        n = 0
-        for sid in expired:
-            entry = self.budget.entry(name, sid)
+        pipe = self.redis.pipeline(transaction=False)
+        for sid, entry in zip(expired, entries, strict=True):
+            pipe.lpos(queue_key, self.keys.job_id(name, sid, entry.seq))
+        waiting = pipe.execute()
+        again: list[tuple[str, int, int]] = []
+        for sid, entry, in_queue in zip(expired, entries, waiting, strict=True):
             deadline = now_ms() + self.lease_ms
-            if entry.pending is None:
-                self.budget.keep_lease(name, sid, deadline)  # drops a stray lease entry
-                continue
-            if self.redis.lpos(queue_key, self.keys.job_id(name, sid, entry.seq)) is not None:
+            p = entry.pending
+            if p is None or in_queue is not None:
+                # still waiting in its queue: keep the lease (a stray entry is dropped)
                 self.budget.keep_lease(name, sid, deadline)
                 continue
-            p = entry.pending
             failures = p.failures + (1 if entry.in_flight else 0)
             if failures >= self.cfg.max_attempts:
                 self.budget.fail(DeadLetter(id=sid, category=name, outcome="dead",
@@ -380,11 +383,10 @@ class Producer:
                 log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)
             seq = self.budget.requeue(name, msgspec.structs.replace(p, failures=failures),
                                       entry.seq, deadline)
-            if seq < 0:
-                continue  # it moved meanwhile (a worker extended its lease, or it ended)
-            self._enqueue(name, [(sid, seq, len(p.prompt_ids))])
-            n += 1
-        return n
+            if seq >= 0:  # else it moved meanwhile (a worker extended its lease, or it ended)
+                again.append((sid, seq, len(p.prompt_ids)))
+        self._enqueue(name, again)
+        return len(again)
 
     def unpark(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
         """Re-enqueue deferred samples that now fit, or skip all of them once closed."""

@@ -14,8 +14,9 @@ from consumers.client import (
     Unreachable,
     parse_reply,
 )
+from consumers.engines import EnginePool
 from sglang_sim.testing import SimServer
-from tokencap.launcher import free_port
+from tokencap.harness import free_port
 
 PROMPT = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
 SAMPLING = {"max_new_tokens": 64, "temperature": 0.0}
@@ -138,3 +139,43 @@ def test_abort_finish_is_a_server_error() -> None:
             b'"message":"Aborted"},"prompt_tokens":1,"completion_tokens":0}}')
     with pytest.raises(ServerError):
         parse_reply(body, 1, "e", 0.1)
+
+
+class _Metrics:
+    """A session whose `/metrics` says `sglang:num_queue_reqs` is queue[i] at the i-th read
+    (the last value from then on)."""
+
+    def __init__(self, queue: list[int]) -> None:
+        self.queue = queue
+        self.reads = 0
+
+    def get(self, url: str, timeout: object = None) -> object:
+        value = self.queue[min(self.reads, len(self.queue) - 1)]
+        self.reads += 1
+        return type("R", (), {"status_code": 200,
+                              "text": f"sglang:num_queue_reqs {value}\n"})()
+
+
+def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> None:
+    from consumers import engines
+
+    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
+    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # every look is a new reading
+    metrics = _Metrics([2, 3, 2, 2, 1])
+    pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
+    # queue at the bound (2), above (3), at it twice more: four waits, through on the fifth
+    assert pool.gate("http://e") == 4 and metrics.reads == 5
+    assert EnginePool(["http://e"], session=_Metrics([50])).gate("http://e") == 0  # no gate
+
+
+def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatch) -> None:
+    from consumers import engines
+
+    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
+    monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)  # the first reading stays
+    metrics = _Metrics([0])
+    pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
+    assert pool.gate("http://e") == 0 and pool.gate("http://e") == 0  # 0, then 0 + 1 < 2
+    assert metrics.reads == 1
+    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # a third send needs a new reading
+    assert pool.gate("http://e") == 0 and metrics.reads == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from producer import feeder
+from sglang_sim.testing import SimServer
 from tests.faults.common import two_category_config
 from tokencap.harness import Pipeline
 
@@ -30,3 +31,40 @@ def test_leases_are_checked_on_an_interval_and_again_while_some_expired(tmp_path
     producer.tick()
     producer.tick()
     assert calls == ["a", "b", "a", "b"]  # nothing found: wait for the interval
+
+
+def snapshot(redis) -> dict:
+    return {k: (redis.dump(k), max(0, redis.pttl(k))) for k in redis.keys("*")}
+
+
+def restore(redis, snap: dict) -> None:
+    redis.flushdb()
+    for key, (data, ttl_ms) in snap.items():
+        redis.restore(key, ttl_ms, data)
+
+
+def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url) -> None:
+    """Redis restarted from an AOF that misses the last feeds (appendfsync everysec) while the
+    producer kept its cursor: the cursor's compare-and-set finds it, the samples are fed
+    again, none is left without a terminal state (the chaos test's failure, root-caused)."""
+    cfg = two_category_config(tmp_path, cap_a=10**9, cap_b=10**9, extra="high_water = 8")
+    with SimServer(time_scale=1000.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+        try:
+            producer = pipe.build()
+            before = snapshot(redis)
+            producer.tick()  # Given feeds of 8 samples per category...
+            assert [producer.feeds[c].cursor for c in ("a", "b")] == [8, 8]
+            restore(redis, before)  # ... that Redis lost, the producer not knowing
+            producer.tick()  # When the producer feeds on
+            assert [producer.feeds[c].cursor for c in ("a", "b")] == [0, 0]
+            assert pipe.budget.cursor("a") == 0 and pipe.budget.status()["categories"][
+                "a"]["pending"] == 0  # nothing was written from the stale cursor
+            pipe.start_writer()
+            pipe.start_workers(2)
+            status = pipe.run()
+        finally:
+            pipe.close()
+    # Then the run ends with every fed sample final, the lost feeds included
+    pipe.check_invariants(status)
+    assert status["categories"]["a"]["samples"] == status["categories"]["b"]["samples"] == 200
