@@ -6,10 +6,12 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/demo.toml
 WORKERS ?= 8
 N ?= 4
+RUNS ?= 30
+LOAD ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help install up down workers status test lint bench clean
+.PHONY: help install up down workers status test test-fast lint typecheck soak bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,8 +36,18 @@ workers: install ## Add N consumers to the running stack (make workers N=8)
 status: install ## Live board of the run started by make up (Ctrl-C to leave)
 	@set -a; source .run/env; set +a; $(BIN)/tokencap status --watch
 
-test: install ## Run every test (starts its own redis-server instances)
+test: install ## ruff, mypy, then every test (each session starts its own redis-server)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest -q
+
+test-fast: install ## ruff, mypy, and the tests not marked slow (no fault injection, no 16+ workers)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q -m "not slow"
+
+soak: install ## Fault tests in a loop beside LOAD busy processes until each passes RUNS times in a row
+	$(BIN)/python -m tests.soak --runs $(RUNS) --load $(LOAD)
 
 bench: install ## Benchmarks side by side with their baselines (~9 min on 2 cores; writes bench/results.json)
 	$(BIN)/python -m bench
@@ -43,5 +55,8 @@ bench: install ## Benchmarks side by side with their baselines (~9 min on 2 core
 lint: install ## ruff
 	$(BIN)/ruff check .
 
-clean: down ## Remove .run/ and out/
-	rm -rf .run out
+typecheck: install ## mypy (strict on foundation/ and budget_service/)
+	$(BIN)/mypy
+
+clean: down ## Remove .run/, out/ and .soak/
+	rm -rf .run out .soak

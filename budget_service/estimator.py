@@ -45,7 +45,8 @@ class LengthModel:
         self._suffix.reverse()
 
     @classmethod
-    def from_redis(cls, raw: Mapping[bytes | str, bytes | str], expected: int, max_tokens: int):
+    def from_redis(cls, raw: Mapping[bytes | str, bytes | str], expected: int,
+                   max_tokens: int) -> LengthModel:
         return cls({int(k): int(v) for k, v in raw.items()}, expected, max_tokens)
 
     def mean(self) -> int:
@@ -58,12 +59,12 @@ class LengthModel:
     def moments(self, progressed_tokens: float) -> tuple[int, int]:
         """(E[L | L > g], Var[L | L > g]) in tokens and tokens squared, g = progressed."""
         g = max(0.0, float(progressed_tokens))
-        var = None
         if self.n < MIN_SAMPLES:
             est = max(float(self.expected), g + 1)
             var = (PRIOR_CV * est) ** 2
         else:
-            est = None
+            # longer than anything seen so far, unless a bucket above g is found below
+            est, var = g + HIST_BUCKET_TOKENS, float(HIST_BUCKET_TOKENS ** 2)
             for i, b in enumerate(self._buckets):
                 if (b + 1) * HIST_BUCKET_TOKENS > g:
                     cnt, mass, sq = self._suffix[i]
@@ -72,9 +73,6 @@ class LengthModel:
                     # within-bucket spread (uniform over a bucket) on top of the bucket centres
                     var = max(0.0, sq / cnt - mean * mean) + HIST_BUCKET_TOKENS ** 2 / 12
                     break
-            if est is None:  # longer than anything seen so far
-                est = g + HIST_BUCKET_TOKENS
-                var = float(HIST_BUCKET_TOKENS ** 2)
         est = min(self.max_tokens, round(est))
         # what is left can be no more than max_tokens - g: cap the spread at that range
         room = max(0.0, self.max_tokens - g)

@@ -164,7 +164,7 @@ class BudgetCollector:
 def render_metrics(budget: Budget) -> bytes:
     """The `/metrics` page of `budget`'s run."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BudgetCollector(budget))  # type: ignore[arg-type]
+    registry.register(BudgetCollector(budget))
     return bytes(generate_latest(registry))
 
 

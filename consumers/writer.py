@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import msgspec
 from redis import Redis
@@ -38,6 +38,8 @@ from foundation.wire import DeadLetter, Result
 
 log = logging.getLogger(__name__)
 
+# XREADGROUP's reply: (stream, [(entry id, {field: value})])
+StreamEntries = tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]
 READ_COUNT = 512
 BLOCK_MS = 500
 RECOVER_EVERY_S = 5.0
@@ -138,15 +140,17 @@ class Writer:
         self.written = 0
         self.stop_event = threading.Event()
 
+    def _read(self, start: str, block_ms: int | None) -> list[StreamEntries]:
+        reply = self.redis.xreadgroup(WRITER_GROUP, self.consumer,
+                                      {s: start for s in self.streams}, count=READ_COUNT,
+                                      block=block_ms)
+        return cast(list[StreamEntries], reply or [])
+
     def drain_once(self, block_ms: int | None = BLOCK_MS, pending: bool = False) -> int:
         """One XREADGROUP round over every stream. `pending` re-reads unacked entries."""
-        start = "0" if pending else ">"
-        reply = self.redis.xreadgroup(
-            WRITER_GROUP, self.consumer, {s: start for s in self.streams},
-            count=READ_COUNT, block=None if pending else block_ms,
-        )
         n = 0
-        for stream, entries in reply or []:
+        for stream, entries in self._read("0" if pending else ">",
+                                          None if pending else block_ms):
             name = stream.decode() if isinstance(stream, bytes) else stream
             category, dead = self.streams[name]
             if not entries:
@@ -166,10 +170,7 @@ class Writer:
         """Write entries delivered before a crash and never acked."""
         total = 0
         while True:
-            reply = self.redis.xreadgroup(
-                WRITER_GROUP, self.consumer, {s: "0" for s in self.streams}, count=READ_COUNT
-            )
-            if not any(entries for _, entries in reply or []):
+            if not any(entries for _, entries in self._read("0", None)):
                 return total
             total += self.drain_once(pending=True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
 
 import requests
 
@@ -58,7 +59,7 @@ def healthy(url: str, timeout_s: float = 5.0) -> bool:
 
 # SGLang metric name -> key of `parse_metrics`' result, and how series are combined when an
 # engine exports several (one per DP rank or model): counts add up, usage is the max.
-SGLANG_METRICS = {
+SGLANG_METRICS: dict[str, tuple[str, Callable[[list[float]], float]]] = {
     "sglang:num_running_reqs": ("running", sum),
     "sglang:num_queue_reqs": ("queued", sum),
     "sglang:token_usage": ("token_usage", max),

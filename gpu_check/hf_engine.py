@@ -60,9 +60,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, str(ROOT))
+
+from sglang_sim.config import SimConfig  # noqa: E402
+from sglang_sim.protocol import TOP_K_ALL, ApiError  # noqa: E402
 
 log = logging.getLogger("hf_engine")
 
@@ -77,22 +85,9 @@ RANDOM_WARNING = (
 )
 THROUGHPUT_WINDOW_S = 10.0
 
-# SGLang SamplingParams keys: the first set is applied, the second accepted and ignored.
-APPLIED_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "ignore_eos",
-                "stop_token_ids", "skip_special_tokens", "n"}
-IGNORED_KEYS = {"stop", "stop_regex", "frequency_penalty", "presence_penalty",
-                "repetition_penalty", "min_new_tokens", "json_schema", "regex", "ebnf",
-                "structural_tag", "spaces_between_special_tokens", "no_stop_trim",
-                "custom_params", "stream_interval", "logit_bias", "sampling_seed"}
-
-
 def prompt_sha(ids: list[int]) -> str:
     """The key a checker uses to find the replies to a prompt."""
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()
-
-
-class BadRequest(Exception):
-    pass
 
 
 @dataclass
@@ -177,6 +172,10 @@ class Engine:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.gpu_name = torch.cuda.get_device_name(0) if self.device.startswith("cuda") else None
         self.build_s = time.monotonic() - t0
+        # what SGLang would accept from a model with this tokenizer and context
+        self.protocol = SimConfig(context_length=args.context_length, vocab_size=self.tok_len,
+                                  eos_token_id=self.eos,
+                                  max_total_tokens=args.context_length * args.max_batch)
         self.counters = Counters()
         self.lock = threading.Lock()
         self.window: collections.deque[tuple[float, int]] = collections.deque()
@@ -190,69 +189,27 @@ class Engine:
 
     # -- request parsing ---------------------------------------------------------------
     def parse(self, body: Any) -> Req:
-        if not isinstance(body, dict):
-            raise BadRequest("body must be a JSON object")
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
-        if text is not None:
-            if not isinstance(text, str):
-                raise BadRequest("hf_engine serves one prompt per request (no batches)")
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        if not isinstance(ids, list) or (ids and not isinstance(ids[0], int)):
-            raise BadRequest("hf_engine serves one prompt per request (no batches)")
-        if not ids:
-            raise BadRequest("input_ids cannot be empty.")
-        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 or i >= self.tok_len
-               for i in ids):
-            raise BadRequest(f"input_ids hold an id outside [0, {self.tok_len})")
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise BadRequest("sampling_params must be an object")
-        unknown = set(sp) - APPLIED_KEYS - IGNORED_KEYS
-        if unknown:
-            raise BadRequest(f"unknown sampling params: {sorted(unknown)}")
-        if sp.get("n") not in (None, 1):
-            raise BadRequest("hf_engine does not support n > 1")
+        """SGLang's checks and messages, from the simulator's protocol module (the same
+        code decides what the simulator refuses); `text` goes through the real tokenizer."""
+        from sglang_sim.protocol import parse_generate, validate_generate
 
-        def num(key: str, default: Any) -> Any:
-            v = sp.get(key)
-            return default if v is None else v
-
-        max_new = num("max_new_tokens", 128)
-        temperature = float(num("temperature", 1.0))
-        top_p = float(num("top_p", 1.0))
-        top_k = int(num("top_k", -1))
-        min_p = float(num("min_p", 0.0))
-        if not isinstance(max_new, int) or max_new < 0:
-            raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}.")
-        if temperature < 0:
-            raise BadRequest(f"temperature must be non-negative, got {temperature}.")
-        if not 0 < top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {top_p}.")
-        if top_k < 1 and top_k != -1:
-            raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
-        if not 0 <= min_p <= 1:
-            raise BadRequest(f"min_p must be in [0, 1], got {min_p}.")
-        ctx = self.args.context_length
-        if len(ids) >= ctx:
-            raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's "
-                             f"context length ({ctx} tokens).")
-        if len(ids) + max_new > ctx:
-            raise BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {ctx} "
-                f"tokens. You requested a total of {len(ids) + max_new} tokens: {len(ids)} "
-                f"tokens from the input messages and {max_new} tokens for the completion.")
-        ignore_eos = bool(sp.get("ignore_eos") or False)
-        stop_ids = set(int(x) for x in (sp.get("stop_token_ids") or []))
-        if not ignore_eos:
+        if isinstance(body, dict) and isinstance(body.get("text"), str) \
+                and body.get("input_ids") is None:
+            ids = self.tok(body["text"], add_special_tokens=False)["input_ids"]
+            body = {**{k: v for k, v in body.items() if k != "text"}, "input_ids": ids}
+        valid = validate_generate(parse_generate(body, self.protocol), self.protocol)
+        sp = valid.sampling
+        asked = valid.sampling.get("temperature")
+        greedy = sp["top_k"] == 1 and (body.get("sampling_params") or {}).get(
+            "temperature") is not None and float(body["sampling_params"]["temperature"]) < 1e-6
+        stop_ids = set(valid.stop_token_ids)
+        if not valid.ignore_eos:
             stop_ids.add(self.eos)
-        rid = body.get("rid") or uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise BadRequest("hf_engine serves one prompt per request (rid must be a string)")
-        return Req(rid=rid, input_ids=ids, max_new=max_new, temperature=temperature,
-                   top_p=top_p, top_k=top_k if top_k > 0 else 0, min_p=min_p,
-                   ignore_eos=ignore_eos, stop_ids=frozenset(stop_ids), t0=time.monotonic())
+        top_k = sp["top_k"] if 0 < sp["top_k"] < TOP_K_ALL else 0
+        return Req(rid=valid.rid, input_ids=valid.input_ids, max_new=valid.max_new_tokens,
+                   temperature=0.0 if greedy else float(asked), top_p=float(sp["top_p"]),
+                   top_k=top_k, min_p=float(sp["min_p"]), ignore_eos=valid.ignore_eos,
+                   stop_ids=frozenset(stop_ids), t0=time.monotonic())
 
     # -- generation --------------------------------------------------------------------
     def generate_batch(self, batch: list[Req]) -> None:
@@ -496,10 +453,10 @@ async def generate(request: web.Request) -> web.Response:
             return _json({"object": "error", "message": f"JSON decode error: {exc}",
                           "type": "Bad Request", "param": None, "code": 400}, 400)
         req = eng.parse(body)
-    except BadRequest as exc:
+    except ApiError as exc:  # SGLang's status and body (400s, a 500 for an unknown key)
         with eng.lock:
             eng.counters.errors += 1
-        return _json({"error": {"message": str(exc)}}, 400)
+        return _json(exc.body, exc.status)
     req.fut = asyncio.get_running_loop().create_future()
     await app[QUEUE].put(req)
     try:
@@ -565,7 +522,7 @@ async def server_info(request: web.Request) -> web.Response:
     info = {
         "model_path": MODEL_PATH, "tokenizer_path": a.tokenizer, "served_model_name": MODEL_PATH,
         "port": a.port, "context_length": a.context_length, "max_running_requests": a.max_batch,
-        "max_queued_requests": None, "max_req_input_len": a.context_length - 1,
+        "max_queued_requests": None, "max_req_input_len": eng.protocol.max_req_input_len,
         "schedule_policy": "fcfs", "sampling_defaults": "openai", "tp_size": 1, "dp_size": 1,
         "enable_metrics": True, "random_seed": a.seed, "status": "ready",
         "internal_states": [{"last_gen_throughput": eng.throughput()}],

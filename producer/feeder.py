@@ -316,7 +316,7 @@ class Producer:
                                            reason=out.reason, message=str(out), where=s.where))
                 log.warning("%s: skipped record at %s: %s", cat.name, s.where, out)
                 continue
-            ids = list(out[1]) if out is not None else list(s.prompt)
+            ids: list[int] = list(out[1]) if out is not None else list(s.prompt)  # type: ignore[arg-type]
             ctx = self.context_length
             if not ids or (ctx is not None and len(ids) + max_new > ctx):
                 reason = "empty_prompt" if not ids else "prompt_too_long"

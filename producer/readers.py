@@ -89,6 +89,12 @@ class _Segment(NamedTuple):
     row_group_starts: list[int] | None  # parquet only: first row of each row group
 
 
+def _rows(seg: _Segment) -> list[int]:
+    """A Parquet segment's row-group starts (then its row count)."""
+    assert seg.row_group_starts is not None, f"{seg.path} is not a Parquet segment"
+    return seg.row_group_starts
+
+
 class SourceIndex:
     """Positions of every record of a source's files; `read(i)` decodes record i."""
 
@@ -121,7 +127,7 @@ class SourceIndex:
             except OSError as exc:
                 raise SourceError(f"{path}: cannot read: {exc.strerror or exc}") from None
             segments.append(seg)
-            count = len(seg.span) if seg.span is not None else seg.row_group_starts[-1]
+            count = len(seg.span) if seg.span is not None else _rows(seg)[-1]
             log.debug("indexed %s: %d records", path, count)
             total += count
         return cls(segments, total)
@@ -140,8 +146,9 @@ class SourceIndex:
         seg = self._segments[file_no]
         if seg.span is not None:
             return SourceRef(file_no, seg.span.offsets[j], seg.span.lengths[j], seg.span.lines[j])
-        group = bisect_right(seg.row_group_starts, j) - 1
-        return SourceRef(file_no, group, j - seg.row_group_starts[group], j + 1)
+        starts = _rows(seg)
+        group = bisect_right(starts, j) - 1
+        return SourceRef(file_no, group, j - starts[group], j + 1)
 
     def where(self, i: int) -> str:
         """``path:line`` of record `i` (for Parquet the line is the row number + 1)."""

@@ -50,10 +50,11 @@ class RunLock:
         if self.lock.acquire(blocking=True, blocking_timeout=wait_s, token=self.token):
             self._renewed_at = time.monotonic()
         else:
-            holder = self.redis.get(self.key)
+            raw = self.redis.get(self.key)
+            holder = raw.decode() if isinstance(raw, bytes) else raw
             raise ProducerBusy(
                 f"another producer is running run {self.run!r} (lock {self.key} held by "
-                f"{holder.decode() if holder else 'someone'}); stop it first, or wait "
+                f"{holder or 'someone'}); stop it first, or wait "
                 f"{self.ttl_s:g} s for the lock of a killed one to expire"
             )
 

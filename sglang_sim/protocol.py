@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sim.config import SimConfig
@@ -105,7 +105,10 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class ValidRequest:
-    """A request that passed every check; ``max_new_tokens`` is the effective cap."""
+    """A request that passed every check; ``max_new_tokens`` is the effective cap.
+    ``sampling`` holds SGLang's SamplingParams after its ``__post_init__`` (defaults filled,
+    temperature 0 turned into temperature 1 with top_k 1, top_k -1 into ``TOP_K_ALL``):
+    what an engine that really samples (gpu_check's) applies."""
 
     rid: str
     input_ids: list[int]
@@ -113,6 +116,8 @@ class ValidRequest:
     min_new_tokens: int
     ignore_eos: bool
     sampling_seed: int | None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def _is_int(value: Any) -> bool:
@@ -192,7 +197,7 @@ def _build_sampling(params: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(params) - SAMPLING_PARAM_FIELDS)
     if unknown:
         raise internal_error(f"Unexpected keyword argument '{unknown[0]}'")
-    sp = {k: params.get(k) for k in (*_FLOAT_FIELDS, *_INT_FIELDS)}
+    sp: dict[str, Any] = {k: params.get(k) for k in (*_FLOAT_FIELDS, *_INT_FIELDS)}
     for name in _FLOAT_FIELDS:
         if sp[name] is None:
             sp[name] = _FLOAT_DEFAULTS[name]
@@ -285,4 +290,15 @@ def validate_generate(req: GenerateRequest, config: SimConfig) -> ValidRequest:
         min_new_tokens=sp["min_new_tokens"],
         ignore_eos=bool(sp["ignore_eos"]),
         sampling_seed=sp["sampling_seed"],
+        sampling=sp,
+        stop_token_ids=tuple(_stop_token_ids(req.sampling_params.get("stop_token_ids"))),
     )
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    """SamplingParams.stop_token_ids: a list of ints, or None."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise internal_error("TypeError: sampling param 'stop_token_ids' must be a list of ints")
+    return list(value)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import pytest
 import requests
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.server import DEFAULT_HOST, make_server, serve_in_thread
+from budget_service.server import DEFAULT_HOST, make_server, render_metrics, serve_in_thread
 from tests.test_lua import feed, make_cfg, result
 
 TOKEN = "t0ken-for-tests"
@@ -78,3 +80,43 @@ def test_no_token_configured_refuses_every_change(redis) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _page(budget: Budget) -> str:
+    budget.add_engine_counts({
+        'http://gpu-a:30000/"quoted"\\path|requests|ok': 2,
+        "http://gpu-b:30000|requests|timeout": 1,
+        "http://gpu-b:30000|latency_le|1": 1, "http://gpu-b:30000|latency_le|inf": 1,
+        "http://gpu-b:30000|latency_sum_ms": 800, "http://gpu-b:30000|gate_waits": 3,
+    })
+    return render_metrics(budget).decode()
+
+
+def test_metrics_follow_prometheus_naming(service) -> None:
+    budget, _url, _ = service
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = list(text_string_to_metric_families(_page(budget)))
+    assert families
+    for fam in families:
+        assert fam.name.startswith("tokencap_"), fam.name
+        if fam.type == "counter":
+            assert all(s.name == fam.name + "_total" for s in fam.samples), fam.name
+        if fam.name.endswith(("_tokens", "_seconds")) or "_tokens_" in fam.name:
+            assert fam.type in ("gauge", "counter", "histogram")
+        for s in fam.samples:
+            assert s.labels.get("run") == "t", (s.name, s.labels)
+    engines = {s.labels["engine"] for fam in families for s in fam.samples
+               if "engine" in s.labels}
+    assert 'http://gpu-a:30000/"quoted"\\path' in engines  # escaped on the page, read back whole
+
+
+def test_metrics_pass_promtool(service) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+    budget, _url, _ = service
+    out = subprocess.run([promtool, "check", "metrics"], input=_page(budget),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), \
+        out.stdout + out.stderr

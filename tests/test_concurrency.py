@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rq import Queue, Worker
 
 from sglang_sim.testing import SimServer
 from tests.conftest import write_config
 from tokencap.harness import started, wait_until
+
+pytestmark = pytest.mark.slow
 
 WORKERS = 32
 PROMPTS = 400

@@ -285,7 +285,7 @@ def test_builder_copies_every_package_pyproject_installs(dockerfile: Any) -> Non
     _args, stages = dockerfile
     copied = {rest.split()[0].rstrip("/") for i, rest in stages[0] if i == "COPY"}
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = set(pyproject["tool"]["setuptools"]["packages"])
+    packages = set(pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"])
     assert packages <= copied, f"add to docker/Dockerfile: COPY {sorted(packages - copied)}"
     assert {"pyproject.toml", pyproject["project"]["readme"]} <= {
         arg for i, rest in stages[0] if i == "COPY" for arg in rest.split()[:-1]

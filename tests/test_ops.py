@@ -86,6 +86,7 @@ def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
     assert status["categories"]["b"]["state"] == "closed"
 
 
+@pytest.mark.slow
 def test_two_engines_one_killed_midway_and_back(tmp_path, redis_url) -> None:
     port = free_port()
     args = ["--time-scale", "60"]
@@ -119,6 +120,7 @@ def test_two_engines_one_killed_midway_and_back(tmp_path, redis_url) -> None:
     assert all(st["failed"] == 0 for st in status["categories"].values())
 
 
+@pytest.mark.slow
 def test_adaptive_concurrency_keeps_the_engine_queue_short(tmp_path, redis_url) -> None:
     workers, batch, bound = 16, 4, 2
     src = tmp_path / "ids.jsonl"

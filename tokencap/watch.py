@@ -52,7 +52,9 @@ def _one_engine(url: str, timeout_s: float) -> EngineLoad:
     try:
         r = requests.get(f"{url.rstrip('/')}/metrics", timeout=(timeout_s, timeout_s))
         r.raise_for_status()
-        return EngineLoad(url, True, **parse_metrics(r.text))
+        m = parse_metrics(r.text)
+        return EngineLoad(url, True, running=m["running"], queued=m["queued"],
+                          token_usage=m["token_usage"], gen_throughput=m["gen_throughput"])
     except requests.RequestException as exc:
         return EngineLoad(url, False, error=type(exc).__name__)
 

@@ -13,6 +13,8 @@ from tests.conftest import write_config
 from tests.faults.common import Background, two_category_config
 from tokencap.harness import started, wait_until
 
+pytestmark = pytest.mark.slow
+
 POISON = 151_000
 
 

@@ -8,11 +8,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 from tests.faults.proxy import Proxy
 from tokencap.harness import Pipeline, RedisServer, started, wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def used_total(pipe: Pipeline) -> int:

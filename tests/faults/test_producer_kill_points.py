@@ -31,6 +31,8 @@ from sglang_sim.testing import SimServer
 from tests.conftest import write_config
 from tokencap.harness import Pipeline, wait_until
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = 4
 LEASE_S = 0.3
 

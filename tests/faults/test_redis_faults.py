@@ -18,6 +18,8 @@ from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
+pytestmark = pytest.mark.slow
+
 
 def used_total(pipe: Pipeline) -> int:
     return sum(pipe.budget.state(c)["used"] for c in ("a", "b"))

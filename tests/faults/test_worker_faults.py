@@ -7,12 +7,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from rq import Queue
 
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 from tokencap.harness import Pipeline, wait_until
+
+pytestmark = pytest.mark.slow
 
 KILLS = 6
 
