@@ -41,3 +41,38 @@ def test_status_without_redis_is_a_clear_error() -> None:
     assert out.exit_code == 3
     assert "cannot reach Redis" in out.output
     assert "hunter2" not in out.output
+
+
+def _gz_config(tmp_path) -> str:
+    (tmp_path / "x.jsonl.gz").write_bytes(b"\x1f\x8b not really")
+    (tmp_path / "run.toml").write_text(
+        'run = "gz"\noutput_dir = "out"\n[[category]]\nname = "a"\nsource = "x.jsonl.gz"\n'
+        'format = "input_ids"\nsampling = { max_new_tokens = 8 }\n')
+    return str(tmp_path / "run.toml")
+
+
+@pytest.mark.parametrize("argv", [["plan"], ["preview"], ["run", "--dry-run"]])
+def test_an_unreadable_source_is_a_clear_error_with_exit_2(tmp_path, argv) -> None:
+    out = CliRunner().invoke(main, [*argv, _gz_config(tmp_path)])
+    assert out.exit_code == 2, out.output
+    assert "x.jsonl.gz: unsupported file type" in out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)
+
+
+def test_every_error_has_an_exit_code_and_the_codes_are_documented() -> None:
+    import inspect
+
+    from foundation import errors
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if c.__module__ == errors.__name__]
+    assert all(issubclass(c, errors.TokencapError) for c in classes)
+    doc = errors.__doc__ or ""
+    for c in classes:
+        assert isinstance(c.exit_code, int) and 1 <= c.exit_code < 128, c
+        assert f"| {c.exit_code} |" in doc, f"exit code of {c.__name__} not in the table"
+
+
+def test_a_run_that_is_not_there_exits_7(redis_url) -> None:
+    out = CliRunner().invoke(main, ["status", "--redis-url", redis_url, "--run", "nope"])
+    assert out.exit_code == 7 and "run 'nope' not found" in out.output

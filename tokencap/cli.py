@@ -290,7 +290,7 @@ def sim(ctx: click.Context) -> None:
     from sglang_sim.__main__ import main as sim_main
 
     sys.argv = ["sglang_sim", *ctx.args]
-    sim_main()
+    sys.exit(sim_main())
 
 
 @main.command()
