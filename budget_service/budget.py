@@ -175,9 +175,10 @@ class Budget:
     def close(self, category: str) -> None:
         self._close(category, "close")
 
-    def mark_exhausted(self, category: str) -> None:
-        """The source is used up and nothing is pending: the category is done."""
-        self._close(category, "exhausted")
+    def mark_exhausted(self, category: str, cursor: int) -> bool:
+        """The source is used up at `cursor` and nothing is pending: the category is done.
+        False (nothing marked) when Redis's cursor is not `cursor` (it lost feeds)."""
+        return self._close(category, "exhausted", cursor)[1]
 
     # -- per sample (workers) -----------------------------------------------------------
     def admit(

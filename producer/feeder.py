@@ -134,8 +134,11 @@ class Producer:
             if st["state"] == "open":
                 done += self.feed(feed, st)
                 if feed.exhausted and st["pending"] == 0 and done == 0:
-                    self.budget.mark_exhausted(name)
-                    log.info("%s: source exhausted (%d samples committed)", name, st["samples"])
+                    if self.budget.mark_exhausted(name, feed.cursor):
+                        log.info("%s: source exhausted (%d samples committed)", name,
+                                 st["samples"])
+                    else:
+                        self._lost_feeds(feed)
             work += done
         return work
 
@@ -257,9 +260,7 @@ class Producer:
             ids = self.budget.feed(name, start, start + len(positions),
                                    now_ms() + self.lease_ms, prepared, rejected + too_long)
             if ids is None:
-                feed.cursor = self.budget.cursor(name)
-                log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); "
-                            "feeding again from there", name, feed.cursor, start)
+                self._lost_feeds(feed)
                 return fed
             feed.cursor = start + len(positions)
             recorded = set(ids)
@@ -268,6 +269,13 @@ class Producer:
             fed += len(positions)
             room -= max(1, len(ids))
         return fed
+
+    def _lost_feeds(self, feed: CategoryFeed) -> None:
+        """Redis's cursor is not ours: it lost our last feeds (a restart from an AOF without
+        its last second). Feed again from where Redis is."""
+        ours, feed.cursor = feed.cursor, self.budget.cursor(feed.cat.name)
+        log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); feeding "
+                    "again from there", feed.cat.name, feed.cursor, ours)
 
     def _read(self, feed: CategoryFeed, positions: list[int]
               ) -> tuple[list[Sample], list[DeadLetter]]:

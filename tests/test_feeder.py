@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from producer import feeder
 from sglang_sim.testing import SimServer
 from tests.faults.common import two_category_config
@@ -43,11 +45,15 @@ def restore(redis, snap: dict) -> None:
         redis.restore(key, ttl_ms, data)
 
 
-def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url) -> None:
+@pytest.mark.parametrize("prompts", [200, 8])
+def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url, prompts: int) -> None:
     """Redis restarted from an AOF that misses the last feeds (appendfsync everysec) while the
     producer kept its cursor: the cursor's compare-and-set finds it, the samples are fed
-    again, none is left without a terminal state (the chaos test's failure, root-caused)."""
-    cfg = two_category_config(tmp_path, cap_a=10**9, cap_b=10**9, extra="high_water = 8")
+    again, none is left without a terminal state (the chaos test's failure, root-caused).
+    With 8 prompts the lost feed used the source up: the producer must not mark the
+    category exhausted on its own cursor."""
+    cfg = two_category_config(tmp_path, cap_a=10**9, cap_b=10**9, extra="high_water = 8",
+                              prompts=prompts)
     with SimServer(time_scale=1000.0) as sim:
         pipe = Pipeline(cfg, redis_url, [sim.url])
         try:
@@ -56,8 +62,9 @@ def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url) -> None:
             producer.tick()  # Given feeds of 8 samples per category...
             assert [producer.feeds[c].cursor for c in ("a", "b")] == [8, 8]
             restore(redis, before)  # ... that Redis lost, the producer not knowing
-            producer.tick()  # When the producer feeds on
+            producer.tick()  # When the producer goes on (feeds, or ends a used-up source)
             assert [producer.feeds[c].cursor for c in ("a", "b")] == [0, 0]
+            assert pipe.budget.status()["categories"]["a"]["state"] == "open"
             assert pipe.budget.cursor("a") == 0 and pipe.budget.status()["categories"][
                 "a"]["pending"] == 0  # nothing was written from the stale cursor
             pipe.start_writer()
@@ -67,4 +74,5 @@ def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url) -> None:
             pipe.close()
     # Then the run ends with every fed sample final, the lost feeds included
     pipe.check_invariants(status)
-    assert status["categories"]["a"]["samples"] == status["categories"]["b"]["samples"] == 200
+    assert status["categories"]["a"]["samples"] == status["categories"]["b"]["samples"] \
+        == prompts

@@ -413,10 +413,13 @@ def test_close_cap_reopens_and_closes(budget: Budget) -> None:
     assert budget.set_cap("code", 5000) == (False, 1000)
     assert budget.status()["categories"]["code"]["state"] == "open"
     assert budget.set_cap("code", 100) == (True, 5000)
-    budget.mark_exhausted("code")
+    assert budget.mark_exhausted("code", budget.cursor("code")) is True
     budget.set_cap("code", 9000)  # raising the cap reopens an exhausted category too
     assert budget.status()["categories"]["code"]["state"] == "open"
-    budget.mark_exhausted("code")
+    # a producer whose cursor is past Redis's (Redis lost feeds) cannot mark it exhausted
+    assert budget.mark_exhausted("code", budget.cursor("code") + 8) is False
+    assert budget.status()["categories"]["code"]["state"] == "open"
+    assert budget.mark_exhausted("code", budget.cursor("code")) is True
     assert budget.status()["categories"]["code"]["state"] == "exhausted"
 
 

@@ -1,6 +1,8 @@
 -- close.lua: change a category's cap or state, and recompute `closed` from the cap.
 -- KEYS: the category's keys (_lib.lua)
 -- ARGV[1] action: 'cap' (ARGV[2] = new cap; reopens if used < cap), 'close', 'exhausted'
+-- (ARGV[2] = the producer's cursor: marked only if Redis's cursor is the same, else Redis
+-- lost feeds and the source is not used up after all)
 -- Returns {closed, exhausted, old cap}.
 local old = redis.call('HGET', K.state, 'cap') or '0'
 if ARGV[1] == 'cap' then
@@ -14,7 +16,9 @@ if ARGV[1] == 'cap' then
 elseif ARGV[1] == 'close' then
   redis.call('HSET', K.state, 'closed', '1')
 elseif ARGV[1] == 'exhausted' then
-  redis.call('HSET', K.state, 'exhausted', '1')
+  if tonumber(redis.call('HGET', K.state, 'cursor') or '0') == tonumber(ARGV[2]) then
+    redis.call('HSET', K.state, 'exhausted', '1')
+  end
 else
   return redis.error_reply('close.lua: unknown action ' .. tostring(ARGV[1]))
 end

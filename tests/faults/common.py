@@ -22,8 +22,9 @@ def ids_source(tmp: Path, n: int = PROMPTS, name: str = "ids.jsonl") -> Path:
 
 
 def two_category_config(tmp: Path, run: str = "faults", cap_a: int = 20000,
-                        cap_b: int = 12000, extra: str = "", max_new: int = 512):
-    src = ids_source(tmp)
+                        cap_b: int = 12000, extra: str = "", max_new: int = 512,
+                        prompts: int = PROMPTS):
+    src = ids_source(tmp, prompts)
     return write_config(tmp, f"""
 run = "{run}"
 output_dir = "{tmp / 'out'}"
