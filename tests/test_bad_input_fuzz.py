@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from producer.formats import Rejected
-from producer.readers import SourceIndex, read_sample
+from producer.readers import UTF8_BOM, WHITESPACE, SourceIndex, read_sample
 from sglang_sim.testing import SimServer
 from tests.conftest import QWEN, ROOT, write_config
 from tokencap.harness import started
@@ -40,6 +40,8 @@ lines = st.lists(st.one_of(records.map(lambda r: json.dumps(r).encode()), junk_l
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=lines, fmt=st.sampled_from(["auto", "messages", "sharegpt", "question_answer",
                                          "input_ids", "alpaca"]))
+@example(lines=[b"\xef\xbb\xbf"], fmt="auto")  # a file that is only a BOM: no record
+@example(lines=[b"\x0c"], fmt="auto")  # a form feed is no JSON whitespace: a bad record
 def test_generated_records_are_read_or_rejected_with_file_and_line(tmp_path, lines, fmt) -> None:
     path = tmp_path / "gen.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -54,7 +56,9 @@ def test_generated_records_are_read_or_rejected_with_file_and_line(tmp_path, lin
             assert exc.reason in REASONS, exc.reason
             assert exc.where == f"{path}:{index.ref(i).line}"
         seen_lines.append(index.ref(i).line)
-    non_blank = [n for n, raw in enumerate(lines, 1) if raw.strip()]
+    # blank: only the reader's whitespace, after the UTF-8 BOM a file may start with
+    non_blank = [n for n, raw in enumerate(lines, 1)
+                 if (raw.removeprefix(UTF8_BOM) if n == 1 else raw).strip(WHITESPACE)]
     assert seen_lines == non_blank  # every line was visited, in file order
 
 
