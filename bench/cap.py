@@ -110,8 +110,9 @@ class _Calls:
             s = self.stats
             s[f"{name}_s"] = s.get(f"{name}_s", 0.0) + time.perf_counter() - t0
             s[f"{name}_calls"] = s.get(f"{name}_calls", 0) + 1
-            # feed() returns samples fed + 1 when it ran
-            s[f"{name}_samples"] = s.get(f"{name}_samples", 0) + max(0, out - (name == "feed"))
+            # samples each returned (feed: positions read; unpark: given back or skipped;
+            # reap: enqueued again)
+            s[f"{name}_samples"] = s.get(f"{name}_samples", 0) + out
             return out
 
         return wrapped
