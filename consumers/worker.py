@@ -1,6 +1,12 @@
 """The tokencap worker: an RQ `SimpleWorker` that runs only tokencap's job function and
 reads only msgspec JSON payloads.
 
+A job is refused whole unless every field of it that RQ could act on is what the producer
+sets (`refusal`): the function and its one `JobRef` argument, no callbacks, no webhooks, no
+dependencies, no retries or repeats, tokencap's result and failure TTLs. A refused job runs
+nothing: no callback, no webhook, no retry; it is recorded once in the run's refused stream
+(with the field at fault) and deleted.
+
 `SimpleWorker` keeps one process (and one HTTP keep-alive session) across jobs; its lack of
 RQ heartbeats during a job is covered by tokencap's own lease, extended by the job's
 heartbeat thread, and by the producer's reaper.
@@ -14,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue
@@ -24,11 +31,16 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.backoff import Backoff
 from foundation.errors import TokencapError
-from foundation.wire import JOB_FUNC, MsgspecSerializer
+from foundation.wire import (
+    JOB_FAILURE_TTL_S,
+    JOB_FUNC,
+    JOB_RESULT_TTL_S,
+    JobRef,
+    MsgspecSerializer,
+)
 
 log = logging.getLogger(__name__)
 
-ALLOWED_FUNCS = frozenset({JOB_FUNC})
 RESTART_BACKOFF_MIN_S = 0.5
 RESTART_BACKOFF_MAX_S = 10.0
 # RQ beats the worker key three times per job loop (before and after the dequeue, after the
@@ -38,8 +50,42 @@ RESTART_BACKOFF_MAX_S = 10.0
 WORKER_BEAT_MIN_S = 1.0
 
 
+def refusal(job: Job) -> str | None:
+    """Why `job` must not run (the field at fault), or None when it is exactly a job the
+    producer enqueues."""
+    try:
+        name, args, kwargs = job.func_name, job.args, job.kwargs
+    except Exception as exc:  # undecodable payload: pickle, garbage
+        cause = exc.__cause__ or exc.__context__ or exc
+        return f"payload refused: {cause}"
+    if name != JOB_FUNC:
+        return f"function {name!r} is not a tokencap job"
+    if kwargs or len(args) != 1:
+        return "arguments: a tokencap job takes one JobRef and no keyword arguments"
+    try:
+        msgspec.convert(args[0], JobRef)
+    except msgspec.ValidationError as exc:
+        return f"arguments: not a JobRef: {exc}"
+    checks = (
+        ("on_success callback", job._success_callback_name),
+        ("on_failure callback", job._failure_callback_name),
+        ("on_stopped callback", job._stopped_callback_name),
+        ("webhooks", job.webhooks),
+        ("dependencies", job._dependency_ids),
+        ("retry", job.retries_left or job.retry_intervals),
+        ("repeat", job.repeats_left or job.repeat_intervals),
+    )
+    for field, value in checks:
+        if value:
+            return f"{field} set: {value!r}"[:300]
+    if (job.result_ttl, job.failure_ttl) != (JOB_RESULT_TTL_S, JOB_FAILURE_TTL_S):
+        return (f"result/failure TTL {job.result_ttl}/{job.failure_ttl}, not tokencap's "
+                f"{JOB_RESULT_TTL_S}/{JOB_FAILURE_TTL_S}")
+    return None
+
+
 class TokencapWorker(SimpleWorker):
-    """Refuses (records, fails, never imports) any job that is not `consumers.job.process`."""
+    """Runs a job only if `refusal` finds nothing in it; refuses the rest whole."""
 
     keys: Keys  # the run's keys (set by make_worker): refusals are recorded under them
     _beat_sent_at = float("-inf")
@@ -59,22 +105,23 @@ class TokencapWorker(SimpleWorker):
         self._beat_sent_at = time.monotonic()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        try:
-            name = job.func_name
-        except Exception as exc:  # undecodable payload: pickle, garbage
-            cause = exc.__cause__ or exc.__context__ or exc
-            self._refuse(job, queue, f"payload refused: {cause}")
-            return
-        if name not in ALLOWED_FUNCS:
-            self._refuse(job, queue, f"function {name!r} is not a tokencap job")
-            return
-        super().execute_job(job, queue)
+        reason = refusal(job)
+        if reason is None:
+            super().execute_job(job, queue)
+        else:
+            self._refuse(job, queue, reason)
 
     def _refuse(self, job: Job, queue: Queue, reason: str) -> None:
+        """Record the job once and delete it: none of RQ's failure handling runs (it would
+        call the job's failure callback, post its webhooks, or retry it)."""
         log.error("refused job %s from queue %s: %s", job.id, queue.name, reason)
         record = {"job_id": job.id, "queue": queue.name, "reason": reason, "ts": time.time()}
         Budget(self.connection, self.keys).refuse(record)
-        self.handle_job_failure(job=job, queue=queue, exc_string=f"refused by tokencap: {reason}")
+        with self.connection.pipeline() as pipe:
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)  # single-queue dequeues
+            pipe.lrem(queue.key, 0, job.id)
+            pipe.delete(job.key)
+            pipe.execute()
 
 
 def make_worker(redis: Redis, keys: Keys, categories: list[str], name: str | None = None,

@@ -20,6 +20,10 @@ from foundation.errors import PayloadRefused
 # The one function a tokencap worker runs (consumers/job.py); the producer names it in
 # every job it enqueues, the worker refuses any other.
 JOB_FUNC = "consumers.job.process"
+# RQ keeps a finished job this long (tokencap keeps outcomes in its ledger; a short TTL spares
+# RQ its delete path), a failed one this long. The worker refuses a job that asks for others.
+JOB_RESULT_TTL_S = 60
+JOB_FAILURE_TTL_S = 7 * 24 * 3600
 # A token id as stored: non-negative, and within int32 (Parquet export stores int32).
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 

@@ -36,7 +36,16 @@ from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import Category, RunConfig
-from foundation.wire import JOB_FUNC, DeadLetter, ErrorKind, JobRef, MsgspecSerializer, Pending
+from foundation.wire import (
+    JOB_FAILURE_TTL_S,
+    JOB_FUNC,
+    JOB_RESULT_TTL_S,
+    DeadLetter,
+    ErrorKind,
+    JobRef,
+    MsgspecSerializer,
+    Pending,
+)
 from producer.formats import Rejected
 from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
 from producer.reconcile import reconcile
@@ -45,9 +54,6 @@ log = logging.getLogger(__name__)
 
 REAP_BATCH = 256
 UNPARK_BATCH = 1024
-# tokencap keeps outcomes in its ledger; a short TTL spares RQ its delete path (7 round trips)
-RESULT_TTL_S = 60
-FAILURE_TTL_S = 7 * 24 * 3600
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
 # Leases are checked for expiry at most this often (and at least 4 times per lease), not
@@ -351,8 +357,8 @@ class Producer:
                                                  prompt_tokens=n_prompt)),),
                 job_id=self.keys.job_id(category, sid, seq),
                 timeout=self.cfg.job_timeout_s(),
-                result_ttl=RESULT_TTL_S,
-                failure_ttl=FAILURE_TTL_S,
+                result_ttl=JOB_RESULT_TTL_S,
+                failure_ttl=JOB_FAILURE_TTL_S,
                 description=f"{category}/{sid}#{seq}",
             )
             for sid, seq, n_prompt in samples

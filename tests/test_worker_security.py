@@ -1,15 +1,35 @@
-"""Workers run only tokencap's job function and read only msgspec JSON payloads."""
+"""Workers run only tokencap's job, exactly as the producer enqueues it, and read only msgspec
+JSON payloads. Anything else is refused whole: nothing of it runs (no function, callback,
+webhook or retry), it is recorded once with the field at fault, and it leaves the queue.
+
+The hooks a forged job names (`tests.hooks`) leave a marker file when called; a local HTTP
+listener records any webhook request.
+"""
 
 from __future__ import annotations
 
-from rq import Queue
-from rq.job import Job, JobStatus
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import msgspec
+import pytest
+from rq import Callback, Queue, Retry
+from rq.job import Job
+from rq.webhook import Webhook
 
 from budget_service.keys import Keys
-from consumers.worker import make_worker, run_worker
-from foundation.wire import JOB_FUNC, MsgspecSerializer
+from consumers.worker import make_worker, refusal, run_worker
+from foundation.wire import (
+    JOB_FAILURE_TTL_S,
+    JOB_FUNC,
+    JOB_RESULT_TTL_S,
+    JobRef,
+    MsgspecSerializer,
+)
 
 KEYS = Keys("tokencap", "sec")
+REF = msgspec.to_builtins(JobRef(run="sec", category="q", sample_id="s:1"))
 
 
 def test_the_allowed_job_function_is_consumers_job_process() -> None:
@@ -19,27 +39,129 @@ def test_the_allowed_job_function_is_consumers_job_process() -> None:
     assert module == job.__name__ and getattr(job, name) is job.process
 
 
+def queue(redis) -> Queue:
+    return Queue(KEYS.queue_name("q"), connection=redis, serializer=MsgspecSerializer)
+
+
+def producers_job(q: Queue, **extra: object) -> Job:
+    """A job as the producer enqueues it (producer/feeder.py), plus `extra` enqueue options."""
+    return q.enqueue(JOB_FUNC, REF, result_ttl=JOB_RESULT_TTL_S, failure_ttl=JOB_FAILURE_TTL_S,
+                     **extra)
+
+
+def refused(redis) -> list[dict]:
+    return [msgspec.json.decode(f[b"r"]) for _id, f in redis.xrange(KEYS.refused)]
+
+
+def work(redis) -> None:
+    run_worker(make_worker(redis, KEYS, ["q"]), burst=True)
+
+
+def test_a_job_as_the_producer_makes_it_is_not_refused(redis) -> None:
+    job = producers_job(queue(redis))
+    assert refusal(Job.fetch(job.id, connection=redis, serializer=MsgspecSerializer)) is None
+
+
 def test_job_naming_another_callable_is_refused(redis, tmp_path) -> None:
     marker = tmp_path / "pwned"
-    q = Queue(KEYS.queue_name("any"), connection=redis, serializer=MsgspecSerializer)
-    job = q.enqueue("os.system", f"touch {marker}", job_id="evil1")
-    run_worker(make_worker(redis, KEYS, ["any"]), burst=True)
+    q = queue(redis)
+    q.enqueue("os.system", f"touch {marker}", job_id="evil1")
+    work(redis)
     assert not marker.exists()
-    assert Job.fetch("evil1", connection=redis, serializer=MsgspecSerializer).get_status() \
-        == JobStatus.FAILED
-    (entry,) = redis.xrange(KEYS.refused)
-    assert b"os.system" in entry[1][b"r"]
-    assert job.id == "evil1"
+    (entry,) = refused(redis)
+    assert entry["job_id"] == "evil1" and "os.system" in entry["reason"]
+    assert not redis.exists(Job.key_for("evil1")) and q.count == 0
 
 
 def test_pickle_payload_is_refused(redis, tmp_path) -> None:
     marker = tmp_path / "pwned"
-    q = Queue(KEYS.queue_name("pickle"), connection=redis, serializer=MsgspecSerializer)
-    job = q.enqueue(JOB_FUNC, {"run": "x"}, job_id="evil2")
+    job = producers_job(queue(redis))
     # forge the stored payload into a protocol-0 pickle that runs a command when unpickled
     forged = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
     redis.hset(job.key, "data", forged)
-    run_worker(make_worker(redis, KEYS, ["pickle"]), burst=True)
+    work(redis)
     assert not marker.exists()
-    (entry,) = redis.xrange(KEYS.refused)
-    assert b"not msgspec JSON" in entry[1][b"r"]
+    (entry,) = refused(redis)
+    assert "not msgspec JSON" in entry["reason"]
+
+
+@pytest.mark.parametrize(("option", "field"), [
+    ({"on_success": Callback("tests.hooks.mark")}, "on_success callback"),
+    ({"on_failure": Callback("tests.hooks.mark")}, "on_failure callback"),
+    ({"on_stopped": Callback("tests.hooks.mark")}, "on_stopped callback"),
+    ({"retry": Retry(max=3)}, "retry"),
+])
+def test_the_allowed_function_with_a_foreign_hook_is_refused_whole(redis, tmp_path, monkeypatch,
+                                                                  option, field) -> None:
+    marker = tmp_path / "called"
+    monkeypatch.setenv("TOKENCAP_TEST_MARKER", str(marker))
+    q = queue(redis)
+    job = producers_job(q, **option)
+    work(redis)
+    assert not marker.exists()  # no callback ran, and the job function did not run either
+    (entry,) = refused(redis)  # recorded once: a retry would have come back and been counted
+    assert entry["job_id"] == job.id and entry["reason"].startswith(field)
+    assert q.count == 0 and not redis.exists(job.key)
+
+
+def test_a_dependency_or_foreign_ttls_are_refused(redis) -> None:
+    q = queue(redis)
+    first = producers_job(q)
+    dependent = q.enqueue(JOB_FUNC, REF, job_id="dep", depends_on=first,
+                          result_ttl=JOB_RESULT_TTL_S, failure_ttl=JOB_FAILURE_TTL_S)
+    assert "dependencies" in (refusal(dependent) or "")
+    kept = q.enqueue(JOB_FUNC, REF, job_id="ttl", result_ttl=-1, failure_ttl=JOB_FAILURE_TTL_S)
+    assert "TTL" in (refusal(kept) or "")
+    extra = q.enqueue(JOB_FUNC, REF, "more", job_id="args", result_ttl=JOB_RESULT_TTL_S,
+                      failure_ttl=JOB_FAILURE_TTL_S)
+    assert "arguments" in (refusal(extra) or "")
+
+
+class _Listener:
+    """A local HTTP server that records every request (a webhook target)."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        hits = self.requests
+
+        class Handler(BaseHTTPRequestHandler):
+            def _hit(self) -> None:
+                hits.append(f"{self.command} {self.path}")
+                self.send_response(200)
+                self.end_headers()
+
+            do_GET = do_POST = _hit  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_refused_job_posts_no_webhook(redis, tmp_path: Path) -> None:
+    listener = _Listener()
+    try:
+        q = queue(redis)
+        hooks = [Webhook(listener.url, "failed", method="POST"),
+                 Webhook(listener.url, "finished", method="POST")]
+        q.enqueue("os.system", "true", job_id="evil-hook", webhooks=hooks)
+        producers_job(q, webhooks=hooks)
+        work(redis)
+        # a webhook is sent synchronously and the listener records it before it answers:
+        # one the worker sent would be here already
+        assert listener.requests == []
+        reasons = [e["reason"] for e in refused(redis)]
+        assert len(reasons) == 2 and any(r.startswith("webhooks") for r in reasons)
+        # and a webhook does reach the listener when something really sends one
+        from urllib.request import urlopen
+
+        urlopen(listener.url, timeout=5).close()
+        assert listener.requests == ["GET /hook"]
+    finally:
+        listener.close()
