@@ -4,7 +4,7 @@ Who calls what:
 - the producer: `init_run`, `feed`, `requeue`, `keep_lease`, `unpark`, `mark_exhausted`,
   `reconcile`, `fail` (a sample lost too often);
 - workers: `admit`, `heartbeat`, `commit`, `release`, `fail`, `add_engine_counts`, `refuse`;
-- the writer: `ensure_groups`, `acknowledge`;
+- the writer: `ensure_groups`, `acknowledge`, `mark_written`, `set_writer_error`;
 - operators (CLI, HTTP): `set_cap`, `close`;
 - everybody: the reads (`status`, `state`, `hist`, `cursor`, `expired`, `entry`, ...).
 """
@@ -142,12 +142,13 @@ class Budget:
                                        args=[sample_id, deadline_ms]))
 
     def unpark(self, category: str, estimate: int, variance: int, max_add: int,
-               sigmas: float, deadline_ms: int, limit: int) -> Unparked:
+               sigmas: float, deadline_ms: int, limit: int, max_unwritten: int = 0
+               ) -> Unparked:
         """Lease again, with a new seq, as many parked samples as admission would take now
         (each counted with `estimate`); skip them all if the category is closed."""
         out = self.scripts.unpark(
             keys=self._ck(category),
-            args=[deadline_ms, estimate, variance, max_add, sigmas, limit],
+            args=[deadline_ms, estimate, variance, max_add, sigmas, limit, max_unwritten],
         )
         pairs = [(_s(out[i]), int(out[i + 1])) for i in range(1, len(out), 2)]
         return Unparked(pairs, int(out[0]))
@@ -183,17 +184,19 @@ class Budget:
     # -- per sample (workers) -----------------------------------------------------------
     def admit(
         self, category: str, sample_id: str, estimate: int, lease_ms: int, max_add: int = 0,
-        variance: int = 0, sigmas: float = 0.0, seq: int = 0,
+        variance: int = 0, sigmas: float = 0.0, seq: int = 0, max_unwritten: int = 0,
     ) -> tuple[str, Pending | None]:
         """Admit a sample: reserve `estimate` tokens (whose variance is `variance`) while
         used + reserved + estimate + `sigmas` standard deviations of the in-flight total stay
         below the cap; with `max_add` > 0 (the most the sample can add to `used`), also keep
         `used` + what in-flight samples can add below the cap. `seq` is the job's: a job of
-        an earlier enqueue of the sample is refused ('stale')."""
+        an earlier enqueue of the sample is refused ('stale'). While the category has
+        `max_unwritten` (> 0) results the writer has not written, nothing is admitted."""
         now = now_ms()
         out = self.scripts.admit(
             keys=self._ck(category),
-            args=[sample_id, estimate, now + lease_ms, now, max_add, variance, sigmas, seq],
+            args=[sample_id, estimate, now + lease_ms, now, max_add, variance, sigmas, seq,
+                  max_unwritten],
         )
         status = _s(out[0])
         payload = msgspec.json.decode(out[1], type=Pending) if status == "ok" else None
@@ -241,10 +244,36 @@ class Budget:
 
     # -- the writer ---------------------------------------------------------------------
     def acknowledge(self, category: str, dead: bool, entry_ids: Sequence[bytes | str],
-                    correction: int = 0) -> int:
-        """Ack and delete stream entries now on disk; correct `used` by `correction`."""
-        args: list[Any] = ["dead" if dead else "results", WRITER_GROUP, correction, *entry_ids]
+                    marks: Mapping[str, int | str], correction: int = 0) -> int:
+        """Mark the samples written (`marks`: sample id -> counted tokens, or "d" for a dead
+        letter), ack and delete their stream entries, correct `used` by `correction`: one
+        call, so a sample is marked exactly when its entry leaves the stream."""
+        args: list[Any] = ["dead" if dead else "results", WRITER_GROUP, correction,
+                           len(entry_ids), *entry_ids]
+        for sid, mark in marks.items():
+            args += [sid, mark]
         return int(self.scripts.acknowledge(keys=self._ck(category), args=args))
+
+    def mark_written(self, category: str, marks: Mapping[str, int | str]) -> None:
+        """Mark samples found on disk written (a writer starting on files Redis has not
+        seen marked: a commit lost, a Redis restarted empty)."""
+        if marks:
+            self.acknowledge(category, False, [], marks)
+
+    def written(self, category: str, sample_ids: Sequence[str]) -> list[str | None]:
+        """The written mark of each sample: counted tokens (as text), "d", or None."""
+        if not sample_ids:
+            return []
+        raw = self.redis.hmget(self._ck(category).written, list(sample_ids))
+        return [None if v is None else _s(v) for v in raw]
+
+    def set_writer_error(self, message: str | None) -> None:
+        """The writer's trouble (a full disk, ...) for status and `/metrics`; None clears it."""
+        if message is None:
+            self.redis.hdel(self.keys.writer_state, "error", "error_at_ms")
+        else:
+            self.redis.hset(self.keys.writer_state,
+                            mapping={"error": message, "error_at_ms": now_ms()})
 
     # -- reads --------------------------------------------------------------------------
     def state(self, category: str) -> dict[str, int | float]:
@@ -313,6 +342,11 @@ class Budget:
             pipe.xlen(ck.dead)
         return int(sum(pipe.execute()))
 
+    def writer_holder(self) -> str | None:
+        """Who holds the run's writer lease (host:pid:...), or None."""
+        raw = self.redis.get(self.keys.writer_lock)
+        return None if raw is None else _s(raw)
+
     def engine_counts(self) -> dict[str, int]:
         raw = self.redis.hgetall(self.keys.engines)
         return {_s(k): int(v) for k, v in raw.items()}
@@ -330,10 +364,15 @@ class Budget:
             pipe.hlen(ck.reserved)
             pipe.zcard(ck.parked)
             pipe.hgetall(ck.reasons)
-        raw = pipe.execute()
+            pipe.xlen(ck.results)
+            pipe.xlen(ck.dead)
+        pipe.get(self.keys.writer_lock)
+        pipe.hgetall(self.keys.writer_state)
+        *raw, holder, wstate = pipe.execute()
+        per = 7
         cats: dict[str, Any] = {}
         for i, name in enumerate(categories):
-            vals, pending, inflight, parked, reasons = raw[5 * i : 5 * i + 5]
+            vals, pending, inflight, parked, reasons, results, dead = raw[per * i : per * i + per]
             st = {f: (v.decode() if v else "0") for f, v in zip(STATE_FIELDS, vals, strict=True)}
             cap, used = int(st["cap"]), int(st["used"])
             state = "closed" if st["closed"] == "1" else "open"
@@ -357,5 +396,9 @@ class Budget:
                 "parked": int(parked),
                 "duplicate_prompts": int(st["dup_prompts"]),
                 "reasons": {_s(k): int(v) for k, v in sorted(reasons.items())},
+                "unwritten": int(results) + int(dead),
             }
-        return {"run": self.keys.run, "categories": cats}
+        writer = {"holder": None if holder is None else _s(holder),
+                  "error": _s(wstate[b"error"]) if b"error" in wstate else None,
+                  "unwritten": sum(c["unwritten"] for c in cats.values())}
+        return {"run": self.keys.run, "categories": cats, "writer": writer}

@@ -24,7 +24,11 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:dead`       | stream | fail, feed; acknowledge deletes | writer (group)     | to write  |
 | `P:{cat}:prompts`    | hash   | feed (prompt digest -> sample)  | feed               | run       |
 | `P:{cat}:reasons`    | hash   | fail, feed, reconcile (counts)  | status             | run       |
-| `P:producer`         | string | `RunLock` (redis-py `Lock`)     | producer           | lock TTL  |
+| `P:{cat}:written`    | hash   | acknowledge, mark_written       | the writer         | run       |
+|                      |        | (sample -> counted tokens, or d)|                    |           |
+| `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
+| `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
+| `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
 | `P:engines`          | hash   | add_engine_counts               | `/metrics`         | run       |
 | `prefix:refused`     | stream | refuse                          | operators          | capped    |
 
@@ -67,6 +71,7 @@ class CategoryKeys(NamedTuple):
     worst: str
     var: str
     seq: str
+    written: str
 
 
 class Keys:
@@ -84,6 +89,14 @@ class Keys:
     @property
     def producer_lock(self) -> str:
         return f"{self.base}:producer"
+
+    @property
+    def writer_lock(self) -> str:
+        return f"{self.base}:writer"
+
+    @property
+    def writer_state(self) -> str:
+        return f"{self.base}:writer:state"
 
     @property
     def engines(self) -> str:

@@ -15,6 +15,7 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_samples_pending` | gauge | fed and not final |
 | `tokencap_samples_in_flight` | gauge | being generated |
 | `tokencap_samples_parked` | gauge | waiting until they fit the budget |
+| `tokencap_results_unwritten` | gauge | results and dead letters not yet on disk |
 | `tokencap_category_open` | gauge | 1 while the category is fed |
 | `tokencap_samples_total{outcome}` | counter | committed, skipped, failed, rejected |
 | `tokencap_waste_tokens_total` | counter | tokens of outputs cut at max_new_tokens |
@@ -23,6 +24,7 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_engine_request_duration_seconds{engine}` | histogram | their latency |
 | `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
 | `tokencap_workers` | gauge | workers registered on the run's queues |
+| `tokencap_writer_up` / `_error` | gauge | a writer holds the run / it cannot write |
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ CATEGORY_GAUGES = (
     ("pending", "tokencap_samples_pending", "Samples fed and not final"),
     ("in_flight", "tokencap_samples_in_flight", "Samples being generated"),
     ("parked", "tokencap_samples_parked", "Samples waiting until they fit the budget"),
+    ("unwritten", "tokencap_results_unwritten",
+     "Results and dead letters committed but not yet on disk"),
 )
 SAMPLE_OUTCOMES = (("samples", "committed"), ("skipped", "skipped"), ("failed", "failed"),
                    ("rejected", "rejected"))
@@ -107,6 +111,17 @@ def _category_metrics(status: dict[str, Any]) -> Iterator[Metric]:
         for reason, n in st["reasons"].items():
             c.add_metric([run, cat, reason], n)
     yield c
+
+
+def _writer_metrics(run: str, writer: dict[str, Any]) -> Iterator[Metric]:
+    g = GaugeMetricFamily("tokencap_writer_up", "1 while a writer holds the run's lease",
+                          labels=["run"])
+    g.add_metric([run], int(bool(writer.get("holder"))))
+    yield g
+    g = GaugeMetricFamily("tokencap_writer_error",
+                          "1 while the writer cannot write (a full disk, ...)", labels=["run"])
+    g.add_metric([run], int(bool(writer.get("error"))))
+    yield g
 
 
 def _engine_metrics(run: str, counts: dict[str, int], workers: int) -> Iterator[Metric]:
@@ -157,6 +172,7 @@ class BudgetCollector:
     def collect(self) -> Iterator[Metric]:
         status = self.budget.status()
         yield from _category_metrics(status)
+        yield from _writer_metrics(status["run"], status["writer"])
         yield from _engine_metrics(status["run"], self.budget.engine_counts(),
                                    worker_count(self.budget))
 

@@ -190,7 +190,7 @@ def process(ref: dict[str, Any]) -> str:
     max_add = cat.sampling.max_new_tokens + extra if rc.cfg.hard_cap else 0
     est, var = model.moments(0)
     status, pending = budget.admit(cat.name, job.sample_id, est + extra, lease_ms, max_add,
-                                   var, rc.cfg.margin_sigmas, job.seq)
+                                   var, rc.cfg.margin_sigmas, job.seq, rc.cfg.max_unwritten)
     if status != "ok":
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status

@@ -1,20 +1,31 @@
 """The writer: drains each category's result and dead-letter streams into JSONL files.
 
-Order per batch: append lines, flush, fsync, then acknowledge (`Budget.acknowledge`: XACK,
-XDEL and any correction of `used`, in one Lua call). A crash between fsync and the ack
-redelivers entries that are already on disk: the writer keeps the ids it has written (read
-back from the files at start) and skips them, so no id is written twice. A torn last line
-from a crash mid-write is cut off at start. The file layout is `foundation.outputs`'.
+One writer per run: it holds the run's writer lease in Redis (renewed as it goes; a writer
+that loses it stops) and an exclusive lock on `<out>/.tokencap-writer.lock`, so that a writer
+stopped past its lease (SIGSTOP) and a new one never append to the same files at once.
+
+Per batch: decode, drop the samples already written (their written mark in Redis, or their id
+in the files read at start), append the rest, fsync, then one `Budget.acknowledge` call marks
+them written, acks and deletes the stream entries and corrects `used`. A crash between the
+fsync and that call leaves the entries to be read again: the files read at the next start
+have them, so no id is written twice. A write that fails (disk full) is cut back to where the
+batch began, reported (`status`, `/metrics`) and tried again; meanwhile the category's
+admission pauses once `max_unwritten` results wait (admit.lua). The file layout is
+`foundation.outputs`'.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, cast
+from typing import cast
 
 import msgspec
 from redis import Redis
@@ -22,7 +33,9 @@ from redis.exceptions import ResponseError
 
 from budget_service.budget import Budget
 from budget_service.keys import WRITER_GROUP, Keys
+from budget_service.lease import holder_token, writer_lease
 from foundation.backoff import REDIS_DOWN, Backoff
+from foundation.errors import WriterBusy
 from foundation.outputs import (
     PART_MAX_BYTES,
     BadLine,
@@ -43,95 +56,196 @@ StreamEntries = tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]
 READ_COUNT = 512
 BLOCK_MS = 500
 RECOVER_EVERY_S = 5.0
+MARK_BATCH = 1000
+OUTPUT_LOCK = ".tokencap-writer.lock"
+LOCK_POLL_S = 0.2
+DEAD_MARK = "d"
+
+
+class WriterDiskError(OSError):
+    """Appending to an output file failed (a full disk, ...); nothing of the batch stayed."""
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        try:
+            free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        super().__init__(cause.errno, f"cannot write {path}: {cause.strerror or cause} ({free})")
+        self.path = path
+
+
+class OutputLock:
+    """An exclusive `flock` on the output folder: one writer process appends there at a time,
+    even when a stopped one still believes it holds the run."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / OUTPUT_LOCK
+        self._fd: int | None = None
+
+    def acquire(self, wait_s: float, while_waiting: Callable[[], None] = lambda: None) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                    os.close(fd)
+                    raise WriterBusy(f"another writer process ({holder or 'unknown'}) writes "
+                                     f"to {self.path.parent}; stop it first") from None
+                while_waiting()
+                time.sleep(LOCK_POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder_token().encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def _append(fd: int, path: Path, data: bytes) -> None:
+    """Append `data` and fsync; on failure cut the file back to where it was and raise
+    `WriterDiskError` (no partial batch stays on disk)."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise WriterDiskError(path, exc) from None
 
 
 class CategorySink:
-    """Append-only files of one category, with the set of ids already written."""
+    """Append-only files of one category, and the ids its files hold (read at start)."""
 
     def __init__(self, root: Path, category: str) -> None:
+        self.category = category
         self.dir = category_dir(root, category)
         self.dir.mkdir(parents=True, exist_ok=True)
         parts = part_files(self.dir)
         for p in [*parts, dead_letter_path(self.dir)]:
             if p.exists() and repair_tail(p):
                 log.warning("cut a torn last line in %s", p)
-        self.seen: dict[str, int] = {}  # id -> counted tokens on disk
-        self.dead_seen: set[str] = set()
+        self.on_disk: dict[str, int | str] = {}  # id -> counted tokens, or "d" (dead letter)
         for rec in read_results(self.dir):
             if isinstance(rec, BadLine):
                 log.warning("%s: unreadable result line kept as is: %s", rec.where, rec.error)
             else:
-                self.seen[rec.id] = rec.counted_tokens
+                self.on_disk[rec.id] = rec.counted_tokens
+        self.dead_on_disk: set[str] = set()
         for dead in read_dead_letters(self.dir):
             if not isinstance(dead, BadLine):
-                self.dead_seen.add(dead.id)
+                self.dead_on_disk.add(dead.id)
         self.part_no = len(parts)
-        self._part: IO[bytes] | None = None
-        self._dead: IO[bytes] | None = None
+        self._part: tuple[int, Path] | None = None
+        self._dead: tuple[int, Path] | None = None
         self._result = msgspec.json.Decoder(Result)
         self._dead_letter = msgspec.json.Decoder(DeadLetter)
 
-    def _part_file(self) -> IO[bytes]:
-        if self._part is None or self._part.tell() >= PART_MAX_BYTES:
-            if self._part is not None:
-                self._part.close()
+    def _part_file(self) -> tuple[int, Path]:
+        if self._part is not None and os.fstat(self._part[0]).st_size < PART_MAX_BYTES:
+            return self._part
+        if self._part is not None:
+            os.close(self._part[0])
+            self.part_no += 1
+        path = part_path(self.dir, self.part_no)
+        if path.exists() and path.stat().st_size >= PART_MAX_BYTES:
+            self.part_no += 1
             path = part_path(self.dir, self.part_no)
-            if path.exists() and path.stat().st_size >= PART_MAX_BYTES:
-                self.part_no += 1
-                path = part_path(self.dir, self.part_no)
-            self._part = path.open("ab")
+        self._part = (os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), path)
         return self._part
 
-    def write(self, payloads: list[bytes], dead: bool) -> tuple[int, int]:
-        """Append payloads not written before; fsync. Returns (lines appended, token
-        correction): a result whose id is already on disk with another count (it was
-        generated again after Redis lost its commit) is not written, and the difference
-        is returned so that `used` can be set back to what the files hold."""
-        new: list[bytes] = []
+    def _dead_file(self) -> tuple[int, Path]:
+        if self._dead is None:
+            path = dead_letter_path(self.dir)
+            self._dead = (os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), path)
+        return self._dead
+
+    def decode(self, payload: bytes, dead: bool) -> Result | DeadLetter:
+        return self._dead_letter.decode(payload) if dead else self._result.decode(payload)
+
+    def write(self, records: list[tuple[bytes, Result | DeadLetter]], dead: bool,
+              marks: list[str | None]) -> tuple[int, int, dict[str, int | str]]:
+        """Append the records (raw line, decoded) whose samples are not written yet (`marks`:
+        each one's written mark in Redis, None if unmarked; the ids read from the files
+        count too); fsync.
+
+        Returns (lines appended, token correction, the written marks to set): a result
+        already on disk with another count (generated again after Redis lost its commit)
+        is not written, and the difference is returned so that `used` can be set back to
+        what the files hold."""
+        new: list[tuple[bytes, str]] = []
         correction = 0
-        for raw in payloads:
-            if dead:
-                sid = self._dead_letter.decode(raw).id
-                if sid in self.dead_seen:
+        to_mark: dict[str, int | str] = {}
+        for (raw, rec), mark in zip(records, marks, strict=True):
+            if isinstance(rec, DeadLetter):
+                if mark is not None or rec.id in self.dead_on_disk:
+                    to_mark.setdefault(rec.id, DEAD_MARK)
                     continue
-                self.dead_seen.add(sid)
+                self.dead_on_disk.add(rec.id)
+                to_mark[rec.id] = DEAD_MARK
             else:
-                rec = self._result.decode(raw)
-                on_disk = self.seen.get(rec.id)
-                if on_disk is not None:
-                    correction += on_disk - rec.counted_tokens
+                known = self.on_disk.get(rec.id) if mark is None else mark
+                if known is not None:
+                    correction += int(known) - rec.counted_tokens
+                    to_mark[rec.id] = int(known)
                     continue
-                self.seen[rec.id] = rec.counted_tokens
-            new.append(raw)
-        if not new:
-            return 0, correction
-        if dead:
-            if self._dead is None:
-                self._dead = dead_letter_path(self.dir).open("ab")
-            f = self._dead
-        else:
-            f = self._part_file()
-        f.write(b"".join(raw.rstrip(b"\n") + b"\n" for raw in new))
-        f.flush()
-        os.fsync(f.fileno())
-        return len(new), correction
+                self.on_disk[rec.id] = rec.counted_tokens
+                to_mark[rec.id] = rec.counted_tokens
+            new.append((raw, rec.id))
+        if new:
+            fd, path = self._dead_file() if dead else self._part_file()
+            try:
+                _append(fd, path, b"".join(raw.rstrip(b"\n") + b"\n" for raw, _ in new))
+            except WriterDiskError:
+                for _, sid in new:  # none of them is on disk: they are written again next time
+                    if dead:
+                        self.dead_on_disk.discard(sid)
+                    else:
+                        self.on_disk.pop(sid, None)
+                raise
+        return len(new), correction, to_mark
+
+    def unmarked(self, budget: Budget) -> dict[str, int | str]:
+        """Ids in the files that Redis has no written mark for (it lost them)."""
+        ids = [*self.on_disk, *self.dead_on_disk]
+        missing: dict[str, int | str] = {}
+        for i in range(0, len(ids), MARK_BATCH):
+            chunk = ids[i : i + MARK_BATCH]
+            for sid, mark in zip(chunk, budget.written(self.category, chunk), strict=True):
+                if mark is None:
+                    missing[sid] = self.on_disk.get(sid, DEAD_MARK)
+        return missing
 
     def close(self) -> None:
-        for f in (self._part, self._dead):
-            if f is not None:
-                f.close()
+        for handle in (self._part, self._dead):
+            if handle is not None:
+                with contextlib.suppress(OSError):
+                    os.close(handle[0])
+        self._part = self._dead = None
 
 
 class Writer:
     """Reads the run's streams with one consumer group and writes them to disk."""
 
     def __init__(self, redis: Redis, keys: Keys, categories: list[str], out_dir: Path,
-                 consumer: str = "writer-1") -> None:
+                 consumer: str = "writer-1", lease_ttl_s: float = 15.0) -> None:
         self.redis = redis
+        self.keys = keys
         self.budget = Budget(redis, keys)
         self.out_dir = out_dir
         self.consumer = consumer
-        self.sinks = {c: CategorySink(out_dir, c) for c in categories}
+        self.categories = categories
+        self.lease_ttl_s = lease_ttl_s
+        self.sinks: dict[str, CategorySink] = {}
         self.streams: dict[str, tuple[str, bool]] = {}
         for c in categories:
             ck = keys.cat(c)
@@ -139,6 +253,17 @@ class Writer:
             self.streams[ck.dead] = (c, True)
         self.written = 0
         self.stop_event = threading.Event()
+        self.error: str | None = None
+
+    def open(self) -> None:
+        """Read the files (cutting torn tails), and mark in Redis what they hold."""
+        self.sinks = {c: CategorySink(self.out_dir, c) for c in self.categories}
+        for c, sink in self.sinks.items():
+            missing = sink.unmarked(self.budget)
+            if missing:
+                log.warning("%s: %d samples on disk had no written mark (Redis lost them); "
+                            "marked", c, len(missing))
+                self.budget.mark_written(c, missing)
 
     def _read(self, start: str, block_ms: int | None) -> list[StreamEntries]:
         reply = self.redis.xreadgroup(WRITER_GROUP, self.consumer,
@@ -148,6 +273,8 @@ class Writer:
 
     def drain_once(self, block_ms: int | None = BLOCK_MS, pending: bool = False) -> int:
         """One XREADGROUP round over every stream. `pending` re-reads unacked entries."""
+        if not self.sinks:
+            self.open()
         n = 0
         for stream, entries in self._read("0" if pending else ">",
                                           None if pending else block_ms):
@@ -156,13 +283,16 @@ class Writer:
             if not entries:
                 continue
             ids = [eid for eid, _ in entries]
-            payloads = [fields[b"r"] for _, fields in entries if fields]
-            written, correction = self.sinks[category].write(payloads, dead)
+            sink = self.sinks[category]
+            records = [(fields[b"r"], sink.decode(fields[b"r"], dead))
+                       for _, fields in entries if fields]
+            marked = self.budget.written(category, [rec.id for _, rec in records])
+            written, correction, marks = sink.write(records, dead, marked)
             n += written
             if correction:
                 log.warning("%s: a sample already on disk was generated again (Redis lost its "
                             "commit); used corrected by %+d tokens", category, correction)
-            self.budget.acknowledge(category, dead, ids, correction)
+            self.budget.acknowledge(category, dead, ids, marks, correction)
         self.written += n
         return n
 
@@ -176,20 +306,48 @@ class Writer:
 
     def lag(self) -> int:
         """Entries not yet written and acked, over all streams."""
-        return self.budget.unwritten(self.sinks)
+        return self.budget.unwritten(self.categories)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (after Redis lost them)."""
-        for category in self.sinks:
+        for category in self.categories:
             self.budget.ensure_groups(category)
 
+    def _report(self, message: str | None) -> None:
+        if message == self.error:
+            return
+        if message is None:
+            log.warning("writer writes again")
+        else:
+            log.error("%s; retrying (admission pauses once %s)", message,
+                      "max_unwritten results wait")
+        self.error = message
+        self.budget.set_writer_error(message)
+
     def run(self) -> None:
-        """Drain until stopped; ride out Redis outages and restarts."""
+        """Hold the run's writer lease and the output folder, then drain until stopped;
+        ride out Redis outages and restarts and disk errors. Raises `WriterBusy` when
+        another writer holds either, or took the lease over."""
+        lease = writer_lease(self.redis, self.keys, self.lease_ttl_s)
+        lease.acquire()
+        out_lock = OutputLock(self.out_dir)
+        try:
+            out_lock.acquire(self.lease_ttl_s * 1.5, while_waiting=lease.renew)
+            self._loop(lease.renew)
+        finally:
+            out_lock.release()
+            with contextlib.suppress(*REDIS_DOWN):
+                lease.release()
+
+    def _loop(self, renew: Callable[[], None]) -> None:
         backoff = Backoff(stop=self.stop_event)
         recovered = False
         last_recover = 0.0
         while not self.stop_event.is_set():
             try:
+                renew()
+                if not self.sinks:
+                    self.open()
                 # entries delivered but never acked (a crash, or a Redis restart that replayed
                 # the delivery but not the ack) are read again now and then
                 if not recovered or time.monotonic() - last_recover > RECOVER_EVERY_S:
@@ -197,12 +355,17 @@ class Writer:
                     recovered = True
                     last_recover = time.monotonic()
                 self.drain_once()
+                self._report(None)
                 backoff.reset()
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("writer group missing (Redis restarted?); creating it again")
                 self.ensure_groups()
+            except WriterDiskError as exc:
+                recovered = False  # the batch was not acknowledged: it is read again
+                self._report(str(exc))
+                backoff.wait()
             except REDIS_DOWN as exc:
                 # after a restart from AOF, entries delivered before the crash may be back in
                 # our pending list: read it again once Redis answers

@@ -110,6 +110,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     read_timeout_s: PositiveFloat = 1800.0
     http_retries: NonNegInt = 5
     adaptive_max_queue: NonNegInt | None = None
+    # results (and dead letters) of a category committed but not yet on disk at which its
+    # admission pauses until the writer catches up (0: never)
+    max_unwritten: NonNegInt = 512
     backoff_max_s: PositiveFloat = 30.0
     key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = DEFAULT_KEY_PREFIX
     category: list[Category] = []

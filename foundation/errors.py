@@ -13,6 +13,7 @@ never a traceback. Anything else reaching the CLI is a bug.
 | 5 | `RunMismatch`: the run exists in Redis with other categories |
 | 6 | `ProducerBusy`: another producer holds the run |
 | 7 | `RunNotFound`: no such run in Redis |
+| 8 | `WriterBusy`: another writer holds the run, or lost the lease to one |
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class ProducerBusy(TokencapError):
     """Another producer holds the run's lock."""
 
     exit_code = 6
+
+
+class WriterBusy(TokencapError):
+    """Another writer holds the run's writer lease or its output folder."""
+
+    exit_code = 8
 
 
 class RunNotFound(TokencapError):

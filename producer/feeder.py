@@ -411,8 +411,9 @@ class Producer:
             # only when something changed since the last try (else admission answers as
             # before: measured 20 RQ jobs per committed sample in a tapering category when
             # every parked sample was tried again each tick)
+            behind = 0 < self.cfg.max_unwritten <= st["unwritten"]
             mark = (st["used"], st["reserved"], st["worst"], st["var"], st["in_flight"],
-                    st["cap"], st["parked"])
+                    st["cap"], st["parked"], behind)
             if self._unpark_mark.get(name) == mark:
                 return 0
             self._unpark_mark[name] = mark
@@ -421,7 +422,7 @@ class Producer:
         est, var = model.moments(0)
         max_add = feed.cat.sampling.max_new_tokens if self.cfg.hard_cap else 0
         got = self.budget.unpark(name, est, var, max_add, self.cfg.margin_sigmas,
-                                 now_ms() + self.lease_ms, UNPARK_BATCH)
+                                 now_ms() + self.lease_ms, UNPARK_BATCH, self.cfg.max_unwritten)
         prompts = [0] * len(got.leased)
         if self.cfg.count == "total":  # the worker reserves for the prompt too
             prompts = [len(e.pending.prompt_ids) if e.pending else 0

@@ -1,85 +1,28 @@
-"""Producer start-up and the one "run to the end": lock the run, create or check it in
-Redis, reconcile with the output files, index the sources, feed until every category is
-done. `tokencap run` and `tokencap up` both call `run_to_end`."""
+"""Producer start-up and the one "run to the end": take the run's producer lease, create or
+check the run in Redis, reconcile with the output files, index the sources, feed until every
+category is done. `tokencap run` and `tokencap up` both call `run_to_end`."""
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import LockError
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.lease import producer_lease
 from foundation.config import RunConfig
-from foundation.errors import ConfigError, ProducerBusy, SourceError
+from foundation.errors import ConfigError, SourceError
 from foundation.sglang import context_length
 from producer.feeder import CategoryFeed, Producer
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
 
 log = logging.getLogger(__name__)
-
-LOCK_POLL_S = 0.2
-
-
-class RunLock:
-    """One producer per run: redis-py's `Lock` on the run's lock key (SET NX PX takes it;
-    extending and releasing are Lua calls that act only while this token holds it)."""
-
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 15.0) -> None:
-        self.redis = redis
-        self.key = keys.producer_lock
-        self.run = keys.run
-        self.ttl_s = ttl_s
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.lock = redis.lock(self.key, timeout=ttl_s, sleep=LOCK_POLL_S, thread_local=False)
-        self._renewed_at = float("-inf")
-
-    def acquire(self, wait_s: float | None = None) -> None:
-        """Take the lock, waiting up to `wait_s` (default: a little over its TTL, so that a
-        killed producer's lock has expired); raise `ProducerBusy` if another holds it."""
-        wait_s = self.ttl_s * 1.5 if wait_s is None else wait_s
-        if self.lock.acquire(blocking=True, blocking_timeout=wait_s, token=self.token):
-            self._renewed_at = time.monotonic()
-        else:
-            raw = self.redis.get(self.key)
-            holder = raw.decode() if isinstance(raw, bytes) else raw
-            raise ProducerBusy(
-                f"another producer is running run {self.run!r} (lock {self.key} held by "
-                f"{holder or 'someone'}); stop it first, or wait "
-                f"{self.ttl_s:g} s for the lock of a killed one to expire"
-            )
-
-    def renew(self) -> None:
-        """Extend the lock (at most every third of its TTL); take it again if Redis lost it;
-        fail if someone else holds it."""
-        now = time.monotonic()
-        if now - self._renewed_at < self.ttl_s / 3:
-            return
-        self._renewed_at = now
-        try:
-            self.lock.reacquire()
-        except LockError:
-            if self.lock.acquire(blocking=False, token=self.token):
-                log.warning("run lock %s was gone (Redis restarted?); took it again", self.key)
-                return
-            raise ProducerBusy(f"lost the lock of run {self.run!r} to another producer "
-                               "(this one stalled longer than lock_ttl_s?)") from None
-
-    def release(self) -> None:
-        try:
-            self.lock.release()
-        except LockError:
-            log.warning("run lock %s was no longer ours at the end", self.key)
-
 
 def build_producer(
     cfg: RunConfig,
@@ -133,7 +76,7 @@ def run_to_end(
     created or resumed, counters rebuilt from the files), call `before_feed` (the launcher
     starts its processes there), then feed until every category is closed or exhausted and
     every result is written, or until `should_stop()`. Returns the final status."""
-    lock = RunLock(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
+    lock = producer_lease(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
     lock.acquire()
     try:
         ctx = cfg.context_length or context_length(engine_urls)

@@ -159,6 +159,23 @@ def test_admit_returns_payload_and_reserves(budget: Budget) -> None:
     assert budget.state("code")["reserved"] == 100
 
 
+def test_admit_waits_while_the_writer_is_behind(budget: Budget) -> None:
+    for sid in "abc":
+        feed(budget, sid)
+    budget.commit(result("a", 5), 0, 0.0)  # one result the writer has not written
+    assert budget.admit("code", "b", 10, LEASE_MS, max_unwritten=2)[0] == "ok"
+    budget.fail(DeadLetter(id="x", category="code", outcome="rejected", reason="r"))
+    # a result and a dead letter wait: at the bound, nothing more is admitted...
+    assert budget.admit("code", "c", 10, LEASE_MS, max_unwritten=2) == ("wait", None)
+    assert budget.redis.zscore(ck(budget).parked, "c") is not None
+    # ... nor given back from the park, until the writer catches up
+    assert budget.unpark("code", 10, 0, 0, 0.0, now_ms(), 10, max_unwritten=2).leased == []
+    budget.redis.delete(ck(budget).results)
+    assert budget.unpark("code", 10, 0, 0, 0.0, now_ms(), 10, max_unwritten=2).leased == [
+        ("c", 1)]
+    assert budget.admit("code", "c", 10, LEASE_MS, seq=1, max_unwritten=2)[0] == "ok"
+
+
 def test_admit_refuses_the_job_of_an_earlier_enqueue(budget: Budget) -> None:
     feed(budget, "a")
     budget.redis.zadd(ck(budget).leases, {"a": 1})  # its lease expired
@@ -439,16 +456,20 @@ def test_reconcile_adds_only_missing_and_forgets_what_is_on_disk(budget: Budget)
     assert (st["pending"], st["in_flight"], st["reserved"]) == (0, 0, 0)
 
 
-def test_acknowledge_deletes_entries_and_corrects_used(budget: Budget) -> None:
+def test_acknowledge_marks_written_deletes_entries_and_corrects_used(budget: Budget) -> None:
     feed(budget, "a")
     budget.commit(result("a", 30), 0, 0.0)
     stream = ck(budget).results
     [(_, entries)] = budget.redis.xreadgroup(WRITER_GROUP, "w", {stream: ">"})
     ids = [eid for eid, _ in entries]
-    assert budget.acknowledge("code", False, ids, correction=-5) == 1
+    assert budget.written("code", ["a", "b"]) == [None, None]
+    assert budget.acknowledge("code", False, ids, {"a": 30}, correction=-5) == 1
     assert budget.redis.xlen(stream) == 0 and budget.state("code")["used"] == 25
     assert budget.redis.xpending(stream, WRITER_GROUP)["pending"] == 0
-    assert budget.acknowledge("code", True, [], 0) == 0
+    assert budget.written("code", ["a", "b"]) == ["30", None]
+    budget.mark_written("code", {"b": "d"})  # marks alone: found on disk at a writer's start
+    assert budget.written("code", ["a", "b"]) == ["30", "d"]
+    assert budget.acknowledge("code", True, [], {}, 0) == 0
 
 
 def test_engine_counts_add_up(budget: Budget) -> None:

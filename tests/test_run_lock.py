@@ -1,4 +1,4 @@
-"""One producer per run: the run lock (redis-py `Lock`), and two producers started at once."""
+"""One producer per run: its lease (redis-py `Lock`), and two producers started at once."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from budget_service.keys import Keys
+from budget_service.lease import producer_lease
 from foundation.errors import ProducerBusy
-from producer.run import RunLock
 from tests.conftest import ROOT
 from tests.faults.common import two_category_config
 from tokencap.harness import wait_until
@@ -19,9 +19,9 @@ KEYS = Keys("tokencap", "lock")
 
 
 def test_a_second_lock_is_refused_and_names_the_holder(redis) -> None:
-    first = RunLock(redis, KEYS, ttl_s=5.0)
+    first = producer_lease(redis, KEYS, ttl_s=5.0)
     first.acquire(wait_s=0)
-    second = RunLock(redis, KEYS, ttl_s=5.0)
+    second = producer_lease(redis, KEYS, ttl_s=5.0)
     with pytest.raises(ProducerBusy, match=first.token):
         second.acquire(wait_s=0.3)
     first.release()
@@ -30,7 +30,7 @@ def test_a_second_lock_is_refused_and_names_the_holder(redis) -> None:
 
 
 def test_renew_takes_back_a_lost_lock_and_fails_on_a_stolen_one(redis) -> None:
-    lock = RunLock(redis, KEYS, ttl_s=5.0)
+    lock = producer_lease(redis, KEYS, ttl_s=5.0)
     lock.acquire(wait_s=0)
     redis.delete(KEYS.producer_lock)  # Redis restarted empty
     lock._renewed_at = float("-inf")
@@ -38,7 +38,7 @@ def test_renew_takes_back_a_lost_lock_and_fails_on_a_stolen_one(redis) -> None:
     assert redis.get(KEYS.producer_lock) == lock.token.encode()
     redis.set(KEYS.producer_lock, "someone-else")  # it expired while we stalled, then taken
     lock._renewed_at = float("-inf")
-    with pytest.raises(ProducerBusy, match="lost the lock"):
+    with pytest.raises(ProducerBusy, match="lost the producer lease"):
         lock.renew()
     lock.release()  # not ours: left alone
     assert redis.get(KEYS.producer_lock) == b"someone-else"

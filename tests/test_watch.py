@@ -177,12 +177,15 @@ def test_plain_output_without_a_tty(redis, monkeypatch: pytest.MonkeyPatch) -> N
     out = buf.getvalue()
     assert ESC not in out
     lines = out.splitlines()
-    assert len(lines) == 3 * (2 + 1)  # per refresh: one line per category and a footer
-    assert [ln.split()[0] for ln in lines] == ["code", "math", "engines:"] * 3
-    assert lines[6].startswith("code used=120/1000 (12.0%) samples=3 ")
-    assert "state=open" in lines[6] and "overshoot=0" in lines[6]
-    assert lines[7].startswith("math used=0/1000 (0.0%) samples=0 ") and "eta=-" in lines[7]
-    assert lines[8] == f"engines: {down} down (ConnectionError); workers=5"
+    # per refresh: one line per category, the engines, the writer
+    assert len(lines) == 3 * (2 + 2)
+    assert [ln.split()[0] for ln in lines] == ["code", "math", "engines:", "writer:"] * 3
+    assert lines[8].startswith("code used=120/1000 (12.0%) samples=3 ")
+    assert "state=open" in lines[8] and "overshoot=0" in lines[8]
+    assert lines[9].startswith("math used=0/1000 (0.0%) samples=0 ") and "eta=-" in lines[9]
+    assert lines[10] == f"engines: {down} down (ConnectionError); workers=5"
+    # no writer holds the run and three results wait for one: said in so many words
+    assert lines[11] == "writer: NONE (nothing reaches the disk); unwritten=3"
 
 
 def test_board_shows_every_category_and_a_down_engine() -> None:
@@ -198,7 +201,7 @@ def test_board_shows_every_category_and_a_down_engine() -> None:
     assert "1,200 / 1,000 (120%)" in text and "closed" in text and "200" in text
     assert "http://a:30000 running=12 queued=3 kv=45% gen_tok_s=1234" in text
     assert "http://b:30000 down (ConnectTimeout)" in text and "workers: 8" in text
-    assert plain_lines(status, rates, engines, 8)[-1].endswith("; workers=8")
+    assert plain_lines(status, rates, engines, 8)[-2].endswith("; workers=8")
 
 
 CHILD = """
@@ -301,8 +304,8 @@ def test_watch_prints_plain_lines_to_a_pipe() -> None:
     assert proc.returncode == 0, proc.stderr
     assert ESC not in proc.stdout
     lines = proc.stdout.splitlines()
-    assert [ln.split()[0] for ln in lines] == ["code", "math", "engines:"] * 3
-    assert lines[-3].startswith("code used=200/1000 (20.0%) samples=2 ")
+    assert [ln.split()[0] for ln in lines] == ["code", "math", "engines:", "writer:"] * 3
+    assert lines[-4].startswith("code used=200/1000 (20.0%) samples=2 ")
 
 
 def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,4 +326,5 @@ def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
         "code used=10/1000 (1.0%) samples=1 tok_s=0.0 eta=- state=open skipped=0 failed=0 "
         "rejected=0 overshoot=0",
         "engines: none; workers=0",
+        "writer: NONE (nothing reaches the disk); unwritten=0",
     ]

@@ -189,18 +189,32 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
 @PREFIX_OPT
 @click.option("--out", "out_dir", envvar="TOKENCAP_OUT", default=None,
               help="Output folder (default: the run config's output_dir). Env: TOKENCAP_OUT.")
-def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | None) -> None:
+@click.option("--supervise", is_flag=True,
+              help="Run the writer as a child process and start it again (with backoff) "
+              "whenever it dies; SIGTERM stops both.")
+def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | None,
+           supervise: bool) -> None:
     """Write committed results to <out>/<category>/part-*.jsonl (fsync, then ack).
 
     Also writes rejected and dead-lettered samples to <out>/<category>/dead-letter.jsonl.
-    Run exactly one writer per run.
+    One writer per run: a second one waits for the run's writer lease (lock_ttl_s x 1.5),
+    then exits 8 naming the holder. A full disk is reported and retried; the run's
+    admission pauses meanwhile (max_unwritten).
     """
     from consumers.writer import Writer
 
     budget = _budget(redis_url, prefix, run_name)
     cfg = _stored_config(budget)
+    if supervise:
+        from consumers.pool import run_pool
+
+        argv = [sys.executable, "-m", "tokencap.cli", "writer"] + (
+            ["--out", out_dir] if out_dir else [])
+        env = {**os.environ, "REDIS_URL": redis_url, "TOKENCAP_PREFIX": prefix,
+               "TOKENCAP_RUN": budget.keys.run}
+        sys.exit(run_pool(argv, env, 1, restart=True, what="writer"))
     w = Writer(budget.redis, budget.keys, [c.name for c in cfg.category],
-               Path(out_dir or cfg.output_dir))
+               Path(out_dir or cfg.output_dir), lease_ttl_s=cfg.lock_ttl_s)
     signal.signal(signal.SIGTERM, lambda *_: w.stop_event.set())
     try:
         w.run()

@@ -204,7 +204,7 @@ class Pipeline:
     def start_writer(self) -> Writer:
         self.budget.init_run(self.cfg)
         self.writer = Writer(self.redis, self.keys, [c.name for c in self.cfg.category],
-                             Path(self.cfg.output_dir))
+                             Path(self.cfg.output_dir), lease_ttl_s=self.cfg.lock_ttl_s)
         self._writer_thread = threading.Thread(target=self.writer.run, daemon=True,
                                                name="writer")
         self._writer_thread.start()

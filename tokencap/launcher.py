@@ -18,6 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from budget_service.server import worker_count
 from foundation.config import load_config
 from foundation.errors import TokencapError
 from foundation.redisconn import connect
@@ -153,18 +156,29 @@ class Stack:
         self._write_env(env)
         redis = connect(rurl)
 
+        budget = Budget(redis, Keys(cfg.key_prefix, cfg.run))
+
         def start_processes(_producer: Any) -> None:
-            # after the config, tokenizer and sources were checked and the run created
-            if not self._alive("writer"):
-                self._spawn("writer", self._tokencap("writer"), self._child_env(env))
+            # after the config, tokenizer and sources were checked and the run created; what
+            # runs is found in Redis (the writer's lease, the workers on the run's queues),
+            # not in this state dir: a rerun from anywhere joins what is there
+            holder = budget.writer_holder()
+            if holder:
+                print(f"[up] the run's writer is running ({holder})", flush=True)
+            else:
+                self._spawn("writer", self._tokencap("writer", "--supervise"),
+                            self._child_env(env))
             if not self._alive("budget"):
                 port = str(free_port())
                 self._spawn("budget", self._tokencap("serve", "--port", port),
                             self._child_env(env))
                 print(f"[up] budget service on http://127.0.0.1:{port}/status", flush=True)
-            alive = sum(1 for p in self.pids.glob("worker-*.pid") if self._alive(p.stem))
-            if alive < n_workers:
-                self.add_workers(n_workers - alive, env)
+            registered = worker_count(budget)
+            if registered:
+                print(f"[up] {registered} worker(s) already on run {cfg.run}; "
+                      "`tokencap add-workers N` (make workers N=...) adds more", flush=True)
+            else:
+                self.add_workers(n_workers, env)
 
         status = run_to_end(cfg, redis, parse_urls(eurl), on_progress=ProgressPrinter(),
                             before_feed=start_processes)

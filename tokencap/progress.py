@@ -8,24 +8,39 @@ from typing import Any, TextIO
 
 
 class ProgressPrinter:
-    """Prints one line per category every call, with tok/s since the previous call."""
+    """Prints one line per category every call, with tok/s since the previous call, and what
+    holds the end back once every category is done (the writer); a line that would repeat
+    the previous one is not printed."""
 
     def __init__(self, out: TextIO = sys.stdout) -> None:
         self.out = out
         self._last: dict[str, tuple[float, int]] = {}
+        self._line = ""
 
     def __call__(self, status: dict[str, Any]) -> None:
         now = time.monotonic()
+        cats = status["categories"]
         parts = []
-        for name, st in status["categories"].items():
+        for name, st in cats.items():
             t, used = self._last.get(name, (now, st["used"]))
             rate = (st["used"] - used) / (now - t) if now > t else 0.0
             self._last[name] = (now, st["used"])
             pct = 100.0 * st["used"] / st["cap"] if st["cap"] else 100.0
             parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%) {rate:.0f} tok/s "
                          f"{st['state']}")
-        self.out.write("[progress] " + " | ".join(parts) + "\n")
-        self.out.flush()
+        line = "[progress] " + " | ".join(parts)
+        writer = status.get("writer") or {}
+        unwritten = writer.get("unwritten", 0)
+        trouble = writer.get("error") or ("" if writer.get("holder") else "no writer runs")
+        if cats and all(st["state"] in ("closed", "exhausted") for st in cats.values()) \
+                and unwritten:
+            line = f"[progress] waiting for the writer ({unwritten} results unwritten)"
+        if unwritten and trouble:
+            line += f"; writer: {trouble}"
+        if line != self._line:
+            self._line = line
+            self.out.write(line + "\n")
+            self.out.flush()
 
 
 def summary_table(status: dict[str, Any]) -> str:

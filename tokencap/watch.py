@@ -193,7 +193,16 @@ def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
         )
     engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
     lines.append(f"engines: {engine_part}; workers={workers}")
+    lines.append(writer_text(status))
     return lines
+
+
+def writer_text(status: Mapping[str, Any]) -> str:
+    """The writer line: who holds the run's writer lease, results not yet on disk, trouble."""
+    w = status.get("writer") or {}
+    who = w.get("holder") or "NONE (nothing reaches the disk)"
+    text = f"writer: {who}; unwritten={w.get('unwritten', 0)}"
+    return text + (f"; error: {w['error']}" if w.get("error") else "")
 
 
 _STATE_STYLE = {"open": "green", "exhausted": "yellow", "closed": "bold"}
@@ -240,7 +249,10 @@ def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
         footer.append("\n")
     if not engines:
         footer.append("engines: none configured\n")
-    footer.append(f"workers: {workers}")
+    footer.append(f"workers: {workers}\n")
+    w = status.get("writer") or {}
+    footer.append(writer_text(status), style="bold red" if w.get("error") or (
+        w.get("unwritten") and not w.get("holder")) else "")
     return Group(table, footer)
 
 

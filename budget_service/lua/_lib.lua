@@ -5,6 +5,7 @@ local K = {
   state = KEYS[1], pending = KEYS[2], leases = KEYS[3], parked = KEYS[4],
   reserved = KEYS[5], final = KEYS[6], hist = KEYS[7], results = KEYS[8], dead = KEYS[9],
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
+  written = KEYS[15],
 }
 
 -- drop_inflight(s): remove sample s from the per-sample hashes `reserved` (its estimate),
@@ -79,4 +80,11 @@ end
 -- seq_of(s): how many times s was enqueued again (0 when never).
 local function seq_of(s)
   return tonumber(redis.call('HGET', K.seq, s) or '0')
+end
+
+-- behind(bound): has the writer `bound` (> 0) or more of the category's results and dead
+-- letters still to write? Then nothing more is sent until it catches up.
+local function behind(bound)
+  if not bound or bound <= 0 then return false end
+  return redis.call('XLEN', K.results) + redis.call('XLEN', K.dead) >= bound
 end

@@ -4,9 +4,11 @@
 -- ARGV[4] now (ms)  ARGV[5] the most this sample can add (max_new_tokens [+ prompt]; 0 = no
 -- hard guard)  ARGV[6] variance of the estimate (tokens^2)  ARGV[7] margin in standard
 -- deviations (z)  ARGV[8] the job's seq (which enqueue of the sample the job carries)
+-- ARGV[9] max_unwritten (0 = no bound): while the writer has that many of the category's
+-- results still to write, nothing is admitted
 -- Returns {'ok', payload}; {'done'} (final already); {'closed'} (skipped now, never sent);
--- {'wait'} (parked until it fits: unpark.lua); {'stale'} (the job of an earlier enqueue of a
--- sample enqueued again since); {'unknown'} (not pending).
+-- {'wait'} (parked until it fits, or until the writer catches up: unpark.lua); {'stale'} (the
+-- job of an earlier enqueue of a sample enqueued again since); {'unknown'} (not pending).
 local s = ARGV[1]
 if redis.call('HEXISTS', K.final, s) == 1 then
   forget(s)
@@ -27,7 +29,7 @@ end
 local est = tonumber(ARGV[2])
 local max_add = tonumber(ARGV[5])
 local est_var = tonumber(ARGV[6]) or 0
-if fits(st, est, est_var, max_add, tonumber(ARGV[7]) or 0) then
+if not behind(tonumber(ARGV[9])) and fits(st, est, est_var, max_add, tonumber(ARGV[7]) or 0) then
   redis.call('HSET', K.reserved, s, est)
   redis.call('HINCRBY', K.state, 'reserved', est)
   if est_var > 0 then
