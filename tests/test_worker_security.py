@@ -165,3 +165,41 @@ def test_a_refused_job_posts_no_webhook(redis, tmp_path: Path) -> None:
         assert listener.requests == ["GET /hook"]
     finally:
         listener.close()
+
+
+@pytest.mark.slow
+def test_a_worker_process_refuses_forged_jobs_whole(redis, redis_url, tmp_path) -> None:
+    """The same with a real `tokencap worker --burst` process on a real run's queue."""
+    import os
+    import subprocess
+    import sys
+
+    from budget_service.budget import Budget
+    from tests.conftest import ROOT
+    from tests.test_lua import make_cfg
+
+    keys = Keys("tokencap", "t")
+    Budget(redis, keys).init_run(make_cfg())
+    q = Queue(keys.queue_name("code"), connection=redis, serializer=MsgspecSerializer)
+    marker = tmp_path / "called"
+    listener = _Listener()
+    try:
+        forged = [
+            producers_job(q, on_success=Callback("tests.hooks.mark")),
+            producers_job(q, on_failure=Callback("tests.hooks.mark")),
+            producers_job(q, retry=Retry(max=3)),
+            producers_job(q, webhooks=[Webhook(listener.url, "failed", method="POST")]),
+            q.enqueue("os.system", f"touch {marker}"),
+        ]
+        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": "http://127.0.0.1:9",
+               "TOKENCAP_RUN": "t", "TOKENCAP_TEST_MARKER": str(marker),
+               "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, "-m", "tokencap.cli", "worker", "--burst"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not marker.exists() and listener.requests == []
+        records = [msgspec.json.decode(f[b"r"]) for _id, f in redis.xrange(keys.refused)]
+        assert sorted(r["job_id"] for r in records) == sorted(j.id for j in forged)
+        assert q.count == 0 and not any(redis.exists(j.key) for j in forged)
+    finally:
+        listener.close()
