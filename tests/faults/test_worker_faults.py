@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 
+import msgspec
 import pytest
-from rq import Queue
+from rq import Callback, Queue, Retry
+from rq.webhook import Webhook
 
+from foundation.wire import MsgspecSerializer
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
@@ -108,3 +111,43 @@ def test_sigterm_busy_worker_finishes_its_sample(tmp_path, redis_url) -> None:
         finally:
             pipe.close()
     pipe.check_invariants(status)
+
+
+def test_a_worker_process_refuses_forged_jobs_whole(redis, redis_url, tmp_path) -> None:
+    """Jobs for the allowed function with a foreign callback, a retry or a webhook, and one
+    naming os.system, on a real run's queue, and a real `tokencap worker --burst` process:
+    nothing is called (a marker file), nothing posted (a local HTTP listener), each job is
+    refused once and deleted (tests/test_worker_security.py has the same for each field,
+    in-process)."""
+    import os
+
+    from budget_service.budget import Budget
+    from budget_service.keys import Keys
+    from tests.test_lua import make_cfg
+    from tests.test_worker_security import _Listener, producers_job
+
+    keys = Keys("tokencap", "t")
+    Budget(redis, keys).init_run(make_cfg())
+    q = Queue(keys.queue_name("code"), connection=redis, serializer=MsgspecSerializer)
+    marker = tmp_path / "called"
+    listener = _Listener()
+    try:
+        forged = [
+            producers_job(q, on_success=Callback("tests.hooks.mark")),
+            producers_job(q, on_failure=Callback("tests.hooks.mark")),
+            producers_job(q, retry=Retry(max=3)),
+            producers_job(q, webhooks=[Webhook(listener.url, "failed", method="POST")]),
+            q.enqueue("os.system", f"touch {marker}"),
+        ]
+        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": "http://127.0.0.1:9",
+               "TOKENCAP_RUN": "t", "TOKENCAP_TEST_MARKER": str(marker),
+               "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, "-m", "tokencap.cli", "worker", "--burst"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not marker.exists() and listener.requests == []
+        records = [msgspec.json.decode(f[b"r"]) for _id, f in redis.xrange(keys.refused)]
+        assert sorted(r["job_id"] for r in records) == sorted(j.id for j in forged)
+        assert q.count == 0 and not any(redis.exists(j.key) for j in forged)
+    finally:
+        listener.close()
