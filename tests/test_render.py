@@ -86,10 +86,16 @@ def fixture_prompts() -> list[list[dict]]:
     """Real prompts from every fixture file: the first ones and some from the end."""
     prompts = []
     for path in sorted(DATASETS.glob("*/*.json*")):
+        # tau-bench keeps its messages under `traj`
+        field_map = {"messages": "traj"} if path.name.startswith("tau_bench") else None
         with SourceIndex.build([path]) as index:
             n = len(index)
             picks = sorted({*range(min(n, PROMPTS_PER_FILE // 2)), *range(max(0, n - 20), n)})
-            prompts += [read_sample(index, i, "auto", "last", None).prompt for i in picks]
+            for i in picks:
+                try:
+                    prompts.append(read_sample(index, i, "auto", "last", None, field_map).prompt)
+                except Rejected:  # records that exist to be rejected (tokencap_conversations)
+                    continue
     return prompts
 
 
