@@ -1,8 +1,8 @@
 """The budget: every change to a run's Redis state, each one Lua call, plus the reads.
 
 Who calls what:
-- the producer: `init_run`, `feed`, `requeue`, `keep_lease`, `unpark`, `mark_exhausted`,
-  `reconcile`, `fail` (a sample lost too often);
+- the producer: `init_run`, `feed`, `feed_follow`, `requeue`, `keep_lease`, `unpark`,
+  `mark_exhausted`, `cut`, `reconcile`, `restore_followups`, `fail` (a sample lost too often);
 - workers: `admit`, `heartbeat`, `commit`, `release`, `fail`, `add_engine_counts`, `refuse`;
 - the writer: `ensure_groups`, `acknowledge`, `mark_written`, `set_writer_error`;
 - operators (CLI, HTTP): `set_cap`, `close`;
@@ -15,7 +15,7 @@ import hashlib
 import time
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgspec
 from redis import Redis
@@ -25,14 +25,84 @@ from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.scripts import Scripts
 from foundation.config import RunConfig, config_from_json, config_to_json
 from foundation.errors import RunMismatch
-from foundation.wire import DeadLetter, Pending, Result, encode
+from foundation.wire import DeadLetter, Pending, Result, encode, split_turn_id, turn_id
 
 RATE_EWMA_WEIGHT = 0.1
 REFUSED_STREAM_MAXLEN = 10_000
 STATE_FIELDS = (
-    "cap", "used", "reserved", "samples", "skipped", "failed", "rejected", "waste",
+    "cap", "used", "reserved", "samples", "failed", "rejected", "waste",
     "closed", "exhausted", "rate", "dup_prompts", "worst", "var",
 )  # fmt: skip
+UNCAPPED = "none"  # the cap of an uncapped category, in Redis (lua/_lib.lua)
+
+
+class FollowUp(NamedTuple):
+    """A conversation waiting for its next turn: the turn's sample id, the record's position
+    in the source, and the output ids of the turns before (in order)."""
+
+    sample_id: str
+    ordinal: int
+    outputs: list[list[int]]
+
+
+class TurnEvent(NamedTuple):
+    """What a written turn means for its conversation (`Budget.acknowledge`): with `next_id`
+    the conversation goes on (`output_ids` kept for the next prompts), else it ended and
+    `drop` lists the turn ids whose outputs are no longer needed."""
+
+    turn_id: str
+    output_ids: list[int] | None = None
+    next_id: str | None = None
+    ordinal: int = 0
+    drop: tuple[str, ...] = ()
+
+    def args(self) -> list[Any]:
+        if self.next_id is not None:
+            return ["next", self.turn_id, encode(self.output_ids or []), self.next_id,
+                    self.ordinal]
+        return ["end", len(self.drop), *self.drop]
+
+
+def turn_event(rec: Result | DeadLetter, output_ids: list[int] | None = None
+               ) -> TurnEvent | None:
+    """What writing `rec` means for its conversation (None: not a turn, or a cut record):
+    a turn before the last hands its output (`output_ids`, default its own) to the next
+    turn; the last turn, or a turn rejected or dead, ends the conversation."""
+    conv = rec.conversation_id
+    if conv is None or rec.turn <= 0:
+        return None
+    if isinstance(rec, DeadLetter) and rec.outcome == "cut":
+        return None
+    if isinstance(rec, Result) and rec.turn < rec.turns_total:
+        return TurnEvent(rec.id, rec.output_ids if output_ids is None else output_ids,
+                         turn_id(conv, rec.turn + 1), rec.ordinal)
+    return TurnEvent(rec.id, drop=tuple(turn_id(conv, j) for j in range(1, rec.turn)))
+
+
+def cap_arg(cap: int | None) -> int | str:
+    """A cap as Lua gets it: tokens, or "none" (uncapped)."""
+    return UNCAPPED if cap is None else cap
+
+
+def cap_text(cap: int | None) -> str:
+    """A cap for people: its tokens, or "uncapped"."""
+    return "uncapped" if cap is None else str(cap)
+
+
+def parse_cap(text: str) -> int | None:
+    """A cap typed by people: tokens (>= 0), or "none" for uncapped. Raises ValueError."""
+    if text.strip().lower() == UNCAPPED:
+        return None
+    cap = int(text)
+    if cap < 0:
+        raise ValueError(f"a cap is >= 0 tokens or \"none\", got {text!r}")
+    return cap
+
+
+def cap_value(raw: Any) -> int | None:
+    """A cap as Redis stores it, back to tokens or None (uncapped)."""
+    text = _s(raw) if raw is not None else "0"
+    return None if text == UNCAPPED else int(text or 0)
 
 
 def now_ms() -> int:
@@ -57,11 +127,9 @@ class Entry(NamedTuple):
 
 
 class Unparked(NamedTuple):
-    """`Budget.unpark`'s answer: samples to enqueue again (id, seq), and how many were
-    skipped because the category is closed."""
+    """`Budget.unpark`'s answer: samples to enqueue again (id, seq)."""
 
     leased: list[tuple[str, int]]
-    skipped: int
 
 
 class Budget:
@@ -101,7 +169,7 @@ class Budget:
         self.scripts.init_run(keys=[self.keys.meta], args=[config_to_json(cfg), cfg.run, now_ms()])
         for cat in cfg.category:
             self.scripts.init_category(keys=self._ck(cat.name),
-                                       args=[cfg.cap_for(cat), WRITER_GROUP])
+                                       args=[cap_arg(cfg.cap_for(cat)), WRITER_GROUP])
         return existing is None
 
     def ensure_groups(self, category: str) -> None:
@@ -127,6 +195,68 @@ class Budget:
             return None
         return [_s(v) for v in out[1:]]
 
+    def feed_follow(self, category: str, deadline_ms: int, samples: Sequence[Pending],
+                    rejected: Sequence[DeadLetter]) -> list[str]:
+        """Feed the next turns of conversations waiting in `follow` (pending, leased until
+        `deadline_ms`) and reject those that could not be rendered, in one call. A turn no
+        longer waiting is left alone. Returns the ids fed now."""
+        args: list[Any] = [deadline_ms, len(samples)]
+        for p in samples:
+            args += [p.sample_id, encode(p)]
+        for d in rejected:
+            args += [d.id, d.reason, encode(d)]
+        return [_s(v) for v in self.scripts.feed_follow(keys=self._ck(category), args=args)]
+
+    def followups(self, category: str, limit: int) -> list[FollowUp]:
+        """Up to `limit` conversations waiting for their next turn, with their history."""
+        ck = self._ck(category)
+        waiting = cast(list[tuple[Any, float]],
+                       self.redis.zrange(ck.follow, 0, limit - 1, withscores=True))
+        if not waiting:
+            return []
+        earlier: list[list[str]] = []
+        pipe = self.redis.pipeline(transaction=False)
+        for raw, _ordinal in waiting:
+            split = split_turn_id(_s(raw))
+            fields = [turn_id(split[0], j) for j in range(1, split[1])] if split else []
+            earlier.append(fields)
+            pipe.hmget(ck.history, fields or ["-"])
+        out = []
+        for (raw, ordinal), fields, outs in zip(waiting, earlier, pipe.execute(), strict=True):
+            history = [None if v is None else msgspec.json.decode(v, type=list[int])
+                       for v in outs[: len(fields)]]
+            out.append(FollowUp(_s(raw), int(ordinal), history))  # type: ignore[arg-type]
+        return out
+
+    def restore_followups(self, category: str, events: Sequence[TurnEvent]) -> None:
+        """Put back conversations' next turns and histories found on disk (Redis lost them)."""
+        args: list[Any] = []
+        for ev in events:
+            args += ev.args()
+        if args:
+            self.scripts.acknowledge(keys=self._ck(category),
+                                     args=["results", WRITER_GROUP, 0, 0, 0, *args])
+
+    def cut(self, category: str, letters: Sequence[DeadLetter]) -> int:
+        """Report turns held back by the closed category, once each (cut records)."""
+        args: list[Any] = []
+        for d in letters:
+            args += [d.id, encode(d)]
+        if not args:
+            return 0
+        return int(self.scripts.cut(keys=self._ck(category), args=args))
+
+    def held(self, category: str, limit: int = 10_000) -> list[str]:
+        """Turns and samples a closed category holds back: waiting in `follow`, or parked."""
+        ck = self._ck(category)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrange(ck.follow, 0, limit - 1)
+        pipe.zrange(ck.parked, 0, limit - 1)
+        pipe.hgetall(ck.cut)
+        follow, parked, cut = pipe.execute()
+        done = {_s(k) for k in cut}
+        return [s for s in (_s(v) for v in [*follow, *parked]) if s not in done]
+
     def requeue(self, category: str, p: Pending, seen_seq: int, deadline_ms: int) -> int:
         """Give a sample whose lease expired back to its queue: returns its new seq (enqueue
         its job with it), or -1 when it changed since it was read (nothing done)."""
@@ -145,13 +275,12 @@ class Budget:
                sigmas: float, deadline_ms: int, limit: int, max_unwritten: int = 0
                ) -> Unparked:
         """Lease again, with a new seq, as many parked samples as admission would take now
-        (each counted with `estimate`); skip them all if the category is closed."""
+        (each counted with `estimate`); none while the category is closed (they are held)."""
         out = self.scripts.unpark(
             keys=self._ck(category),
             args=[deadline_ms, estimate, variance, max_add, sigmas, limit, max_unwritten],
         )
-        pairs = [(_s(out[i]), int(out[i + 1])) for i in range(1, len(out), 2)]
-        return Unparked(pairs, int(out[0]))
+        return Unparked([(_s(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)])
 
     def reconcile(self, category: str, records: Iterable[tuple[str, str, int, int, int | str]]
                   ) -> int:
@@ -163,22 +292,23 @@ class Budget:
         return int(self.scripts.reconcile(keys=self._ck(category), args=args))
 
     # -- caps and states (operators, producer) ------------------------------------------
-    def _close(self, category: str, *args: Any) -> tuple[bool, bool, int]:
+    def _close(self, category: str, *args: Any) -> tuple[bool, bool, int | None]:
         closed, exhausted, old = self.scripts.close(keys=self._ck(category), args=list(args))
-        return _s(closed) == "1", _s(exhausted) == "1", int(old)
+        return _s(closed) == "1", _s(exhausted) == "1", cap_value(old)
 
-    def set_cap(self, category: str, cap: int) -> tuple[bool, int]:
-        """Change the cap: a category below it (re)opens, one at or above it closes.
-        Returns (closed, old cap)."""
-        closed, _exhausted, old = self._close(category, "cap", cap)
+    def set_cap(self, category: str, cap: int | None) -> tuple[bool, int | None]:
+        """Change the cap (None: uncapped): a category below it (re)opens, and what it held
+        back is sent; one at or above it closes. Returns (closed, old cap)."""
+        closed, _exhausted, old = self._close(category, "cap", cap_arg(cap))
         return closed, old
 
     def close(self, category: str) -> None:
         self._close(category, "close")
 
     def mark_exhausted(self, category: str, cursor: int) -> bool:
-        """The source is used up at `cursor` and nothing is pending: the category is done.
-        False (nothing marked) when Redis's cursor is not `cursor` (it lost feeds)."""
+        """The source is used up at `cursor`, nothing is pending, no conversation waits for
+        its next turn and everything is written: the category is done. False (nothing
+        marked) otherwise, e.g. when Redis's cursor is not `cursor` (it lost feeds)."""
         return self._close(category, "exhausted", cursor)[1]
 
     # -- per sample (workers) -----------------------------------------------------------
@@ -244,14 +374,18 @@ class Budget:
 
     # -- the writer ---------------------------------------------------------------------
     def acknowledge(self, category: str, dead: bool, entry_ids: Sequence[bytes | str],
-                    marks: Mapping[str, int | str], correction: int = 0) -> int:
+                    marks: Mapping[str, int | str], correction: int = 0,
+                    events: Sequence[TurnEvent] = ()) -> int:
         """Mark the samples written (`marks`: sample id -> counted tokens, or "d" for a dead
-        letter), ack and delete their stream entries, correct `used` by `correction`: one
-        call, so a sample is marked exactly when its entry leaves the stream."""
+        letter), ack and delete their stream entries, correct `used` by `correction`, and
+        carry their conversations on (`events`): one call, so a sample is marked, and its
+        conversation's next turn put in `follow`, exactly when its entry leaves the stream."""
         args: list[Any] = ["dead" if dead else "results", WRITER_GROUP, correction,
-                           len(entry_ids), *entry_ids]
+                           len(entry_ids), *entry_ids, len(marks)]
         for sid, mark in marks.items():
             args += [sid, mark]
+        for ev in events:
+            args += ev.args()
         return int(self.scripts.acknowledge(keys=self._ck(category), args=args))
 
     def mark_written(self, category: str, marks: Mapping[str, int | str]) -> None:
@@ -276,11 +410,15 @@ class Budget:
                             mapping={"error": message, "error_at_ms": now_ms()})
 
     # -- reads --------------------------------------------------------------------------
-    def state(self, category: str) -> dict[str, int | float]:
+    def state(self, category: str) -> dict[str, int | float | None]:
+        """The state hash as numbers (`cap` None when uncapped)."""
         vals = self.redis.hmget(self._ck(category).state, STATE_FIELDS)
-        out: dict[str, int | float] = {}
+        out: dict[str, int | float | None] = {}
         for f, v in zip(STATE_FIELDS, vals, strict=True):
-            out[f] = float(v) if f == "rate" and v else int(v or 0)
+            if f == "cap":
+                out[f] = cap_value(v)
+            else:
+                out[f] = float(v) if f == "rate" and v else int(v or 0)
         return out
 
     def hist(self, category: str) -> dict[int, int]:
@@ -366,15 +504,17 @@ class Budget:
             pipe.hgetall(ck.reasons)
             pipe.xlen(ck.results)
             pipe.xlen(ck.dead)
+            pipe.zcard(ck.follow)
         pipe.get(self.keys.writer_lock)
         pipe.hgetall(self.keys.writer_state)
         *raw, holder, wstate = pipe.execute()
-        per = 7
+        per = 8
         cats: dict[str, Any] = {}
         for i, name in enumerate(categories):
-            vals, pending, inflight, parked, reasons, results, dead = raw[per * i : per * i + per]
+            vals, pending, inflight, parked, reasons, results, dead, follow = \
+                raw[per * i : per * i + per]
             st = {f: (v.decode() if v else "0") for f, v in zip(STATE_FIELDS, vals, strict=True)}
-            cap, used = int(st["cap"]), int(st["used"])
+            cap, used = cap_value(st["cap"]), int(st["used"])
             state = "closed" if st["closed"] == "1" else "open"
             if state == "open" and st["exhausted"] == "1":
                 state = "exhausted"
@@ -385,15 +525,17 @@ class Budget:
                 "worst": int(st["worst"]),
                 "var": int(st["var"]),
                 "samples": int(st["samples"]),
-                "skipped": int(st["skipped"]),
+                # fed, not sent because the category closed: sent if its cap is raised
+                "skipped": int(parked) + int(follow) if state == "closed" else 0,
                 "failed": int(st["failed"]),
                 "rejected": int(st["rejected"]),
                 "waste_tokens": int(st["waste"]),
-                "overshoot": max(0, used - cap),
+                "overshoot": 0 if cap is None else max(0, used - cap),
                 "state": state,
                 "pending": int(pending),
                 "in_flight": int(inflight),
                 "parked": int(parked),
+                "followups": int(follow),
                 "duplicate_prompts": int(st["dup_prompts"]),
                 "reasons": {_s(k): int(v) for k, v in sorted(reasons.items())},
                 "unwritten": int(results) + int(dead),

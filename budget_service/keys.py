@@ -11,21 +11,29 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:pending`    | hash   | feed; requeue, release update   | admit, reaper      | to final  |
 | `P:{cat}:leases`     | zset   | feed, admit, heartbeat, release,| reaper             | to final  |
 |                      |        | requeue, unpark, keep_lease     |                    |           |
-| `P:{cat}:parked`     | zset   | admit ("wait"); unpark takes    | unpark             | to unpark |
+| `P:{cat}:parked`     | zset   | admit ("wait", or held: closed);| unpark, cut        | to unpark |
+|                      |        | unpark takes                    |                    |           |
 | `P:{cat}:reserved`   | hash   | admit, heartbeat                | status, admit      | in flight |
 | `P:{cat}:worst`      | hash   | admit (hard guard)              | admit              | in flight |
 | `P:{cat}:var`        | hash   | admit, heartbeat                | admit (margin)     | in flight |
 | `P:{cat}:seq`        | hash   | requeue, unpark (times enqueued | admit, reaper      | to final  |
 |                      |        | again)                          |                    |           |
-| `P:{cat}:final`      | hash   | commit, fail, feed (rejects),   | all                | run       |
-|                      |        | admit/unpark (skips), reconcile |                    |           |
+| `P:{cat}:final`      | hash   | commit, fail, feed and          | all                | run       |
+|                      |        | feed_follow (rejects), reconcile|                    |           |
 | `P:{cat}:hist`       | hash   | commit, reconcile               | workers, producer  | run       |
 | `P:{cat}:results`    | stream | commit; acknowledge deletes     | writer (group)     | to write  |
-| `P:{cat}:dead`       | stream | fail, feed; acknowledge deletes | writer (group)     | to write  |
+| `P:{cat}:dead`       | stream | fail, feed, feed_follow, cut;   | writer (group)     | to write  |
+|                      |        | acknowledge deletes             |                    |           |
 | `P:{cat}:prompts`    | hash   | feed (prompt digest -> sample)  | feed               | run       |
 | `P:{cat}:reasons`    | hash   | fail, feed, reconcile (counts)  | status             | run       |
 | `P:{cat}:written`    | hash   | acknowledge, mark_written       | the writer         | run       |
 |                      |        | (sample -> counted tokens, or d)|                    |           |
+| `P:{cat}:follow`     | zset   | acknowledge (a turn written),   | producer           | to fed    |
+|                      |        | restore_followups; feed_follow  |                    |           |
+|                      |        | takes (next turn id -> ordinal) |                    |           |
+| `P:{cat}:history`    | hash   | acknowledge, restore_followups  | producer           | to conv.  |
+|                      |        | (turn id -> its output ids)     |                    | end       |
+| `P:{cat}:cut`        | hash   | cut (turns reported held back)  | cut                | run       |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -36,11 +44,12 @@ A script that ends a sample (commit, fail, a skip, reconcile) also drops what th
 for it while open: its pending, leases, parked, reserved, worst, var and seq entries
 (`forget` in `lua/_lib.lua`).
 
-State hash fields: cap, used, reserved, worst (the most in-flight samples can still add),
-var (the variance of what they will add, tokens^2), samples, skipped, failed, rejected,
+State hash fields: cap (tokens, or "none"), used, reserved, worst (the most in-flight samples
+can still add), var (the variance of what they will add, tokens^2), samples, failed, rejected,
 waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s), dup_prompts,
 cursor (the producer's position in the shuffled order; moved only by feed, compare-and-set).
-`final` values: `c:<counted>`, `s`, `r:<reason>`, `d:<kind>`.
+`final` values: `c:<counted>`, `r:<reason>`, `d:<kind>` (a sample held back by a closed
+category is not final: it waits parked, a conversation's next turn in `follow`).
 RQ queue names: `P.<category>` (so `rq info` shows one queue per category, under the prefix).
 """
 
@@ -72,6 +81,9 @@ class CategoryKeys(NamedTuple):
     var: str
     seq: str
     written: str
+    follow: str
+    history: str
+    cut: str
 
 
 class Keys:

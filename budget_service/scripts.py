@@ -16,7 +16,7 @@ from redis.commands.core import Script
 LUA_DIR = Path(__file__).with_name("lua")
 CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
-    "lease", "unpark", "close", "reconcile", "acknowledge",
+    "lease", "unpark", "close", "reconcile", "acknowledge", "feed_follow", "cut",
 )  # fmt: skip
 OTHER_SCRIPTS = ("init_run", "engine_counts")
 PRELUDE = "_lib.lua"
@@ -47,6 +47,8 @@ class Scripts:
     close: Script
     reconcile: Script
     acknowledge: Script
+    feed_follow: Script
+    cut: Script
     init_run: Script
     engine_counts: Script
 

@@ -8,16 +8,18 @@ Metrics (every series has a `run` label; per category also `category`):
 
 | metric | type | meaning |
 |---|---|---|
-| `tokencap_cap_tokens` | gauge | the category's cap |
+| `tokencap_cap_tokens` | gauge | the category's cap (no series while it is uncapped) |
 | `tokencap_used_tokens` | gauge | tokens counted against the cap (corrections may lower it) |
 | `tokencap_reserved_tokens` | gauge | tokens reserved by samples in flight |
 | `tokencap_overshoot_tokens` | gauge | used past the cap |
 | `tokencap_samples_pending` | gauge | fed and not final |
 | `tokencap_samples_in_flight` | gauge | being generated |
 | `tokencap_samples_parked` | gauge | waiting until they fit the budget |
+| `tokencap_samples_held` | gauge | held back by the closed category (a raised cap sends them) |
+| `tokencap_conversations_waiting` | gauge | conversations whose next turn waits to be fed |
 | `tokencap_results_unwritten` | gauge | results and dead letters not yet on disk |
 | `tokencap_category_open` | gauge | 1 while the category is fed |
-| `tokencap_samples_total{outcome}` | counter | committed, skipped, failed, rejected |
+| `tokencap_samples_total{outcome}` | counter | committed, failed, rejected |
 | `tokencap_waste_tokens_total` | counter | tokens of outputs cut at max_new_tokens |
 | `tokencap_failure_reasons_total{reason}` | counter | rejected and dead samples by reason |
 | `tokencap_engine_requests_total{engine,outcome}` | counter | requests the workers sent |
@@ -46,7 +48,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from budget_service.budget import Budget
+from budget_service.budget import Budget, cap_text, parse_cap
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +64,15 @@ CATEGORY_GAUGES = (
     ("pending", "tokencap_samples_pending", "Samples fed and not final"),
     ("in_flight", "tokencap_samples_in_flight", "Samples being generated"),
     ("parked", "tokencap_samples_parked", "Samples waiting until they fit the budget"),
+    ("skipped", "tokencap_samples_held",
+     "Samples and conversation turns held back by the closed category (a raised cap sends "
+     "them)"),
+    ("followups", "tokencap_conversations_waiting",
+     "Conversations waiting for their next turn to be fed"),
     ("unwritten", "tokencap_results_unwritten",
      "Results and dead letters committed but not yet on disk"),
 )
-SAMPLE_OUTCOMES = (("samples", "committed"), ("skipped", "skipped"), ("failed", "failed"),
-                   ("rejected", "rejected"))
+SAMPLE_OUTCOMES = (("samples", "committed"), ("failed", "failed"), ("rejected", "rejected"))
 
 
 def worker_count(budget: Budget) -> int:
@@ -86,7 +92,8 @@ def _category_metrics(status: dict[str, Any]) -> Iterator[Metric]:
     for field, name, help_text in CATEGORY_GAUGES:
         g = GaugeMetricFamily(name, help_text, labels=labels)
         for cat, st in cats.items():
-            g.add_metric([run, cat], st[field])
+            if st[field] is not None:  # an uncapped category has no cap
+                g.add_metric([run, cat], st[field])
         yield g
     g = GaugeMetricFamily("tokencap_category_open", "1 while the category is fed, else 0",
                           labels=labels)
@@ -226,9 +233,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
                 return
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
-                cat, cap = str(body["category"]), int(body["cap_tokens"])
-                if cap < 0:
-                    raise ValueError("cap_tokens must be >= 0")
+                cat, cap = str(body["category"]), parse_cap(str(body["cap_tokens"]))
             except (ValueError, KeyError, TypeError) as exc:
                 self._json(400, {"error": f"expected {{category, cap_tokens}}: {exc}"})
                 return
@@ -236,7 +241,8 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
                 self._json(404, {"error": f"no category {cat!r}"})
                 return
             closed, old = budget.set_cap(cat, cap)
-            log.warning("cap of %s changed from %d to %d over HTTP", cat, old, cap)
+            log.warning("cap of %s changed from %s to %s over HTTP", cat, cap_text(old),
+                        cap_text(cap))
             self._json(200, {"category": cat, "old_cap": old, "cap": cap, "closed": closed})
 
     return ThreadingHTTPServer((host, port), Handler)

@@ -215,6 +215,7 @@ def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
         rc.budget.fail(DeadLetter(
             id=p.sample_id, category=cat.name, outcome=outcome, reason=exc.kind.value,
             message=str(exc), where=p.where, attempts=failures,
+            conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
         ))
         return outcome
     log.info("%s/%s attempt %d failed (%s), will retry: %s", cat.name, p.sample_id, failures,
@@ -236,6 +237,7 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
         finish_reason=gen.finish_reason, text=gen.text, sampling=p.sampling,
         counted_tokens=counted, ordinal=p.ordinal, source_id=p.source_id, where=p.where,
         finish=gen.finish, engine=gen.engine, latency_s=round(gen.latency_s, 4),
+        conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.budget.commit(result, waste, rate)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ import msgspec
 from redis import Redis
 from redis.exceptions import ResponseError
 
-from budget_service.budget import Budget
+from budget_service.budget import Budget, TurnEvent, turn_event
 from budget_service.keys import WRITER_GROUP, Keys
 from budget_service.lease import holder_token, writer_lease
 from foundation.backoff import REDIS_DOWN, Backoff
@@ -60,6 +61,12 @@ MARK_BATCH = 1000
 OUTPUT_LOCK = ".tokencap-writer.lock"
 LOCK_POLL_S = 0.2
 DEAD_MARK = "d"
+CUT = "cut"  # DeadLetter.outcome of a turn held back by a closed category: not an end
+
+
+def output_digest(output_ids: list[int]) -> bytes:
+    """What tells two generations of one turn apart."""
+    return hashlib.blake2b(msgspec.json.encode(output_ids), digest_size=8).digest()
 
 
 class WriterDiskError(OSError):
@@ -135,15 +142,19 @@ class CategorySink:
             if p.exists() and repair_tail(p):
                 log.warning("cut a torn last line in %s", p)
         self.on_disk: dict[str, int | str] = {}  # id -> counted tokens, or "d" (dead letter)
+        self.turn_digests: dict[str, bytes] = {}  # turn id -> output digest, of rows on disk
         for rec in read_results(self.dir):
             if isinstance(rec, BadLine):
                 log.warning("%s: unreadable result line kept as is: %s", rec.where, rec.error)
             else:
                 self.on_disk[rec.id] = rec.counted_tokens
+                if rec.conversation_id is not None:
+                    self.turn_digests[rec.id] = output_digest(rec.output_ids)
         self.dead_on_disk: set[str] = set()
+        self.cut_on_disk: set[str] = set()
         for dead in read_dead_letters(self.dir):
             if not isinstance(dead, BadLine):
-                self.dead_on_disk.add(dead.id)
+                (self.cut_on_disk if dead.outcome == CUT else self.dead_on_disk).add(dead.id)
         self.part_no = len(parts)
         self._part: tuple[int, Path] | None = None
         self._dead: tuple[int, Path] | None = None
@@ -173,20 +184,29 @@ class CategorySink:
         return self._dead_letter.decode(payload) if dead else self._result.decode(payload)
 
     def write(self, records: list[tuple[bytes, Result | DeadLetter]], dead: bool,
-              marks: list[str | None]) -> tuple[int, int, dict[str, int | str]]:
+              marks: list[str | None]
+              ) -> tuple[int, int, dict[str, int | str], list[TurnEvent]]:
         """Append the records (raw line, decoded) whose samples are not written yet (`marks`:
         each one's written mark in Redis, None if unmarked; the ids read from the files
         count too); fsync.
 
-        Returns (lines appended, token correction, the written marks to set): a result
-        already on disk with another count (generated again after Redis lost its commit)
-        is not written, and the difference is returned so that `used` can be set back to
-        what the files hold."""
-        new: list[tuple[bytes, str]] = []
+        Returns (lines appended, token correction, the written marks to set, what the
+        written turns mean for their conversations): a result already on disk with another
+        count (generated again after Redis lost its commit) is not written, and the
+        difference is returned so that `used` can be set back to what the files hold; a
+        conversation goes on from the turn the files hold. A cut record (a turn held back)
+        is written once and marks nothing."""
+        new: list[tuple[bytes, Result | DeadLetter]] = []
         correction = 0
         to_mark: dict[str, int | str] = {}
+        events: list[TurnEvent | None] = []
         for (raw, rec), mark in zip(records, marks, strict=True):
-            if isinstance(rec, DeadLetter):
+            if isinstance(rec, DeadLetter) and rec.outcome == CUT:
+                if rec.id in self.cut_on_disk:
+                    continue
+                self.cut_on_disk.add(rec.id)
+            elif isinstance(rec, DeadLetter):
+                events.append(turn_event(rec))
                 if mark is not None or rec.id in self.dead_on_disk:
                     to_mark.setdefault(rec.id, DEAD_MARK)
                     continue
@@ -197,22 +217,43 @@ class CategorySink:
                 if known is not None:
                     correction += int(known) - rec.counted_tokens
                     to_mark[rec.id] = int(known)
+                    events.append(self._event_of_written(rec))
                     continue
                 self.on_disk[rec.id] = rec.counted_tokens
                 to_mark[rec.id] = rec.counted_tokens
-            new.append((raw, rec.id))
+                if rec.conversation_id is not None:
+                    self.turn_digests[rec.id] = output_digest(rec.output_ids)
+                events.append(turn_event(rec))
+            new.append((raw, rec))
         if new:
             fd, path = self._dead_file() if dead else self._part_file()
             try:
                 _append(fd, path, b"".join(raw.rstrip(b"\n") + b"\n" for raw, _ in new))
             except WriterDiskError:
-                for _, sid in new:  # none of them is on disk: they are written again next time
-                    if dead:
-                        self.dead_on_disk.discard(sid)
+                for _, rec in new:  # none of them is on disk: they are written again next time
+                    if isinstance(rec, Result):
+                        self.on_disk.pop(rec.id, None)
+                        self.turn_digests.pop(rec.id, None)
+                    elif rec.outcome == CUT:
+                        self.cut_on_disk.discard(rec.id)
                     else:
-                        self.on_disk.pop(sid, None)
+                        self.dead_on_disk.discard(rec.id)
                 raise
-        return len(new), correction, to_mark
+        return len(new), correction, to_mark, [e for e in events if e is not None]
+
+    def _event_of_written(self, rec: Result) -> TurnEvent | None:
+        """The conversation event of a turn already on disk, from the row on disk: the one
+        in the stream may be another generation of it (Redis lost the first commit)."""
+        if rec.conversation_id is None:
+            return None
+        if self.turn_digests.get(rec.id) == output_digest(rec.output_ids):
+            return turn_event(rec)
+        for row in read_results(self.dir):
+            if not isinstance(row, BadLine) and row.id == rec.id:
+                log.warning("%s/%s: generated again after Redis lost its commit; its "
+                            "conversation goes on from the turn on disk", self.category, rec.id)
+                return turn_event(row)
+        return turn_event(rec)
 
     def unmarked(self, budget: Budget) -> dict[str, int | str]:
         """Ids in the files that Redis has no written mark for (it lost them)."""
@@ -287,12 +328,12 @@ class Writer:
             records = [(fields[b"r"], sink.decode(fields[b"r"], dead))
                        for _, fields in entries if fields]
             marked = self.budget.written(category, [rec.id for _, rec in records])
-            written, correction, marks = sink.write(records, dead, marked)
+            written, correction, marks, events = sink.write(records, dead, marked)
             n += written
             if correction:
                 log.warning("%s: a sample already on disk was generated again (Redis lost its "
                             "commit); used corrected by %+d tokens", category, correction)
-            self.budget.acknowledge(category, dead, ids, marks, correction)
+            self.budget.acknowledge(category, dead, ids, marks, correction, events)
         self.written += n
         return n
 

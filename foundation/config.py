@@ -37,9 +37,16 @@ FORMATS = (
     "input_output",
     "input_ids",
 )
-TURN_POLICIES = ("first", "last")
+TURN_POLICIES = ("first", "last", "all")
 # `field_map` keys producer/formats.py reads (one of the first two is required)
-FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system")
+FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system", "tools")
+# the roles a `role_map` may map a source role onto
+MAPPED_ROLES = ("system", "developer", "user", "assistant", "tool", "function_call")
+# how a generated turn is split before it enters the history (SGLang's parser names)
+REASONING_PARSERS = ("auto", "qwen3", "none")
+TOOL_CALL_PARSERS = ("auto", "qwen25", "none")
+# `cap_tokens = "none"`: the category takes its whole source
+UNCAPPED = "none"
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -74,12 +81,13 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     source: str | None = None
     sources: list[str] = []
     format: Literal[FORMATS] = "auto"  # type: ignore[valid-type]
-    cap_tokens: NonNegInt | None = None
+    cap_tokens: NonNegInt | Literal["none"] | None = None
     expected_tokens: PositiveInt | None = None
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = {}
     turns: Literal[TURN_POLICIES] = "first"  # type: ignore[valid-type]
     field_map: dict[str, str] = {}
+    role_map: dict[str, str] = {}
 
     @property
     def paths(self) -> list[str]:
@@ -97,7 +105,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     count_truncated: bool = True
     hard_cap: bool = False
     margin_sigmas: Annotated[float, Meta(ge=0, le=10)] = 3.0
-    cap_tokens: NonNegInt = DEFAULT_CAP_TOKENS
+    cap_tokens: NonNegInt | Literal["none"] = DEFAULT_CAP_TOKENS
     seed: int = 0
     context_length: PositiveInt | None = None
     expected_tokens: PositiveInt = 512
@@ -115,10 +123,14 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_unwritten: NonNegInt = 512
     backoff_max_s: PositiveFloat = 30.0
     key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = DEFAULT_KEY_PREFIX
+    reasoning_parser: Literal[REASONING_PARSERS] = "auto"  # type: ignore[valid-type]
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = "auto"  # type: ignore[valid-type]
     category: list[Category] = []
 
-    def cap_for(self, cat: Category) -> int:
-        return self.cap_tokens if cat.cap_tokens is None else cat.cap_tokens
+    def cap_for(self, cat: Category) -> int | None:
+        """The category's cap in tokens, or None when it is uncapped (``"none"``)."""
+        cap = self.cap_tokens if cat.cap_tokens is None else cat.cap_tokens
+        return None if cap == UNCAPPED else int(cap)
 
     def expected_for(self, cat: Category) -> int:
         return cat.expected_tokens or min(self.expected_tokens, cat.sampling.max_new_tokens)
@@ -187,6 +199,13 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
                 raise ConfigError(str(path), f"{where}.field_map: needs a 'prompt' or a "
                                   f"'messages' key, and only {', '.join(FIELD_MAP_KEYS)} "
                                   f"(got {sorted(cat.field_map)})")
+        bad_roles = sorted(set(cat.role_map.values()) - set(MAPPED_ROLES))
+        if bad_roles:
+            raise ConfigError(str(path), f"{where}.role_map: maps onto unknown role(s) "
+                              f"{bad_roles}; the roles are {', '.join(MAPPED_ROLES)}")
+        if cat.turns == "all" and cat.format == "input_ids":
+            raise ConfigError(str(path), f"{where}.turns: \"all\" needs a chat format, not "
+                              "input_ids")
         if cat.format != "input_ids" and cfg.tokenizer is None:
             raise ConfigError(str(path), f"{where}.format: needs a top-level `tokenizer` path")
         cats.append(msgspec.structs.replace(cat, source=None, sources=paths))

@@ -24,6 +24,8 @@ JOB_FUNC = "consumers.job.process"
 # RQ its delete path), a failed one this long. The worker refuses a job that asks for others.
 JOB_RESULT_TTL_S = 60
 JOB_FAILURE_TTL_S = 7 * 24 * 3600
+# `<conversation id>#t<turn>`: the sample id of one turn of a conversation
+TURN_MARK = "#t"
 # A token id as stored: non-negative, and within int32 (Parquet export stores int32).
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 
@@ -61,6 +63,11 @@ class Pending(Struct, frozen=True):
     where: str = ""
     source_id: str | None = None
     failures: int = 0
+    # a turn of a conversation regenerated turn by turn (turns = "all"): its sample id is
+    # `<conversation_id>#t<turn>`, turn 1..turns_total
+    conversation_id: str | None = None
+    turn: int = 0
+    turns_total: int = 0
 
 
 class Result(Struct, frozen=True):
@@ -82,10 +89,16 @@ class Result(Struct, frozen=True):
     finish: dict[str, Any] | None = None
     engine: str = ""
     latency_s: float = 0.0
+    conversation_id: str | None = None
+    turn: int = 0
+    turns_total: int = 0
 
 
 class DeadLetter(Struct, frozen=True):
-    """A sample that ended rejected or dead, as written to `<out>/<category>/dead-letter.jsonl`."""
+    """A sample that ended rejected or dead, as written to `<out>/<category>/dead-letter.jsonl`.
+
+    Outcome "cut" is not an end: a conversation's next turn (`id`) was held back because its
+    category closed (a raised cap sends it, and a row with the same id then follows)."""
 
     id: str
     category: str
@@ -94,6 +107,20 @@ class DeadLetter(Struct, frozen=True):
     message: str = ""
     where: str = ""
     attempts: int = 0
+    conversation_id: str | None = None
+    turn: int = 0
+    turns_total: int = 0
+
+
+def turn_id(conversation_id: str, turn: int) -> str:
+    """The sample id of turn `turn` (1-based) of a conversation."""
+    return f"{conversation_id}{TURN_MARK}{turn}"
+
+
+def split_turn_id(sample_id: str) -> tuple[str, int] | None:
+    """(conversation id, turn) of a turn's sample id, or None for a plain sample id."""
+    conv, mark, n = sample_id.rpartition(TURN_MARK)
+    return (conv, int(n)) if mark and n.isdigit() and int(n) > 0 else None
 
 
 _encoder = msgspec.json.Encoder()

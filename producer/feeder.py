@@ -4,12 +4,15 @@ Per tick and category:
 1. reap: ledger entries whose lease expired and whose job is not in the queue are
    re-enqueued (a worker died, or a retry is due); a sample lost `max_attempts` times is
    dead-lettered;
-2. unpark samples that admission deferred, once they fit (or skip them once closed);
-3. feed new samples from the seeded shuffled order while the category is open,
-   `used + reserved < cap`, and fewer than `high_water` samples wait;
-4. mark the category exhausted when its source is used up and nothing is pending.
-The run ends when every category is closed or exhausted, nothing is pending and the writer
-has written every result.
+2. unpark samples that admission deferred, once they fit (a closed category holds them);
+3. feed, while the category is open, `used + reserved < cap` and fewer than `high_water`
+   samples wait: first the next turns of conversations whose last turn was written
+   (`turns = "all"`), then new samples from the seeded shuffled order;
+4. mark the category exhausted when its source is used up, nothing is pending, no
+   conversation waits for a turn and everything is written; a closed category reports the
+   conversations it holds back (cut records).
+The run ends when every category is closed (holding back only what a raised cap would send)
+or exhausted, and the writer has written every result.
 
 Every change to the ledger is one `Budget` call (one Lua script) made before the RQ job that
 carries it is enqueued: a producer killed between the two leaves a sample pending with a
@@ -24,7 +27,7 @@ import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from redis import Redis
@@ -45,10 +48,13 @@ from foundation.wire import (
     JobRef,
     MsgspecSerializer,
     Pending,
+    split_turn_id,
+    turn_id,
 )
 from producer.formats import Rejected
 from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
 from producer.reconcile import reconcile
+from producer.replies import ReplyParser
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +82,23 @@ class CategoryFeed:
         self.order: array = shuffled_order(len(index), cfg.seed)
         self.cursor = 0
         self.kwargs = {**cfg.chat_template_kwargs, **cat.chat_template_kwargs}
+        self.turns = cat.turns == "all"
+        self.stop_ids = set(cat.sampling.stop_token_ids or [])
+        self._cut_mark: tuple[int, int] | None = None
 
     @property
     def exhausted(self) -> bool:
         return self.cursor >= len(self.order)
+
+    def read(self, pos: int) -> Sample:
+        """Record `pos` of the source, normalised (raises `Rejected`)."""
+        cat = self.cat
+        return read_sample(self.index, pos, cat.format, cat.turns, cat.system_prompt,
+                           cat.field_map or None, cat.role_map or None)
+
+    def first_id(self, sample: Sample) -> str:
+        """The sample id of what is fed first: the record, or its conversation's turn 1."""
+        return turn_id(sample.sample_id, 1) if self.turns else sample.sample_id
 
 
 class Producer:
@@ -115,6 +134,15 @@ class Producer:
         self._run_id_at = 0.0
         self._reaped_at = float("-inf")
         self.reap_every_s = min(REAP_EVERY_S, cfg.lease_s / 4)
+        self._replies: ReplyParser | None = None
+
+    @property
+    def replies(self) -> ReplyParser:
+        """How generated turns enter the next turn's history (`turns = "all"`)."""
+        if self._replies is None:
+            self._replies = ReplyParser(self.renderer.tokenizer, self.renderer.template,
+                                        self.cfg.reasoning_parser, self.cfg.tool_call_parser)
+        return self._replies
 
     # -- setup -------------------------------------------------------------------------
     def add_feed(self, feed: CategoryFeed) -> None:
@@ -138,22 +166,32 @@ class Producer:
                 self._reaped_at = float("-inf")  # more may have expired: look again next tick
             done = reaped + self.unpark(feed, st)
             if st["state"] == "open":
+                if feed.turns:
+                    followed = self.follow(feed, st)
+                    st = {**st, "pending": st["pending"] + followed}
+                    done += followed
                 done += self.feed(feed, st)
-                if feed.exhausted and st["pending"] == 0 and done == 0:
+                if (feed.exhausted and st["pending"] == 0 and st["followups"] == 0
+                        and st["unwritten"] == 0 and done == 0):
                     if self.budget.mark_exhausted(name, feed.cursor):
                         log.info("%s: source exhausted (%d samples committed)", name,
                                  st["samples"])
-                    else:
+                    elif self.budget.cursor(name) != feed.cursor:
                         self._lost_feeds(feed)
+            elif st["state"] == "closed" and feed.turns:
+                self.report_cut(feed, st)
             work += done
         return work
 
     def finished(self) -> bool:
-        """Every category closed or exhausted with nothing pending (as of the last tick),
-        and every result written by the writer."""
+        """Every category closed (what it still holds is held back by its cap: parked, or a
+        conversation's next turn) or exhausted with nothing pending, as of the last tick, and
+        every result written by the writer."""
         status = self._last_status or self.budget.status(list(self.feeds))["categories"]
         done = all(
-            st["state"] in ("closed", "exhausted") and st["pending"] == 0 for st in status.values()
+            (st["state"] == "closed" and st["pending"] == st["parked"])
+            or (st["state"] == "exhausted" and st["pending"] == 0)
+            for st in status.values()
         )
         return done and self.writer_lag() == 0
 
@@ -246,21 +284,28 @@ class Producer:
         open_cats = max(1, len(self.feeds))
         return max(self.cfg.high_water, math.ceil(2 * self._workers / open_cats))
 
-    def feed(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
-        if st["used"] + st["reserved"] >= st["cap"] or feed.exhausted:
+    def _room(self, st: dict[str, Any]) -> int:
+        """How many samples may be fed now: none while the cap's worth is used or reserved,
+        or while more than half the high-water mark waits (feed in batches, not one job per
+        tick)."""
+        cap = st["cap"]
+        if cap is not None and st["used"] + st["reserved"] >= cap:
             return 0
         waiting = st["pending"] - st["in_flight"]
         high = self.high_water()
-        if waiting > high // 2:  # low-water mark: feed in batches, not one job per tick
+        return 0 if waiting > high // 2 else high - waiting
+
+    def feed(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+        room = self._room(st)
+        if room <= 0 or feed.exhausted:
             return 0
-        room = high - waiting
         name = feed.cat.name
         fed = 0
         while room > 0 and not feed.exhausted:
             start = feed.cursor
             positions = list(feed.order[start : start + room])
             samples, rejected = self._read(feed, positions)
-            known = self.budget.known(name, [s.sample_id for s in samples])
+            known = self.budget.known(name, [feed.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume
             prepared, too_long = self._render(feed, samples)
             ids = self.budget.feed(name, start, start + len(positions),
@@ -290,58 +335,139 @@ class Producer:
         cat = feed.cat
         for pos in positions:
             try:
-                s = read_sample(feed.index, pos, cat.format, cat.turns, cat.system_prompt,
-                                cat.field_map or None)
-                samples.append(s)
+                samples.append(feed.read(pos))
             except Rejected as exc:
                 where = getattr(exc, "where", None) or feed.index.where(pos)
                 sid = sample_id(feed.index, pos)
                 log.warning("%s: skipped record at %s: %s", cat.name, where, exc)
-                rejected.append(DeadLetter(id=sid, category=cat.name, outcome="rejected",
-                                           reason=exc.reason, message=str(exc), where=where))
+                turn: dict[str, Any] = {"conversation_id": sid, "turn": 1} if feed.turns else {}
+                rejected.append(DeadLetter(id=turn_id(sid, 1) if feed.turns else sid,
+                                           category=cat.name, outcome="rejected",
+                                           reason=exc.reason, message=str(exc), where=where,
+                                           **turn))
         return samples, rejected
 
-    def _render(self, feed: CategoryFeed, samples: list[Sample]
+    def _render(self, feed: CategoryFeed, samples: list[Sample],
+                turns: list[tuple[list[dict], int]] | None = None
                 ) -> tuple[list[Pending], list[DeadLetter]]:
+        """Render and check each sample's prompt: its first, or with `turns` (the messages
+        and turn number of each sample's next turn) the given one. Returns what is to be
+        fed, and what is rejected (the template refused it, or it cannot fit the context)."""
         cat = feed.cat
         limit_chars = (self.context_length or CONTEXT_UNKNOWN_TOKENS) * MAX_CHARS_PER_TOKEN
-        huge = {s.sample_id for s in samples if s.prompt and isinstance(s.prompt[0], dict)
-                and sum(len(m.get("content") or "") for m in s.prompt) > limit_chars}
-        chat = [s for s in samples if s.prompt and isinstance(s.prompt[0], dict)
-                and s.sample_id not in huge]
-        rendered: dict[str, Any] = {}
+        prompts: list[list[dict] | list[int]] = [t[0] for t in turns] if turns else [
+            s.prompt for s in samples]
+        numbers = [t[1] for t in turns] if turns else [1] * len(samples)
+        ids_of = [turn_id(s.sample_id, j) if feed.turns else s.sample_id
+                  for s, j in zip(samples, numbers, strict=True)]
+        chat = [k for k, p in enumerate(prompts) if p and isinstance(p[0], dict)]
+        huge = {k for k in chat if sum(len(_text_of(cast(dict, m))) for m in prompts[k])
+                > limit_chars}
+        chat = [k for k in chat if k not in huge]
+        rendered: dict[int, Any] = {}
         if chat:
-            outs = self.renderer.render_many([s.prompt for s in chat], feed.kwargs or None)
-            rendered = {s.sample_id: o for s, o in zip(chat, outs, strict=True)}
+            outs = self.renderer.render_many([prompts[k] for k in chat], feed.kwargs or None,
+                                             [samples[k].tools for k in chat])
+            rendered = dict(zip(chat, outs, strict=True))
         sampling = msgspec.to_builtins(cat.sampling)
         max_new = cat.sampling.max_new_tokens
         prepared: list[Pending] = []
         rejected: list[DeadLetter] = []
-        for s in samples:
-            if s.sample_id in huge:
-                rejected.append(DeadLetter(
-                    id=s.sample_id, category=cat.name, outcome="rejected",
-                    reason="prompt_too_long", where=s.where,
-                    message=f"prompt text over {limit_chars} characters cannot fit the context"))
+        for k, s in enumerate(samples):
+            conv = s.conversation if feed.turns else None
+            fields: dict[str, Any] = {} if conv is None else {
+                "conversation_id": s.sample_id, "turn": numbers[k], "turns_total": conv.turns}
+
+            def reject(reason: str, message: str, k: int = k, s: Sample = s,
+                       fields: dict[str, Any] = fields) -> None:
+                rejected.append(DeadLetter(id=ids_of[k], category=cat.name, outcome="rejected",
+                                           reason=reason, message=message, where=s.where,
+                                           **fields))
+
+            if k in huge:
+                reject("prompt_too_long",
+                       f"prompt text over {limit_chars} characters cannot fit the context")
                 continue
-            out = rendered.get(s.sample_id)
+            out = rendered.get(k)
             if isinstance(out, Rejected):
-                rejected.append(DeadLetter(id=s.sample_id, category=cat.name, outcome="rejected",
-                                           reason=out.reason, message=str(out), where=s.where))
                 log.warning("%s: skipped record at %s: %s", cat.name, s.where, out)
+                reject(out.reason, str(out))
                 continue
-            ids: list[int] = list(out[1]) if out is not None else list(s.prompt)  # type: ignore[arg-type]
+            ids: list[int] = list(out[1]) if out is not None else list(prompts[k])  # type: ignore[arg-type]
             ctx = self.context_length
             if not ids or (ctx is not None and len(ids) + max_new > ctx):
-                reason = "empty_prompt" if not ids else "prompt_too_long"
-                msg = (f"prompt has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds "
-                       f"the engine context of {ctx} tokens") if ids else "prompt has no tokens"
-                rejected.append(DeadLetter(id=s.sample_id, category=cat.name, outcome="rejected",
-                                           reason=reason, message=msg, where=s.where))
+                if not ids:
+                    reject("empty_prompt", "prompt has no tokens")
+                else:
+                    reject("prompt_too_long", f"prompt has {len(ids)} tokens; with "
+                           f"max_new_tokens={max_new} it exceeds the engine context of {ctx} "
+                           "tokens")
                 continue
-            prepared.append(Pending(sample_id=s.sample_id, ordinal=s.ordinal, prompt_ids=ids,
-                                    sampling=sampling, where=s.where, source_id=s.source_id))
+            prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=ids,
+                                    sampling=sampling, where=s.where, source_id=s.source_id,
+                                    **fields))
         return prepared, rejected
+
+    # -- conversations (turns = "all") ---------------------------------------------------
+    def follow(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+        """Feed the next turns of conversations whose last turn the writer wrote: each
+        prompt is the source up to that turn with the model's own earlier turns (decoded
+        from their output ids into assistant messages, `producer.replies`)."""
+        room = self._room(st)
+        if room <= 0 or not st["followups"]:
+            return 0
+        name = feed.cat.name
+        waiting = self.budget.followups(name, room)
+        samples: list[Sample] = []
+        turns: list[tuple[list[dict], int]] = []
+        rejected: list[DeadLetter] = []
+        for f in waiting:
+            conv_id, turn = split_turn_id(f.sample_id) or (f.sample_id, 1)
+            try:
+                s = feed.read(f.ordinal)
+            except Rejected as exc:
+                s = None
+                why = f"the record cannot be read any more: {exc}"
+            else:
+                why = "the source changed: the record at its position is another one"
+            if s is None or s.sample_id != conv_id or s.conversation is None \
+                    or turn > s.conversation.turns or any(o is None for o in f.outputs):
+                if s is not None and any(o is None for o in f.outputs):
+                    why = "the outputs of its earlier turns are gone from Redis"
+                log.error("%s/%s: conversation cut: %s", name, f.sample_id, why)
+                rejected.append(DeadLetter(
+                    id=f.sample_id, category=name, outcome="rejected", reason="source_changed",
+                    message=why, where=feed.index.where(f.ordinal) if f.ordinal < len(
+                        feed.index) else "", conversation_id=conv_id, turn=turn))
+                continue
+            tools = s.conversation.tools
+            generated = [self.replies.message(o, tools, feed.stop_ids) for o in f.outputs]
+            samples.append(s)
+            turns.append((s.conversation.prompt(generated), turn))
+        prepared, bad = self._render(feed, samples, turns)
+        ids = self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared, rejected + bad)
+        recorded = set(ids)
+        self._enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
+                             if p.sample_id in recorded])
+        return len(waiting)
+
+    def report_cut(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+        """A closed category holds back conversations' next turns: write one cut record for
+        each (once), so the files say why those conversations stopped."""
+        mark = (st["followups"], st["parked"])
+        if mark == feed._cut_mark or not any(mark):
+            return 0
+        feed._cut_mark = mark
+        letters = []
+        for sid in self.budget.held(feed.cat.name):
+            split = split_turn_id(sid)
+            if split is None or split[1] < 2:
+                continue  # not a conversation yet: nothing was cut
+            letters.append(DeadLetter(
+                id=sid, category=feed.cat.name, outcome="cut", reason="cap",
+                message="the category closed (its cap) before this turn was sent; a raised "
+                        "cap sends it", conversation_id=split[0], turn=split[1]))
+        return self.budget.cut(feed.cat.name, letters)
 
     def _enqueue(self, category: str, samples: list[tuple[str, int, int]]) -> None:
         """Enqueue one job per (sample id, seq, prompt tokens), in one round trip. The ledger
@@ -391,7 +517,8 @@ class Producer:
                 self.budget.fail(DeadLetter(id=sid, category=name, outcome="dead",
                                             reason=ErrorKind.LOST.value, where=p.where,
                                             message="worker lost the sample too often",
-                                            attempts=failures))
+                                            attempts=failures, conversation_id=p.conversation_id,
+                                            turn=p.turn, turns_total=p.turns_total))
                 continue
             if entry.in_flight:
                 log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)
@@ -403,20 +530,20 @@ class Producer:
         return len(again)
 
     def unpark(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
-        """Re-enqueue deferred samples that now fit, or skip all of them once closed."""
-        if not st["parked"]:
+        """Re-enqueue deferred samples that now fit; a closed category holds them back (a
+        raised cap reopens it)."""
+        if not st["parked"] or st["state"] == "closed":
             return 0
         name = feed.cat.name
-        if st["state"] != "closed":
-            # only when something changed since the last try (else admission answers as
-            # before: measured 20 RQ jobs per committed sample in a tapering category when
-            # every parked sample was tried again each tick)
-            behind = 0 < self.cfg.max_unwritten <= st["unwritten"]
-            mark = (st["used"], st["reserved"], st["worst"], st["var"], st["in_flight"],
-                    st["cap"], st["parked"], behind)
-            if self._unpark_mark.get(name) == mark:
-                return 0
-            self._unpark_mark[name] = mark
+        # only when something changed since the last try (else admission answers as before:
+        # measured 20 RQ jobs per committed sample in a tapering category when every parked
+        # sample was tried again each tick)
+        behind = 0 < self.cfg.max_unwritten <= st["unwritten"]
+        mark = (st["used"], st["reserved"], st["worst"], st["var"], st["in_flight"],
+                st["cap"], st["parked"], behind)
+        if self._unpark_mark.get(name) == mark:
+            return 0
+        self._unpark_mark[name] = mark
         model = LengthModel(self.budget.hist(name), self.cfg.expected_for(feed.cat),
                             feed.cat.sampling.max_new_tokens)
         est, var = model.moments(0)
@@ -429,4 +556,12 @@ class Producer:
                        for e in (self.budget.entry(name, sid) for sid, _seq in got.leased)]
         self._enqueue(name, [(sid, seq, n) for (sid, seq), n in zip(got.leased, prompts,
                                                                   strict=True)])
-        return len(got.leased) + got.skipped
+        return len(got.leased)
+
+
+def _text_of(message: dict) -> str:
+    """The text a message brings to the template (content, reasoning, tool calls)."""
+    parts = [message.get("content") or "", message.get("reasoning_content") or ""]
+    for call in message.get("tool_calls") or ():
+        parts.append(str(call))
+    return "".join(p if isinstance(p, str) else str(p) for p in parts)

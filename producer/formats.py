@@ -22,20 +22,46 @@ input_output           ``input``                                   input
 =====================  ==========================================  =========================
 
 Any chat format also honours a non-empty top-level string ``system`` field (OpenThoughts,
-LLaMA-Factory alpaca) when the conversation has no system turn of its own.
+LLaMA-Factory alpaca) when the conversation has no system turn of its own, and a top-level
+``tools`` field (a list of tool schemas, or a JSON string of one; LLaMA-Factory and
+glaive-style sets) passed to the chat template as ``tools=``.
+
+Roles: ``system``, ``developer``, ``user``, ``assistant`` and ``tool`` (and ShareGPT's
+aliases: human, gpt, ...; ``function_call`` is an assistant turn whose value is the JSON of
+one call or a list of calls, ``observation`` a tool result). A category's ``role_map`` maps
+other names onto these. An assistant turn may carry OpenAI ``tool_calls`` (arguments as an
+object or a JSON string, made an object as SGLang and vLLM do before templating), a tool turn
+``tool_call_id`` and ``name``. An unknown role rejects the record only when the turn policy
+uses that turn.
+
+Turn policies: "first" and "last" give one prompt (the conversation up to its first or last
+user turn, the dataset's own assistant turns as history); "all" gives a `Conversation` whose
+every assistant turn (and a trailing user or tool turn) is a generation point, the model
+regenerating each in order (`Conversation.prompt`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from foundation.config import FORMATS, TURN_POLICIES
 
-__all__ = ["FORMATS", "TURN_POLICIES", "Rejected", "detect_format", "to_prompt"]
+__all__ = [
+    "FORMATS",
+    "TURN_POLICIES",
+    "Conversation",
+    "Rejected",
+    "detect_format",
+    "to_conversation",
+    "to_prompt",
+]
 
 # ShareGPT `from` values (and `messages` roles) -> chat roles.
 ROLE_ALIASES = {
     "system": "system",
+    "developer": "developer",
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -44,6 +70,11 @@ ROLE_ALIASES = {
     "bard": "assistant",
     "bing": "assistant",
     "model": "assistant",
+    "function_call": "function_call",  # LLaMA-Factory: an assistant turn that is a tool call
+    "tool": "tool",
+    "observation": "tool",  # LLaMA-Factory: a tool result
+    "function": "tool",  # OpenAI's legacy function-result role
+    "ipython": "tool",  # Llama 3's tool-result role
 }
 # Single-turn formats: format -> key holding the user text.
 SINGLE_TURN_KEYS = {
@@ -85,6 +116,39 @@ class Rejected(Exception):
         return f"{self.reason}{at}: {self.message}"
 
 
+class Conversation(NamedTuple):
+    """A record normalised for the chat template.
+
+    `messages` are chat messages (``role``, ``content`` and, where the source has them,
+    ``tool_calls``, ``tool_call_id``, ``name``, ``reasoning_content``); `tools` the tool
+    schemas for ``apply_chat_template(tools=...)`` (None: no tools); `points` the generation
+    points, as indexes into `messages`: the model answers ``messages[:point]`` there (a point
+    equal to ``len(messages)`` follows a trailing user or tool turn). With turns "first" or
+    "last" there is one point, ``len(messages)``.
+    """
+
+    messages: list[dict]
+    tools: list[dict] | None
+    points: tuple[int, ...]
+
+    @property
+    def turns(self) -> int:
+        """How many generations the conversation asks for."""
+        return len(self.points)
+
+    def prompt(self, generated: Sequence[dict] = ()) -> list[dict]:
+        """The messages of turn ``len(generated) + 1``: the source up to that generation
+        point, with the assistant message of each earlier point replaced by the model's
+        (`generated`, in order)."""
+        j = len(generated)
+        if j >= len(self.points):
+            raise ValueError(f"turn {j + 1} of a conversation of {len(self.points)} turns")
+        out = list(self.messages[: self.points[j]])
+        for point, message in zip(self.points, generated, strict=False):
+            out[point] = message
+        return out
+
+
 def detect_format(record: dict) -> str:
     """Return the format name implied by the record's keys (see the module table)."""
     if "input_ids" in record:
@@ -108,23 +172,44 @@ def to_prompt(
     turns: str = "first",
     system_prompt: str | None = None,
     field_map: dict[str, str] | None = None,
+    role_map: dict[str, str] | None = None,
 ) -> list[dict] | list[int]:
-    """Normalise `record` into chat messages ending with a user turn, or a list of ids.
+    """The messages of the record's (first) prompt, or its token ids (format input_ids).
 
-    `fmt` is one of `FORMATS`; "auto" calls `detect_format`. `turns` picks the user turn
-    the prompt ends with: "first" keeps the conversation up to and including its first
-    user turn, "last" up to and including its last one; what follows is dropped. Turns
-    other than system turns before the first user turn (a greeting by the assistant) are
-    dropped. `system_prompt`, when not None, replaces every system turn and becomes the
-    first message (an empty string gives an empty system turn, which suppresses a
-    template's default system prompt). Only kept turns must have non-empty text.
+    The messages of `to_conversation`'s first turn; see there. Tools, if any, are in the
+    conversation only.
+    """
+    conv = to_conversation(record, fmt, turns, system_prompt, field_map, role_map)
+    return conv if isinstance(conv, list) else conv.prompt()
+
+
+def to_conversation(
+    record: dict,
+    fmt: str,
+    turns: str = "first",
+    system_prompt: str | None = None,
+    field_map: dict[str, str] | None = None,
+    role_map: dict[str, str] | None = None,
+) -> Conversation | list[int]:
+    """Normalise `record` into a `Conversation` (or, for format input_ids, a list of ids).
+
+    `fmt` is one of `FORMATS`; "auto" calls `detect_format`. `turns` picks the generation
+    points: "first" keeps the conversation up to and including its first user turn, "last"
+    up to and including its last one (what follows is dropped); "all" keeps it whole, every
+    assistant turn and a trailing user or tool turn being a point. Turns other than system
+    turns before the first user turn (a greeting by the assistant) are dropped.
+    `system_prompt`, when not None, replaces every system turn and becomes the first message
+    (an empty string gives an empty system turn, which suppresses a template's default system
+    prompt). Only kept turns must be well formed, and an unknown role rejects the record
+    only when its turn is kept.
 
     `field_map` reads other shapes and overrides `fmt`:
     ``{"prompt": KEY}`` takes the user text of a single-turn prompt from ``record[KEY]``;
     ``{"messages": KEY, "role": R, "content": C}`` reads turns from the list
     ``record[KEY]``, each turn's role from key R (default "role", aliases as for ShareGPT)
     and its text from key C (default "content"). Either may add ``"system": KEY`` for a
-    top-level system text.
+    top-level system text and ``"tools": KEY`` for the tool schemas. `role_map` maps source
+    role names (case-insensitive) onto the roles above before the aliases apply.
 
     Format input_ids returns ``record["input_ids"]`` checked to be non-negative ints;
     `turns` and `system_prompt` do not apply to it.
@@ -134,8 +219,9 @@ def to_prompt(
     """
     if turns not in TURN_POLICIES:
         raise ValueError(f"turns must be one of {TURN_POLICIES}, got {turns!r}")
+    roles = {**ROLE_ALIASES, **{k.lower(): v for k, v in (role_map or {}).items()}}
     if field_map:
-        messages = _mapped_messages(record, field_map)
+        raw = _mapped_turns(record, field_map, roles)
     else:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
@@ -143,21 +229,36 @@ def to_prompt(
             fmt = detect_format(record)
         if fmt == "input_ids":
             return _input_ids(record)
-        messages = _chat_messages(record, fmt)
-    prompt = _apply_policy(messages, turns, system_prompt)
-    return _add_system(prompt, record, system_prompt, field_map)
+        raw = _chat_turns(record, fmt, roles)
+    kept = _apply_policy(raw, turns, system_prompt)
+    messages = [_message(t) for t in kept]
+    messages = _add_system(messages, record, system_prompt, field_map)
+    tools = _tools(record, (field_map or {}).get("tools", "tools"))
+    if turns == "all":
+        points = tuple(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if messages[-1]["role"] != "assistant":
+            points += (len(messages),)
+    else:
+        points = (len(messages),)
+    return Conversation(messages, tools, points)
 
 
-# A turn before the policy: (role, content, content field path). Content is checked later,
-# only if the turn is kept.
-_Turn = tuple[str, Any, str]
+class _Turn(NamedTuple):
+    """A source turn before the policy: its role (None when unknown), the turn object, and
+    where it is. Its fields are checked later, only if the turn is kept."""
+
+    role: str | None
+    raw: dict
+    at: str
+    role_key: str
+    content_key: str
 
 
-def _chat_messages(record: dict, fmt: str) -> list[_Turn]:
+def _chat_turns(record: dict, fmt: str, roles: dict[str, str]) -> list[_Turn]:
     if fmt == "messages":
-        return _turns(record, "messages", "role", "content")
+        return _turns(record, "messages", "role", "content", roles)
     if fmt == "sharegpt":
-        return _turns(record, "conversations", "from", "value")
+        return _turns(record, "conversations", "from", "value", roles)
     if fmt == "alpaca":
         instruction = _text(record, "instruction")
         extra = record.get("input")
@@ -165,26 +266,29 @@ def _chat_messages(record: dict, fmt: str) -> list[_Turn]:
             raise Rejected("wrong_type", f"expected a string, got {_kind(extra)}", "input")
         if extra and extra.strip():
             instruction = instruction + ALPACA_SEPARATOR + extra
-        return [("user", instruction, "instruction")]
+        return [_Turn("user", {"content": instruction}, "instruction", "role", "content")]
     key = SINGLE_TURN_KEYS[fmt]
-    return [("user", _text(record, key), key)]
+    return [_Turn("user", {"content": _text(record, key)}, key, "role", "content")]
 
 
-def _mapped_messages(record: dict, field_map: dict[str, str]) -> list[_Turn]:
+def _mapped_turns(record: dict, field_map: dict[str, str], roles: dict[str, str]
+                  ) -> list[_Turn]:
     if "prompt" in field_map:
         key = field_map["prompt"]
-        return [("user", _text(record, key), key)]
+        return [_Turn("user", {"content": _text(record, key)}, key, "role", "content")]
     if "messages" in field_map:
         return _turns(
             record,
             field_map["messages"],
             field_map.get("role", "role"),
             field_map.get("content", "content"),
+            roles,
         )
     raise ValueError(f"field_map needs a 'prompt' or a 'messages' key, got {sorted(field_map)}")
 
 
-def _turns(record: dict, key: str, role_key: str, content_key: str) -> list[_Turn]:
+def _turns(record: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]
+           ) -> list[_Turn]:
     """Read a list of turn objects; ShareGPT turns written as role/content are accepted."""
     raw = _field(record, key, list)
     if not raw:
@@ -200,22 +304,134 @@ def _turns(record: dict, key: str, role_key: str, content_key: str) -> list[_Tur
         role = turn.get(rk)
         if role is None:
             raise Rejected("missing_field", f"turn has no {rk!r}", f"{at}.{rk}")
-        role_name = ROLE_ALIASES.get(role.lower()) if isinstance(role, str) else None
-        if role_name is None:
-            raise Rejected("unknown_role", f"unknown role {role!r}", f"{at}.{rk}")
-        out.append((role_name, turn.get(ck), f"{at}.{ck}"))
+        name = roles.get(role.lower()) if isinstance(role, str) else None
+        out.append(_Turn(name, turn, at, rk, ck))
     return out
 
 
-def _apply_policy(turns_in: list[_Turn], turns: str, system_prompt: str | None) -> list[dict]:
-    users = [i for i, (role, _, _) in enumerate(turns_in) if role == "user"]
+def _apply_policy(turns_in: list[_Turn], turns: str, system_prompt: str | None) -> list[_Turn]:
+    users = [i for i, t in enumerate(turns_in) if t.role == "user"]
     if not users:
+        _check_roles(turns_in)
         raise Rejected("no_user_turn", "the conversation has no user turn")
-    end = users[0] if turns == "first" else users[-1]
-    kept = [t for i, t in enumerate(turns_in[: end + 1]) if i >= users[0] or t[0] == "system"]
+    end = {"first": users[0], "last": users[-1]}.get(turns, len(turns_in) - 1)
+    kept = [t for i, t in enumerate(turns_in[: end + 1])
+            if i >= users[0] or t.role in ("system", "developer")]
+    _check_roles(kept)
     if system_prompt is not None:
-        kept = [t for t in kept if t[0] != "system"]
-    return [{"role": role, "content": _content(value, at)} for role, value, at in kept]
+        kept = [t for t in kept if t.role != "system"]
+    return kept
+
+
+def _check_roles(turns: list[_Turn]) -> None:
+    for t in turns:
+        if t.role is None:
+            role = t.raw[t.role_key]
+            raise Rejected("unknown_role", f"unknown role {role!r} (map it with role_map)",
+                           f"{t.at}.{t.role_key}")
+
+
+def _message(t: _Turn) -> dict:
+    """The chat message of one kept turn, its fields checked."""
+    value, at = t.raw.get(t.content_key), f"{t.at}.{t.content_key}"
+    if t.role == "function_call":  # ShareGPT: the value is the call(s), as JSON
+        calls = _json_value(value, at)
+        calls = calls if isinstance(calls, list) else [calls]
+        return {"role": "assistant", "content": "",
+                "tool_calls": [_tool_call(c, f"{at}[{k}]") for k, c in enumerate(calls)]}
+    if t.role == "tool":
+        msg: dict[str, Any] = {"role": "tool", "content": _tool_content(value, at)}
+        for key in ("tool_call_id", "name"):
+            if isinstance(t.raw.get(key), str):
+                msg[key] = t.raw[key]
+        return msg
+    if t.role == "assistant":
+        calls = t.raw.get("tool_calls")
+        msg = {"role": "assistant"}
+        if calls:
+            if not isinstance(calls, list):
+                raise Rejected("wrong_type", f"expected a list, got {_kind(calls)}",
+                               f"{t.at}.tool_calls")
+            msg["content"] = "" if value is None or value == "" else _content(value, at)
+            msg["tool_calls"] = [_tool_call(c, f"{t.at}.tool_calls[{k}]")
+                                 for k, c in enumerate(calls)]
+        else:
+            msg["content"] = _content(value, at)
+        reasoning = t.raw.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            msg["reasoning_content"] = reasoning
+        return msg
+    assert t.role is not None
+    return {"role": t.role, "content": _content(value, at)}
+
+
+def _tool_call(call: Any, at: str) -> dict:
+    """One call in OpenAI's shape, its arguments an object (as SGLang and vLLM hand them to
+    the template). A bare ``{name, arguments}`` (ShareGPT function_call) is wrapped."""
+    if not isinstance(call, dict):
+        raise Rejected("wrong_type", f"expected an object, got {_kind(call)}", at)
+    fn = call.get("function", call)
+    if not isinstance(fn, dict):
+        raise Rejected("wrong_type", f"expected an object, got {_kind(fn)}", f"{at}.function")
+    where = f"{at}.function" if "function" in call else at
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise Rejected("missing_field", "the tool call has no name", f"{where}.name")
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json_value(args, f"{where}.arguments") if args.strip() else {}
+    if not isinstance(args, dict):
+        raise Rejected("wrong_type", f"tool call arguments must be an object, got {_kind(args)}",
+                       f"{where}.arguments")
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _tool_content(value: Any, at: str) -> str:
+    """A tool result: text (may be empty), text parts, or a JSON value written as JSON."""
+    if value is None:
+        raise Rejected("missing_field", "the tool result has no content", at)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       for p in value):
+        return TEXT_PART_SEPARATOR.join(_content(p.get("text"), f"{at}[{j}].text")
+                                        for j, p in enumerate(value))
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _tools(record: dict, key: str) -> list[dict] | None:
+    """The record's tool schemas (a list, or a JSON string of one); bare function schemas
+    ``{name, description, parameters}`` are wrapped as ``{"type": "function", ...}``, the
+    shape a chat server hands the template."""
+    value = record.get(key)
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        value = _json_value(value, key)
+    if not isinstance(value, list):
+        raise Rejected("wrong_type", f"expected a list of tools, got {_kind(value)}", key)
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise Rejected("wrong_type", f"expected an object, got {_kind(tool)}", f"{key}[{i}]")
+        if "function" not in tool:
+            if not isinstance(tool.get("name"), str):
+                raise Rejected("missing_field", "the tool has no name", f"{key}[{i}].name")
+            tool = {"type": "function", "function": tool}
+        tools.append(tool)
+    return tools or None
+
+
+def _json_value(value: Any, at: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise Rejected("invalid_json", f"not valid JSON: {exc}", at) from None
 
 
 def _add_system(

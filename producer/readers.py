@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, Self
 
 from foundation.errors import SourceError
-from producer.formats import Rejected, to_prompt
+from producer.formats import Conversation, Rejected, to_conversation
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,21 @@ class SourceRef(NamedTuple):
 
 
 class Sample(NamedTuple):
-    """One record normalised into a prompt, with its ids and location."""
+    """One record normalised into a prompt, with its ids and location.
+
+    `prompt` is the first (or only) prompt's messages, or token ids; `conversation` the
+    whole normalised record (None for token ids), with its tools and generation points."""
 
     sample_id: str
     ordinal: int
     where: str
     source_id: str | None
     prompt: list[dict] | list[int]
+    conversation: Conversation | None = None
+
+    @property
+    def tools(self) -> list[dict] | None:
+        return self.conversation.tools if self.conversation else None
 
 
 class _Span:
@@ -268,8 +276,9 @@ def read_sample(
     turns: str,
     system_prompt: str | None,
     field_map: dict[str, str] | None = None,
+    role_map: dict[str, str] | None = None,
 ) -> Sample:
-    """Read record `i` and normalise it with `formats.to_prompt`.
+    """Read record `i` and normalise it with `formats.to_conversation`.
 
     Raises `Rejected` with `where` and `sample_id` filled in. `source_id` is the record's
     own ``id`` field as a string (None when absent or not a string or integer).
@@ -277,14 +286,16 @@ def read_sample(
     sid = sample_id(index, i)
     try:
         record = index.read(i)
-        prompt = to_prompt(record, fmt, turns, system_prompt, field_map)
+        conv = to_conversation(record, fmt, turns, system_prompt, field_map, role_map)
     except Rejected as exc:
         exc.where = index.where(i)
         exc.sample_id = sid
         raise
     own = record.get("id")
     source_id = str(own) if isinstance(own, str | int) and not isinstance(own, bool) else None
-    return Sample(sid, i, index.where(i), source_id, prompt)
+    if isinstance(conv, list):
+        return Sample(sid, i, index.where(i), source_id, conv)
+    return Sample(sid, i, index.where(i), source_id, conv.prompt(), conv)
 
 
 def _index_file(path: Path, start: int) -> _Segment:

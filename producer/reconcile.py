@@ -3,6 +3,9 @@
 Run at every producer start, before anything is fed. The files are the durable truth:
 a sample on disk is final even if Redis lost it (restart without AOF, a lost last second,
 a flushed instance). `reconcile.lua` adds only what Redis lacks, so this is idempotent.
+Conversations regenerated turn by turn get their next turn back too: one whose last turn on
+disk is not its last, and that no rejected or dead turn ended, waits again for it (with the
+outputs on disk as its history) unless Redis has that turn pending or final already.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from budget_service.budget import Budget
+from budget_service.budget import Budget, TurnEvent, turn_event
 from budget_service.estimator import bucket_of
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
 
@@ -33,6 +36,8 @@ def read_records(cat_dir: Path) -> Iterator[Record]:
     for d in read_dead_letters(cat_dir):
         if isinstance(d, BadLine):
             log.warning("%s: unreadable dead-letter line ignored: %s", d.where, d.error)
+            continue
+        if d.outcome == "cut":  # a turn held back, not an end
             continue
         prefix = "r:" if d.outcome == "rejected" else "d:"
         yield (d.id, prefix + d.reason, 0, 0, "")
@@ -56,4 +61,39 @@ def reconcile(budget: Budget, out_dir: Path, categories: list[str]) -> dict[str,
         if n:
             log.warning("%s: %d samples found on disk but not in Redis; counted them", name, n)
         added[name] = n
+        restore_followups(budget, cat_dir, name)
     return added
+
+
+def restore_followups(budget: Budget, cat_dir: Path, category: str) -> int:
+    """Give every conversation that is not over its next turn back (module docstring).
+    Returns how many conversations were looked at. Two passes: the outputs are read only
+    for the conversations that go on."""
+    last: dict[str, tuple[int, int]] = {}  # conversation -> (last turn on disk, turns)
+    ended: set[str] = set()
+    for r in read_results(cat_dir):
+        if isinstance(r, BadLine) or r.conversation_id is None:
+            continue
+        turn, _ = last.get(r.conversation_id, (0, 0))
+        if r.turn > turn:
+            last[r.conversation_id] = (r.turn, r.turns_total)
+    for d in read_dead_letters(cat_dir):
+        if not isinstance(d, BadLine) and d.conversation_id and d.outcome != "cut":
+            ended.add(d.conversation_id)
+    going = {c for c, (turn, total) in last.items() if turn < total and c not in ended}
+    if not going:
+        return 0
+    events: list[TurnEvent] = []
+    for r in read_results(cat_dir):
+        if isinstance(r, BadLine) or r.conversation_id not in going:
+            continue
+        ev = turn_event(r)
+        if ev is not None and ev.next_id is not None:
+            events.append(ev)
+        if len(events) >= BATCH:
+            budget.restore_followups(category, events)
+            events = []
+    budget.restore_followups(category, events)
+    log.info("%s: %d conversations on disk go on (their next turn waits unless known)",
+             category, len(going))
+    return len(going)

@@ -42,6 +42,7 @@ class Renderer:
         self.path = Path(tokenizer_path)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._tok = _load_tokenizer(self.path)
+        self._developer: bool | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -70,15 +71,38 @@ class Renderer:
             template = json.dumps(template, sort_keys=True)
         return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
-    def render_text(self, messages: list[dict], extra_kwargs: dict | None = None) -> str:
-        """The chat template applied to `messages` with the generation prompt appended.
+    @property
+    def template(self) -> str:
+        """The chat template's text (named templates joined)."""
+        template = self._tok.chat_template
+        return template if isinstance(template, str) else "\n".join(template.values())
+
+    def knows_role(self, role: str) -> bool:
+        """Does the chat template mention `role` (as ``'role'`` or ``"role"``)?"""
+        return f"'{role}'" in self.template or f'"{role}"' in self.template
+
+    def prepare(self, messages: list[dict]) -> list[dict]:
+        """`messages` as the template gets them: a ``developer`` turn becomes a ``system``
+        turn unless the template knows the developer role."""
+        if self._developer is None:
+            self._developer = self.knows_role("developer")
+        if self._developer or not any(m["role"] == "developer" for m in messages):
+            return messages
+        return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+    def render_text(self, messages: list[dict], extra_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, passed as ``tools=``) with
+        the generation prompt appended.
 
         Raises `Rejected` (reason ``template_error``) when the template refuses them.
         """
         kwargs = {**self.chat_template_kwargs, **(extra_kwargs or {})}
+        if tools:
+            kwargs["tools"] = tools
         try:
             text = self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
+                self.prepare(messages), tokenize=False, add_generation_prompt=True, **kwargs
             )
         except TEMPLATE_ERRORS as exc:
             raise Rejected("template_error", f"{type(exc).__name__}: {exc}") from None
@@ -87,24 +111,29 @@ class Renderer:
         return text
 
     def render(
-        self, messages: list[dict], extra_kwargs: dict | None = None
+        self, messages: list[dict], extra_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """Render `messages` and return the text and the ids of exactly that text."""
-        text = self.render_text(messages, extra_kwargs)
-        return text, self._tok(text, add_special_tokens=False)["input_ids"]
+        text = self.render_text(messages, extra_kwargs, tools)
+        return text, self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of exactly `text` (no special tokens added)."""
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def render_many(
-        self, list_of_messages: list[list[dict]], extra_kwargs: dict | None = None
+        self, list_of_messages: list[list[dict]], extra_kwargs: dict | None = None,
+        tools: list[list[dict] | None] | None = None,
     ) -> list[tuple[str, list[int]] | Rejected]:
-        """`render` each conversation, encoding all texts in one batched tokenizer call.
-
-        A conversation the template refuses gives its `Rejected` in its place.
+        """`render` each conversation (with its `tools`), encoding all texts in one batched
+        tokenizer call. A conversation the template refuses gives its `Rejected` in its place.
         """
         results: list[tuple[str, list[int]] | Rejected] = []
         texts: list[str] = []
-        for messages in list_of_messages:
+        for k, messages in enumerate(list_of_messages):
             try:
-                text = self.render_text(messages, extra_kwargs)
+                text = self.render_text(messages, extra_kwargs, tools[k] if tools else None)
             except Rejected as exc:
                 results.append(exc)
                 continue
@@ -115,9 +144,9 @@ class Renderer:
         encoded = iter(self._tok(texts, add_special_tokens=False)["input_ids"])
         return [r if isinstance(r, Rejected) else (r[0], next(encoded)) for r in results]
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of `ids`, special tokens included."""
-        return self._tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (special tokens included unless `skip_special_tokens`)."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='initial fault knobs, e.g. \'{"error_rates": {"429": 0.1}, "stall_s": 0}\'',
     )
     parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local tokenizer: answer text-like ids (words, reasoning, tool calls in the "
+        "Qwen syntax) instead of random ones",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -90,6 +96,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         changes["length_profiles"] = dict(profile.categories)
     if ns.faults:
         changes["faults"] = msgspec.json.decode(ns.faults, type=FaultConfig, strict=False)
+    if ns.tokenizer:
+        changes["tokenizer"] = ns.tokenizer
     config = msgspec.structs.replace(PROFILES[ns.profile], **changes)
     config.validate()
     return config

@@ -128,6 +128,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # Per-category output lengths, selected by the X-Tokencap-Category request header.
     length_profiles: dict[str, LengthDist] = {}
     faults: FaultConfig = FaultConfig()
+    # A local tokenizer directory: answers are text-like (words, reasoning, tool calls in the
+    # template's syntax; `sglang_sim.text`) instead of random ids. None: random ids.
+    tokenizer: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError when a knob is out of range."""

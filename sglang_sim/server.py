@@ -51,6 +51,7 @@ from sglang_sim.protocol import (
     schema_error,
     validate_generate,
 )
+from sglang_sim.text import TextOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ E2E_KEY = web.AppKey("e2e", LatencyHistogram)
 TASK_KEY = web.AppKey("engine_task", asyncio.Task)
 # "requests_total" and one count per HTTP status of /generate replies.
 HTTP_KEY = web.AppKey("http_counts", Counter)
+TEXT_KEY = web.AppKey("text_outputs", TextOutputs)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -84,17 +86,27 @@ def _error(exc: ApiError) -> web.Response:
     return _json(exc.body, exc.status, exc.headers)
 
 
-def build_job(valid: ValidRequest, config: SimConfig, category: str | None) -> tuple[Job, int, int]:
-    """The engine job of a validated request, with its output seed and natural length."""
+def build_job(
+    valid: ValidRequest, config: SimConfig, category: str | None, text: TextOutputs | None = None
+) -> tuple[Job, int, int, list[int] | None]:
+    """The engine job of a validated request, with its output seed, natural length and, for
+    a simulator with a tokenizer, its whole text-like answer (None: random ids)."""
     seed = request_seed(valid.input_ids, valid.sampling_seed, config.seed)
     natural = max(natural_length(seed, config.length_for(category)), valid.min_new_tokens)
+    answer = None
+    if text is not None and not valid.ignore_eos:
+        answer = text.natural_ids(seed, natural, valid.input_ids)
+        if len(answer) >= valid.min_new_tokens:
+            natural = len(answer)
+        else:
+            answer = None
     cap = valid.max_new_tokens
     if valid.ignore_eos or cap <= natural:
         target, reason = cap, {"type": "length", "length": cap}
     else:
         target, reason = natural, {"type": "stop", "matched": config.eos_token_id}
     job = Job(valid.rid, len(valid.input_ids), cap, target, reason)
-    return job, seed, natural
+    return job, seed, natural, answer
 
 
 def sim_stats(app: web.Application) -> dict[str, Any]:
@@ -146,7 +158,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         if fault is not None:
             raise fault
         valid = validate_generate(parsed, config)
-        job, seed, natural = build_job(valid, config, request.headers.get(CATEGORY_HEADER))
+        text = app.get(TEXT_KEY)
+        job, seed, natural, answer = build_job(valid, config,
+                                               request.headers.get(CATEGORY_HEADER), text)
         try:
             done = await engine.generate(job)
         except QueueFullError as exc:
@@ -155,14 +169,17 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             raise bad_request(f"Duplicate request ID detected: {job.rid}") from exc
     except ApiError as exc:
         return _error(exc)
-    ids = output_ids(
-        seed,
-        done.completion_tokens,
-        natural,
-        vocab_size=config.vocab_size,
-        eos_token_id=config.eos_token_id,
-        ignore_eos=valid.ignore_eos,
-    )
+    if answer is not None:
+        ids = answer[: done.completion_tokens]
+    else:
+        ids = output_ids(
+            seed,
+            done.completion_tokens,
+            natural,
+            vocab_size=config.vocab_size,
+            eos_token_id=config.eos_token_id,
+            ignore_eos=valid.ignore_eos,
+        )
     app[E2E_KEY].observe(done.e2e_latency_s)
     if faults.should_reset():
         logger.info("simulated fault: dropping the connection of %s", done.rid)
@@ -171,7 +188,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         raise asyncio.CancelledError
     reported_tokens = done.completion_tokens + int(faults.should_bad_count())
     reply = {
-        "text": render_text(ids, config.eos_token_id),
+        "text": text.decode(ids) if text is not None else render_text(ids, config.eos_token_id),
         "output_ids": ids,
         "meta_info": {
             "id": done.rid,
@@ -312,6 +329,8 @@ def create_app(config: SimConfig) -> web.Application:
     app[FAULTS_KEY] = FaultInjector(config.faults, config.seed)
     app[E2E_KEY] = LatencyHistogram()
     app[HTTP_KEY] = Counter()
+    if config.tokenizer:
+        app[TEXT_KEY] = TextOutputs(config.tokenizer, config.eos_token_id)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_engine)
     r = app.router

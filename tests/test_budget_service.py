@@ -120,3 +120,20 @@ def test_metrics_pass_promtool(service) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and not out.stdout.strip() and not out.stderr.strip(), \
         out.stdout + out.stderr
+
+
+def test_a_cap_of_none_uncaps_and_leaves_no_cap_series(service) -> None:
+    parser = pytest.importorskip("prometheus_client.parser")
+    budget, url, _ = service
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = requests.post(f"{url}/cap", json={"category": "math", "cap_tokens": "none"},
+                      headers=auth, timeout=5)
+    assert r.status_code == 200 and r.json()["cap"] is None
+    assert budget.status()["categories"]["math"]["cap"] is None
+    bad = requests.post(f"{url}/cap", json={"category": "math", "cap_tokens": "lots"},
+                        headers=auth, timeout=5)
+    assert bad.status_code == 400
+    caps = {s.labels["category"]: s.value
+            for fam in parser.text_string_to_metric_families(render_metrics(budget).decode())
+            for s in fam.samples if s.name == "tokencap_cap_tokens"}
+    assert caps == {"code": 1000}  # an uncapped category has no cap series

@@ -187,15 +187,20 @@ def test_admit_refuses_the_job_of_an_earlier_enqueue(budget: Budget) -> None:
     assert budget.admit("code", "zz", 100, LEASE_MS) == ("unknown", None)
 
 
-def test_admit_skips_the_samples_of_a_closed_category(budget: Budget) -> None:
+def test_admit_holds_back_the_samples_of_a_closed_category(budget: Budget) -> None:
     budget.close("code")
     feed(budget, "a")
     assert budget.admit("code", "a", 10, LEASE_MS) == ("closed", None)
-    st = budget.state("code")
-    assert st["skipped"] == 1 and st["reserved"] == 0
-    assert budget.final_marks("code") == {"a": "s"}
-    assert budget.admit("code", "a", 10, LEASE_MS) == ("done", None)
-    assert budget.state("code")["skipped"] == 1
+    st = budget.status()["categories"]["code"]
+    assert (st["skipped"], st["parked"], st["pending"], st["reserved"]) == (1, 1, 1, 0)
+    assert budget.final_marks("code") == {}  # held, not final
+    assert budget.redis.zscore(ck(budget).leases, "a") is None
+    assert budget.admit("code", "a", 10, LEASE_MS) == ("closed", None)  # still held once
+    assert budget.status()["categories"]["code"]["skipped"] == 1
+    budget.set_cap("code", 5000)  # a raised cap reopens: the held sample is sent
+    got = budget.unpark("code", 10, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
+    assert got.leased == [("a", 1)]
+    assert budget.admit("code", "a", 10, LEASE_MS, seq=1)[0] == "ok"
 
 
 def test_admit_waits_when_reservations_fill_the_cap(budget: Budget) -> None:
@@ -375,7 +380,7 @@ def test_unpark_takes_as_many_as_admission_would(budget: Budget) -> None:
     deadline = now_ms() + LEASE_MS
     # 300 + 300 < 1000 ok, 600 + 300 < 1000 ok, 900 + 300 no: two leave the park
     got = budget.unpark("code", 300, 0, 0, 0.0, deadline, 100)
-    assert got.leased == [("a", 1), ("b", 1)] and got.skipped == 0
+    assert got.leased == [("a", 1), ("b", 1)]
     assert budget.redis.zrange(ck(budget).parked, 0, -1) == [b"c", b"d"]
     assert budget.redis.zscore(ck(budget).leases, "a") == deadline
     assert budget.state("code")["reserved"] == 300  # unpark reserves nothing itself
@@ -393,15 +398,15 @@ def test_unpark_takes_one_when_nothing_is_in_flight(budget: Budget) -> None:
     assert got.leased == [("a", 1)]
 
 
-def test_unpark_skips_every_parked_sample_of_a_closed_category(budget: Budget) -> None:
+def test_unpark_leaves_the_parked_samples_of_a_closed_category_held(budget: Budget) -> None:
     park(budget, "abc")
     budget.commit(result("a", 5), 0, 0.0)  # a is final already
     budget.close("code")
     got = budget.unpark("code", 10, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
-    assert got == ([], 2)
-    assert budget.final_marks("code") == {"a": "c:5", "b": "s", "c": "s"}
+    assert got.leased == []
+    assert budget.final_marks("code") == {"a": "c:5"}
     st = budget.status()["categories"]["code"]
-    assert (st["parked"], st["pending"], st["skipped"]) == (0, 0, 2)
+    assert (st["parked"], st["pending"], st["skipped"]) == (2, 2, 2)
 
 
 def test_unpark_drops_entries_of_samples_no_longer_pending(budget: Budget) -> None:
@@ -430,6 +435,8 @@ def test_close_cap_reopens_and_closes(budget: Budget) -> None:
     assert budget.set_cap("code", 5000) == (False, 1000)
     assert budget.status()["categories"]["code"]["state"] == "open"
     assert budget.set_cap("code", 100) == (True, 5000)
+    [(_, entries)] = budget.redis.xreadgroup(WRITER_GROUP, "w", {ck(budget).results: ">"})
+    budget.acknowledge("code", False, [e for e, _ in entries], {"a": 1500})  # written
     assert budget.mark_exhausted("code", budget.cursor("code")) is True
     budget.set_cap("code", 9000)  # raising the cap reopens an exhausted category too
     assert budget.status()["categories"]["code"]["state"] == "open"
@@ -438,6 +445,34 @@ def test_close_cap_reopens_and_closes(budget: Budget) -> None:
     assert budget.status()["categories"]["code"]["state"] == "open"
     assert budget.mark_exhausted("code", budget.cursor("code")) is True
     assert budget.status()["categories"]["code"]["state"] == "exhausted"
+
+
+def test_close_exhausted_waits_for_pending_followups_and_the_writer(budget: Budget) -> None:
+    budget.redis.zadd(ck(budget).follow, {"c#t2": 0})
+    assert budget.mark_exhausted("code", 0) is False  # a conversation waits for its turn
+    budget.redis.delete(ck(budget).follow)
+    feed(budget, "a")
+    assert budget.mark_exhausted("code", 1) is False  # a sample is pending
+    budget.commit(result("a", 5), 0, 0.0)
+    assert budget.mark_exhausted("code", 1) is False  # its result is not written yet
+    [(_, entries)] = budget.redis.xreadgroup(WRITER_GROUP, "w", {ck(budget).results: ">"})
+    budget.acknowledge("code", False, [e for e, _ in entries], {"a": 5})
+    assert budget.mark_exhausted("code", 1) is True
+
+
+def test_close_cap_none_uncaps(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.commit(result("a", 1500), 0, 0.0)
+    assert budget.status()["categories"]["code"]["state"] == "closed"
+    assert budget.set_cap("code", None) == (False, 1000)
+    st = budget.status()["categories"]["code"]
+    assert (st["state"], st["cap"], st["overshoot"]) == ("open", None, 0)
+    assert budget.state("code")["cap"] is None
+    feed(budget, "b")
+    assert budget.admit("code", "b", 10**12, LEASE_MS, max_add=10**12)[0] == "ok"
+    budget.commit(result("b", 10**6), 0, 0.0)  # never closes uncapped
+    assert budget.status()["categories"]["code"]["state"] == "open"
+    assert budget.set_cap("code", 10) == (True, None)
 
 
 # -- reconcile, acknowledge, engine counts -----------------------------------------------------
@@ -470,6 +505,74 @@ def test_acknowledge_marks_written_deletes_entries_and_corrects_used(budget: Bud
     budget.mark_written("code", {"b": "d"})  # marks alone: found on disk at a writer's start
     assert budget.written("code", ["a", "b"]) == ["30", "d"]
     assert budget.acknowledge("code", True, [], {}, 0) == 0
+
+
+def turn_result(conv: str, turn: int, total: int, out: list[int]) -> Result:
+    return Result(id=f"{conv}#t{turn}", category="code", prompt_ids=[1], output_ids=out,
+                  prompt_tokens=1, completion_tokens=len(out), finish_reason="stop", text="x",
+                  sampling={}, counted_tokens=len(out), ordinal=7, conversation_id=conv,
+                  turn=turn, turns_total=total)
+
+
+def test_acknowledge_hands_a_written_turn_to_the_next_and_ends_conversations(
+        budget: Budget) -> None:
+    from budget_service.budget import turn_event
+
+    ev = turn_event(turn_result("c", 1, 3, [5, 6]))
+    assert ev is not None and ev.next_id == "c#t2"
+    budget.acknowledge("code", False, [], {"c#t1": 2}, 0, [ev])
+    assert budget.redis.zrange(ck(budget).follow, 0, -1, withscores=True) == [(b"c#t2", 7.0)]
+    [f] = budget.followups("code", 10)
+    assert (f.sample_id, f.ordinal, f.outputs) == ("c#t2", 7, [[5, 6]])
+    # a next turn already pending or final is not put in `follow` again
+    budget.redis.delete(ck(budget).follow)
+    budget.redis.hset(ck(budget).pending, "c#t2", "{}")
+    budget.acknowledge("code", False, [], {}, 0, [ev])
+    assert budget.redis.zcard(ck(budget).follow) == 0
+    budget.redis.hset(ck(budget).history, "c#t2", "[7]")
+    # the last turn ends the conversation: its history goes
+    end = turn_event(turn_result("c", 3, 3, [9]))
+    assert end is not None and end.drop == ("c#t1", "c#t2")
+    budget.acknowledge("code", False, [], {}, 0, [end])
+    assert budget.redis.hlen(ck(budget).history) == 0
+    # so does a rejected or dead turn; a cut record does not
+    dead = DeadLetter(id="d#t2", category="code", outcome="dead", reason="lost",
+                      conversation_id="d", turn=2, turns_total=4)
+    assert turn_event(dead).drop == ("d#t1",)  # type: ignore[union-attr]
+    assert turn_event(msgspec.structs.replace(dead, outcome="cut")) is None
+
+
+def test_feed_follow_feeds_each_waiting_turn_once(budget: Budget) -> None:
+    budget.redis.zadd(ck(budget).follow, {"c#t2": 3, "d#t2": 4, "e#t2": 5})
+    p = msgspec.structs.replace(pending("c#t2"), conversation_id="c", turn=2, turns_total=2)
+    late = pending("z#t2")  # not waiting (fed by another call): left alone
+    bad = DeadLetter(id="d#t2", category="code", outcome="rejected", reason="prompt_too_long",
+                     conversation_id="d", turn=2)
+    assert budget.feed_follow("code", now_ms() + LEASE_MS, [p, late], [bad]) == ["c#t2"]
+    assert budget.feed_follow("code", now_ms() + LEASE_MS, [p], [bad]) == []
+    assert budget.entry("code", "c#t2").pending == p
+    assert budget.final_marks("code") == {"d#t2": "r:prompt_too_long"}
+    assert budget.redis.zrange(ck(budget).follow, 0, -1) == [b"e#t2"]
+    assert budget.redis.hexists(ck(budget).pending, "z#t2") is False
+    st = budget.status()["categories"]["code"]
+    assert (st["pending"], st["followups"], st["rejected"]) == (1, 1, 1)
+
+
+def test_cut_reports_each_held_turn_once_while_closed(budget: Budget) -> None:
+    budget.redis.zadd(ck(budget).follow, {"c#t2": 3})
+    letter = DeadLetter(id="c#t2", category="code", outcome="cut", reason="cap",
+                        conversation_id="c", turn=2)
+    other = msgspec.structs.replace(letter, id="x#t3")  # not held: not reported
+    assert budget.cut("code", [letter]) == 0  # open: nothing is cut
+    budget.close("code")
+    assert budget.held("code") == ["c#t2"]
+    assert budget.cut("code", [letter, other]) == 1
+    assert budget.cut("code", [letter]) == 0
+    assert budget.held("code") == []
+    assert budget.redis.xlen(ck(budget).dead) == 1
+    assert budget.final_marks("code") == {}  # not an end: a raised cap sends the turn
+    st = budget.status()["categories"]["code"]
+    assert (st["skipped"], st["followups"]) == (1, 1)
 
 
 def test_engine_counts_add_up(budget: Budget) -> None:

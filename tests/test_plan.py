@@ -228,3 +228,35 @@ def test_preview_cli_shows_text_count_and_sampling(tmp_path):
     res = CliRunner().invoke(preview_cmd, [str(cfg), "--category", "nope"])
     assert res.exit_code == 1
     assert "no category 'nope'" in res.stderr
+
+
+CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"
+
+
+def test_an_uncapped_category_plans_its_whole_source(tmp_path):
+    cfg = load_config(_config(tmp_path, cats=(
+        f'[[category]]\nname = "math"\nsource = "{GSM8K}"\nexpected_tokens = 400\n'
+        f'cap_tokens = "none"\nsampling = {{ max_new_tokens = 1024 }}\n')))
+    [row] = plan(cfg, available={"math": 200}, tok_s=1000.0)
+    assert (row.cap_tokens, row.samples, row.limited_by) == (None, 200, "prompts")
+    assert row.total_tokens == 200 * 400
+    assert totals([row]).cap_tokens is None
+    res = CliRunner().invoke(plan_cmd, [str(tmp_path / "run.toml")])
+    assert res.exit_code == 0, res.output
+    assert "uncapped" in res.stdout and "10000000" not in res.stdout.replace(",", "")
+
+
+def test_plan_check_counts_usable_records_and_their_turns(tmp_path):
+    path = _config(tmp_path, cats=(
+        f'[[category]]\nname = "conv"\nsource = "{CONVERSATIONS}"\nturns = "all"\n'
+        f'role_map = {{ customer = "user", agent = "assistant" }}\ncap_tokens = "none"\n'
+        f"sampling = {{ max_new_tokens = 64 }}\n"))
+    res = CliRunner().invoke(plan_cmd, [str(path), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    [row] = json.loads(res.stdout)["categories"]
+    # 8 records: 3 rejected for a reason each; the 5 others ask for 3+2+4+2+2 generations
+    assert row["checked"] == {"records": 8, "usable": 5, "generations": 13, "rejected": {
+        "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}}
+    assert row["prompts"] == row["samples"] == 13
+    table = CliRunner().invoke(plan_cmd, [str(path), "--check"]).stdout
+    assert "conv: 5 of 8 records usable, 13 generations; rejected: invalid_json 1" in table

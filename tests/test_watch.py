@@ -23,6 +23,7 @@ from foundation.sglang import parse_metrics as parse_sglang_metrics
 from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
 from tests.test_lua import LEASE_MS, feed, make_cfg, result
+from tokencap.progress import summary_table
 from tokencap.watch import (
     CategoryRate,
     EngineLoad,
@@ -328,3 +329,17 @@ def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
         "engines: none; workers=0",
         "writer: NONE (nothing reaches the disk); unwritten=0",
     ]
+
+
+def test_an_uncapped_category_shows_as_uncapped_not_a_number() -> None:
+    status = {"run": "r", "categories": {"all": cat(123_456, overshoot=0)},
+              "writer": {"holder": "h", "error": None, "unwritten": 0}}
+    status["categories"]["all"]["cap"] = None
+    lines = plain_lines(status, {}, [], 1)
+    assert lines[0].startswith("all used=123456 (uncapped) ")
+    board = Console(width=160, record=True, color_system=None)
+    board.print(render_board(status, {}, [], 1))
+    text = board.export_text()
+    assert "uncapped" in text and "123k" in text
+    assert "uncapped" in summary_table(status)
+    assert RateTracker().rate("all", None, 10, "open").eta_s is None

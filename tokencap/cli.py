@@ -279,22 +279,43 @@ def cap() -> None:
     """Change a category's cap while the run goes on."""
 
 
+class CapType(click.ParamType):
+    """Tokens (>= 0), or "none" for uncapped."""
+
+    name = "TOKENS|none"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int | None:
+        from budget_service.budget import parse_cap
+
+        if value is None or isinstance(value, int):
+            return value
+        try:
+            return parse_cap(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a number of tokens >= 0 or \"none\"", param, ctx)
+
+
 @cap.command("set")
 @click.argument("category")
-@click.argument("tokens", type=click.IntRange(min=0))
+@click.argument("tokens", type=CapType())
 @RUN_OPT
 @REDIS_OPT
 @PREFIX_OPT
-def cap_set(category: str, tokens: int, run_name: str | None, redis_url: str,
+def cap_set(category: str, tokens: int | None, run_name: str | None, redis_url: str,
             prefix: str) -> None:
-    """Set CATEGORY's cap to TOKENS: raising it reopens a closed category, lowering it
-    below what is used closes it at once."""
+    """Set CATEGORY's cap to TOKENS ("none": uncapped, the whole source): raising it
+    reopens a closed category and sends what it held back, lowering it below what is used
+    closes it at once."""
+    from budget_service.budget import cap_text
+
     budget = _budget(redis_url, prefix, run_name)
     if category not in budget.status()["categories"]:
         raise UnknownCategory(budget.keys.run, category)
     closed, old = budget.set_cap(category, tokens)
-    log.warning("cap of %s changed from %d to %d", category, old, tokens)
-    click.echo(f"{category}: cap {old} -> {tokens} ({'closed' if closed else 'open'})")
+    log.warning("cap of %s changed from %s to %s", category, cap_text(old), cap_text(tokens))
+    click.echo(f"{category}: cap {cap_text(old)} -> {cap_text(tokens)} "
+               f"({'closed' if closed else 'open'})")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -141,14 +141,24 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
     table = []
     for r in [*rows, total]:
         prompts = "?" if r.prompts is None else f"{r.prompts:,}"
-        table.append((r.category, f"{r.cap_tokens:,}", prompts, f"{r.avg_tokens:,.0f}",
+        cap = "uncapped" if r.cap_tokens is None else f"{r.cap_tokens:,}"
+        table.append((r.category, cap, prompts, f"{r.avg_tokens:,.0f}",
                       r.source, f"{r.samples:,}", f"{r.total_tokens:,}", f"{r.hours:.2f}",
                       f"{r.hours_left:.2f}", r.limited_by))
     width = max(len("category"), *(len(t[0]) for t in table))
     lines = [f"{'category':<{width}}" + "".join(f"  {h:>11}" for h in heads)]
     lines += [f"{t[0]:<{width}}" + "".join(f"  {v:>11}" for v in t[1:]) for t in table]
+    for r in rows:
+        if r.checked is not None:
+            c = r.checked
+            why = ", ".join(f"{k} {v:,}" for k, v in c.rejected.items()) or "none"
+            lines.append(f"{r.category}: {c.usable:,} of {c.records:,} records usable, "
+                         f"{c.generations:,} generations; rejected: {why}")
     lines.append(f"hours at {tok_s:,.0f} output tok/s; tok/sample counts what the budget "
                  "counts, measured from committed results or estimated from the config")
+    if any(r.checked is None for r in rows):
+        lines.append("prompts counts records (rejected ones and a conversation's later turns "
+                     "unseen); plan --check reads and renders every record to count them")
     return "\n".join(lines)
 
 
@@ -158,26 +168,51 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
               envvar="TOKENCAP_TOK_S", show_default=True,
               help="Engine output throughput in tokens/s, for the hours. Env: TOKENCAP_TOK_S.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_cmd(config: str, tok_s: float, as_json: bool) -> None:
+@click.option("--check", is_flag=True,
+              help="Read and render every record as the producer does, and plan with the "
+                   "usable ones only (their turns, with turns = \"all\"); prints the rejects "
+                   "per reason. Slower: it tokenizes the whole source.")
+def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     """Plan CONFIG: per category the prompts available, tokens per sample, samples and
-    tokens its cap needs, and hours at --tok-s; then the totals.
+    tokens its cap needs (an uncapped category: its whole source), and hours at --tok-s;
+    then the totals.
 
     Tokens per sample are measured from committed results in output_dir when there are
     any, else taken from expected_tokens (plus rendered prompt lengths when count = total).
+    Prompts are the records in the sources, or with --check the generations the usable
+    records ask for.
     """
-    from tokencap.plan import count_available, estimate_prompt_tokens, measure, plan, totals
+    from tokencap.plan import (
+        check_sources,
+        count_available,
+        estimate_prompt_tokens,
+        measure,
+        plan,
+        totals,
+    )
 
     cfg = _load(config)
     names = [c.name for c in cfg.category]
     measured = measure(Path(cfg.output_dir), names)
-    available = count_available(cfg)
+    chat = any(c.format != "input_ids" for c in cfg.category)
+    renderer = None
+    checked = None
+    if check:
+        renderer = _renderer(cfg.tokenizer, cfg.chat_template_kwargs) if chat else None
+        checked = check_sources(cfg, renderer, lambda name, done, n: click.echo(
+            f"{name}: checked {done:,} of {n:,} records", err=True))
+        available = {name: c.generations for name, c in checked.items()}
+    else:
+        available = count_available(cfg)
     prompt_tokens = None
     unmeasured = [n for n in names if n not in measured]
     if cfg.count == "total" and unmeasured:
-        chat = any(cfg.by_name(n).format != "input_ids" for n in unmeasured)
-        renderer = _renderer(cfg.tokenizer, cfg.chat_template_kwargs) if chat else None
+        if renderer is None and any(cfg.by_name(n).format != "input_ids" for n in unmeasured):
+            renderer = _renderer(cfg.tokenizer, cfg.chat_template_kwargs)
         prompt_tokens = estimate_prompt_tokens(cfg, renderer, unmeasured)
     rows = plan(cfg, measured, available, tok_s, prompt_tokens)
+    if checked is not None:
+        rows = [msgspec.structs.replace(r, checked=checked[r.category]) for r in rows]
     total = totals(rows)
     if as_json:
         doc = {"run": cfg.run, "count": cfg.count, "tok_s": tok_s,

@@ -17,12 +17,16 @@ specforge       ``specforge.jsonl``      ``{"id", "input_ids", "loss_mask"}``:
                                          [1] * output`` (SpecForge's pre-tokenized input)
 conversations   ``conversations.jsonl``  ``{"id", "category", "finish_reason",
                                          "conversations", "prompt_text",
-                                         "completion_text"}`` (see `conversation_row`)
+                                         "completion_text"}`` (see `conversation_row`);
+                                         for ``turns = "all"``, one row per ended
+                                         conversation (see `ConversationSink`)
 parquet         ``specforge.parquet``    columns id, category, input_ids (list<int32>),
                                          loss_mask (list<int32>), finish_reason,
                                          counted_tokens (int64)
 ==============  =======================  ===================================================
 
+Rows of ``turns = "all"`` runs are turns (``<conversation>#t<j>``): specforge and parquet give
+one row per turn, its loss mask over that turn's output only.
 Truncated samples (``finish_reason == "length"``) are dropped unless `keep_truncated`.
 Every file is written to a temporary name beside it, fsynced, and renamed over the final
 name only once every file of the export is complete, so a failed export replaces nothing.
@@ -40,7 +44,13 @@ from typing import Any, Protocol
 import msgspec
 
 from foundation.errors import SourceError, TokencapError, UnknownCategory
-from foundation.outputs import PART_GLOB, BadLine, categories_on_disk, read_results
+from foundation.outputs import (
+    PART_GLOB,
+    BadLine,
+    categories_on_disk,
+    read_dead_letters,
+    read_results,
+)
 from foundation.wire import Result
 
 log = logging.getLogger(__name__)
@@ -78,11 +88,15 @@ class CategoryStats:
     dropped_truncated: int = 0
     duplicates: int = 0
     bad_lines: int = 0
+    conversations: int = 0
+    conversations_complete: int = 0
+    conversations_in_progress: int = 0
     bad: list[dict] = field(default_factory=list)
 
     def add(self, other: CategoryStats) -> None:
         for name in ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates",
-                     "bad_lines"):
+                     "bad_lines", "conversations", "conversations_complete",
+                     "conversations_in_progress"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -212,24 +226,46 @@ class SourceMessages:
         self._indexes: dict[str, Any] = {}
 
     def __call__(self, row: Result) -> list[dict] | None:
+        sample = self._sample(row)
+        messages = None
+        if sample is not None and sample.sample_id == row.id and sample.prompt \
+                and isinstance(sample.prompt[0], dict):
+            messages = list(sample.prompt)
+        if messages is None:
+            self.unmatched += 1
+        return messages
+
+    def conversation(self, row: Result) -> Any:
+        """The source `Conversation` of a turn row (None when the source changed)."""
+        sample = self._sample(row)
+        if sample is None or sample.sample_id != row.conversation_id:
+            self.unmatched += 1
+            return None
+        return sample.conversation
+
+    def replies(self, tokenizer: Any) -> Any:
+        """The run's `ReplyParser` (how its generated turns entered the history)."""
+        from producer.replies import ReplyParser
+
+        template = tokenizer.chat_template
+        template = template if isinstance(template, str) else "\n".join(template.values())
+        return ReplyParser(tokenizer, template, self.cfg.reasoning_parser,
+                           self.cfg.tool_call_parser)
+
+    def _sample(self, row: Result) -> Any:
         from producer.formats import Rejected
         from producer.readers import read_sample
 
-        messages = None
         try:
             cat = self.cfg.by_name(row.category)
             index = self._index(cat)
             if 0 <= row.ordinal < len(index):
-                sample = read_sample(index, row.ordinal, cat.format, cat.turns,
-                                     cat.system_prompt, cat.field_map or None)
-                if sample.sample_id == row.id and sample.prompt and isinstance(
-                        sample.prompt[0], dict):
-                    messages = list(sample.prompt)
+                return read_sample(index, row.ordinal, cat.format, cat.turns,
+                                   cat.system_prompt, cat.field_map or None,
+                                   cat.role_map or None)
         except (UnknownCategory, KeyError, OSError, SourceError, Rejected) as exc:
             log.debug("%s/%s: no source messages: %s", row.category, row.id, exc)
-        if messages is None:
-            self.unmatched += 1
-        return messages
+        return None
 
     def _index(self, cat: Any) -> Any:
         from producer.readers import SourceIndex
@@ -278,6 +314,90 @@ def conversation_row(
     }
 
 
+class ConversationSink(JsonlSink):
+    """The conversations file: a row per result, and for the turns of conversations
+    regenerated turn by turn (``turns = "all"``) one row per conversation, written once it
+    ended:
+
+    ``{"id": <conversation id>, "category", "complete", "stopped", "turns", "turns_total",
+    "finish_reasons", "tools", "conversations": [...]}`` where ``conversations`` is the source's
+    messages up to the last turn written (system, user turns, tool results as given) with
+    every assistant turn the model's own: its output decoded into the assistant message that
+    entered the next turn's prompt (``content``, and ``reasoning_content`` and ``tool_calls``
+    where they were split, `producer.replies`). ``complete`` is true when every turn was
+    generated; else ``stopped`` says why it ended: ``rejected:<reason>`` or ``dead:<reason>``
+    (a turn that failed, e.g. ``rejected:prompt_too_long`` for a conversation cut by the
+    context length) or ``cap`` (its category closed before the next turn was sent). A
+    conversation still going on is not written (counted as in progress).
+    """
+
+    def __init__(self, path: Path, tokenizer: Decoder, messages_for: MessagesFor | None
+                 ) -> None:
+        super().__init__(path, lambda r, i: conversation_row(r, i, tokenizer, messages_for))
+        self.tokenizer = tokenizer
+        self.messages_for = messages_for
+        self._turns: dict[str, dict[int, Result]] = {}
+        self._replies: Any = None
+
+    def add_turn(self, row: Result) -> None:
+        """Keep a turn row until its category is read (the turns come in any order)."""
+        assert row.conversation_id is not None
+        self._turns.setdefault(row.conversation_id, {})[row.turn] = row
+
+    def flush_conversations(self, cat_dir: Path, id_prefix: str, stats: CategoryStats) -> None:
+        """Write the conversations of one category that ended, from the turns kept and the
+        category's dead letters (why a conversation stopped)."""
+        ends: dict[str, tuple[int, str]] = {}  # conversation -> (turn that ended it, why)
+        for d in read_dead_letters(cat_dir):
+            if isinstance(d, BadLine) or not d.conversation_id:
+                continue
+            why = "cap" if d.outcome == "cut" else f"{d.outcome}:{d.reason}"
+            if d.turn >= ends.get(d.conversation_id, (0, ""))[0]:
+                ends[d.conversation_id] = (d.turn, why)
+        for conv_id, turns in sorted(self._turns.items()):
+            rows = [turns[j] for j in sorted(turns)]
+            last = rows[-1]
+            total = last.turns_total
+            complete = last.turn >= total
+            end = ends.get(conv_id)
+            stopped = None if complete else end[1] if end and end[0] == last.turn + 1 else None
+            if not complete and stopped is None:
+                stats.conversations_in_progress += 1
+                continue
+            self._write_conversation(id_prefix + conv_id, rows, complete, stopped)
+            stats.conversations += 1
+            stats.conversations_complete += int(complete)
+        self._turns.clear()
+
+    def _write_conversation(self, conv_id: str, rows: list[Result], complete: bool,
+                            stopped: str | None) -> None:
+        conv = None
+        source = getattr(self.messages_for, "conversation", None)
+        if source is not None:
+            conv = source(rows[0])
+        if self._replies is None:
+            replies_of = getattr(self.messages_for, "replies", None)
+            if replies_of is not None:
+                self._replies = replies_of(self.tokenizer)
+            else:
+                from producer.replies import ReplyParser
+
+                template = getattr(self.tokenizer, "chat_template", "") or ""
+                self._replies = ReplyParser(self.tokenizer, str(template))
+        tools = conv.tools if conv is not None else None
+        stop_ids = set((rows[0].sampling or {}).get("stop_token_ids") or [])
+        generated = [self._replies.message(r.output_ids, tools, stop_ids) for r in rows]
+        if conv is not None and len(rows) <= conv.turns:
+            messages = [*conv.prompt(generated[:-1]), generated[-1]]
+        else:
+            messages = generated
+        doc = {"id": conv_id, "category": rows[0].category, "complete": complete,
+               "stopped": stopped, "turns": len(rows), "turns_total": rows[-1].turns_total,
+               "finish_reasons": [r.finish_reason for r in rows], "tools": tools,
+               "conversations": messages}
+        self._f.write(self._enc.encode(doc) + b"\n")
+
+
 def make_sinks(
     folder: Path, formats: list[str], tokenizer: Decoder | None,
     messages_for: MessagesFor | None,
@@ -292,8 +412,7 @@ def make_sinks(
             elif fmt == "conversations":
                 if tokenizer is None:
                     raise ExportError("format conversations needs a tokenizer")
-                sinks.append(JsonlSink(path, lambda r, i: conversation_row(
-                    r, i, tokenizer, messages_for)))
+                sinks.append(ConversationSink(path, tokenizer, messages_for))
             else:
                 sinks.append(ParquetSink(path))
     except BaseException:
@@ -320,15 +439,23 @@ def export_category(
             stats.duplicates += 1
             continue
         seen.add(item.id)
+        if item.conversation_id is not None:  # a conversation keeps its truncated turns
+            for sink in sinks:
+                if isinstance(sink, ConversationSink):
+                    sink.add_turn(item)
         if item.finish_reason == TRUNCATED and not keep_truncated:
             stats.dropped_truncated += 1
             continue
         row_id = id_prefix + item.id
         for sink in sinks:
-            sink.write(item, row_id)
+            if item.conversation_id is None or not isinstance(sink, ConversationSink):
+                sink.write(item, row_id)
         stats.rows += 1
         stats.tokens += len(item.prompt_ids) + len(item.output_ids)
         stats.output_tokens += len(item.output_ids)
+    for sink in sinks:
+        if isinstance(sink, ConversationSink):
+            sink.flush_conversations(cat_dir, id_prefix, stats)
     return stats
 
 

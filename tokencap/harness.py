@@ -33,7 +33,7 @@ from consumers.writer import Writer
 from foundation.config import RunConfig
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
 from foundation.redisconn import connect
-from foundation.wire import DeadLetter, Result
+from foundation.wire import DeadLetter, Result, turn_id
 from producer.feeder import Producer
 from producer.readers import sample_id
 from producer.run import build_producer
@@ -290,33 +290,77 @@ class Pipeline:
         assert st["used"] == sum(r.counted_tokens for r in recs), \
             f"{name}: used {st['used']} != sum(counted_tokens) in the files"
         assert st["samples"] == len(recs), f"{name}: samples {st['samples']} != {len(recs)} rows"
-        assert st["pending"] == 0 and st["reserved"] == 0 and st["in_flight"] == 0, \
-            f"{name}: pending {st['pending']} reserved {st['reserved']} in_flight {st['in_flight']}"
         assert st["state"] in ("closed", "exhausted"), (name, st)
+        ck = self.keys.cat(name)
+        held = {_text(v) for v in self.redis.hkeys(ck.pending)}
+        parked = {_text(v) for v in self.redis.zrange(ck.parked, 0, -1)}
+        waiting = {_text(v) for v in self.redis.zrange(ck.follow, 0, -1)}
+        # a closed category may hold samples back (parked, not final: a raised cap sends
+        # them); nothing else may be left pending
+        assert held == (parked if st["state"] == "closed" else set()), \
+            f"{name}: pending {sorted(held)[:5]} != held {sorted(parked)[:5]}"
+        assert st["reserved"] == 0 and st["in_flight"] == 0, \
+            f"{name}: reserved {st['reserved']} in_flight {st['in_flight']}"
+        assert not waiting or st["state"] == "closed", f"{name}: turns still waiting {waiting}"
         final = self.budget.final_marks(name)
         committed = {k for k, v in final.items() if v.startswith("c:")}
         assert committed == set(ids), f"{name}: Redis and files disagree on committed ids"
-        dead = {d.id for d in self.dead(name)}
+        letters = self.dead(name)
+        dead = {d.id for d in letters if d.outcome != "cut"}
         assert dead == {k for k, v in final.items() if v[0] in "rd"}, \
             f"{name}: dead letters != rejected/dead marks"
-        assert st["skipped"] == sum(1 for v in final.values() if v == "s"), f"{name}: skipped"
+        assert not (held | waiting) & set(final), f"{name}: a held sample is final"
         queue = Queue(self.keys.queue_name(name), connection=self.redis)
         assert self.redis.zcard(queue.started_job_registry.key) == 0, \
             f"{name}: started registry not empty"
         assert self.redis.llen(queue.intermediate_queue_key) == 0, \
             f"{name}: intermediate queue not empty"
         summary = f"{len(recs)} rows, {len(dead)} dead letters"
+        if any(r.conversation_id for r in recs):
+            summary += ", " + check_conversations(name, recs, letters, held | waiting)
         feed = self.producer.feeds.get(name) if self.producer else None
         if feed is not None:
-            fed = {sample_id(feed.index, feed.order[i]) for i in range(feed.cursor)}
-            assert fed <= set(final), f"{name}: a fed sample has no terminal state"
-            summary += f", {len(fed)} fed, all terminal"
+            first = (lambda sid: turn_id(sid, 1)) if feed.turns else (lambda sid: sid)
+            fed = {first(sample_id(feed.index, feed.order[i])) for i in range(feed.cursor)}
+            assert fed <= set(final) | held, f"{name}: a fed sample has no terminal state"
+            summary += f", {len(fed)} fed, all terminal or held"
         return summary
 
     def check_invariants(self, status: dict[str, Any]) -> None:
         """`check_category` for every category of the run."""
         for cat in self.cfg.category:
             self.check_category(status, cat.name)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def check_conversations(name: str, recs: list[Result], letters: list[DeadLetter],
+                        held: set[str]) -> str:
+    """Conversations regenerated turn by turn: each turn at most once, no gap (turn j+1
+    committed only after turn j), and each conversation complete, or ended by a rejected or
+    dead turn, or its next turn held back by the closed category."""
+    turns: dict[str, set[int]] = {}
+    total: dict[str, int] = {}
+    for r in recs:
+        assert r.conversation_id and r.id == turn_id(r.conversation_id, r.turn), r.id
+        assert r.turn not in turns.setdefault(r.conversation_id, set()), f"{r.id} twice"
+        turns[r.conversation_id].add(r.turn)
+        total[r.conversation_id] = r.turns_total
+    ended = {d.conversation_id: d.turn for d in letters
+             if d.conversation_id and d.outcome != "cut"}
+    complete = 0
+    for conv, seen in turns.items():
+        last = max(seen)
+        assert seen == set(range(1, last + 1)), f"{name}/{conv}: a gap in turns {sorted(seen)}"
+        nxt = turn_id(conv, last + 1)
+        if last == total[conv]:
+            complete += 1
+        else:
+            assert ended.get(conv) == last + 1 or nxt in held, \
+                f"{name}/{conv}: stopped after turn {last} of {total[conv]} with no reason"
+    return f"{len(turns)} conversations ({complete} complete), no gap"
 
 
 @contextlib.contextmanager

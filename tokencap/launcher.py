@@ -114,15 +114,19 @@ class Stack:
         print(f"[up] started redis-server {binary} on {url} with AOF in {data}", flush=True)
         return url
 
-    def _engine(self, given: str | None, saved: dict[str, str], time_scale: float) -> str:
+    def _engine(self, given: str | None, saved: dict[str, str], time_scale: float,
+                tokenizer: str | None = None) -> str:
         if given:
             return given
         if saved.get("SGLANG_URL") and self._alive("sim"):
             return saved["SGLANG_URL"]
         port = free_port()
         url = f"http://127.0.0.1:{port}"
+        # with the run's tokenizer the simulator answers text-like ids (words, reasoning,
+        # tool calls), so conversations regenerated turn by turn read as text
+        extra = ["--tokenizer", tokenizer] if tokenizer else []
         self._spawn("sim", [sys.executable, "-m", "sglang_sim", "--port", str(port),
-                            "--time-scale", str(time_scale)], dict(os.environ))
+                            "--time-scale", str(time_scale), *extra], dict(os.environ))
         wait_for(lambda: healthy(url, 1.0), "SGLang simulator")
         print(f"[up] started the SGLang simulator (no GPU) on {url}, time x{time_scale:g}",
               flush=True)
@@ -150,7 +154,7 @@ class Stack:
         cfg = load_config(config)
         saved = self._read_env()
         rurl = self._redis(redis_url, saved)
-        eurl = self._engine(sglang_url, saved, time_scale)
+        eurl = self._engine(sglang_url, saved, time_scale, cfg.tokenizer)
         env = {"REDIS_URL": rurl, "SGLANG_URL": eurl, "TOKENCAP_RUN": cfg.run,
                "TOKENCAP_PREFIX": cfg.key_prefix}
         self._write_env(env)

@@ -7,7 +7,10 @@ hand. Per category, with ``cap`` its cap and ``avail`` the records in its source
   when there are any (source "measured"), else ``cfg.expected_for(cat)``, plus the mean
   prompt tokens when ``count = "total"`` (source "estimate").
 - ``samples = min(ceil(cap / avg), avail)``; ``limited_by`` is "prompts" when the source
-  runs out first, else "cap".
+  runs out first, else "cap". An uncapped category (``cap_tokens = "none"``) takes every
+  prompt: ``samples = avail``. With ``turns = "all"`` a record asks for one generation per
+  turn: ``plan --check`` counts the turns of the usable records (`check_sources`), plain
+  ``plan`` counts records.
 - ``total_tokens = cap`` when limited by the cap (overshoot ignored), else
   ``samples * avg``: that is ``min(cap, avail * avg)`` up to rounding.
 - ``output_tokens = total_tokens * avg_output / avg``: the tokens the engine generates
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +37,7 @@ from foundation.errors import TokencapError
 from foundation.outputs import BadLine, category_dir, read_results
 
 PROMPT_SAMPLE_SIZE = 64  # prompts rendered to estimate mean prompt tokens
+CHECK_PROGRESS_EVERY = 5000  # records between progress lines of `check_sources`
 PREVIEW_SCAN_LIMIT = 1000  # records tried per category before preview gives up
 SECONDS_PER_HOUR = 3600
 DEFAULT_TOK_S = 1000.0  # output tokens per second of the engine
@@ -47,11 +52,22 @@ class Measured(NamedTuple):
     prompt_tokens: int = 0
 
 
+class SourceCheck(msgspec.Struct):
+    """A category's sources read and rendered as the producer does (`check_sources`):
+    `records` in the files, `usable` ones, the `generations` these ask for (their turns with
+    ``turns = "all"``, else one each) and the rejected ones by reason."""
+
+    records: int
+    usable: int
+    generations: int
+    rejected: dict[str, int]
+
+
 class PlanRow(msgspec.Struct):
     """One category's plan (or the totals, category "total"); see the module docstring."""
 
     category: str
-    cap_tokens: int
+    cap_tokens: int | None  # None: uncapped
     prompts: int | None
     avg_tokens: float
     avg_output_tokens: float
@@ -64,6 +80,7 @@ class PlanRow(msgspec.Struct):
     done_samples: int = 0
     done_tokens: int = 0
     hours_left: float = 0.0
+    checked: SourceCheck | None = None
 
 
 def plan(
@@ -96,12 +113,12 @@ def plan(
             extra = prompt_tokens.get(cat.name, 0.0) if cfg.count == "total" else 0.0
             avg = avg_out + extra
         avail = available.get(cat.name)
-        needed = math.ceil(cap / avg) if avg > 0 else math.inf
+        needed = math.inf if cap is None else math.ceil(cap / avg) if avg > 0 else math.inf
         samples = needed if avail is None else min(needed, avail)
         if samples == math.inf:
             samples = 0
         limited_by = "prompts" if samples < needed else "cap"
-        total = cap if limited_by == "cap" else round(samples * avg)
+        total = cap if limited_by == "cap" and cap is not None else round(samples * avg)
         output = round(total * avg_out / avg) if avg > 0 else 0
         done_out = m.output_tokens if m else 0
         rows.append(PlanRow(
@@ -121,8 +138,9 @@ def totals(rows: list[PlanRow]) -> PlanRow:
     total = sum(r.total_tokens for r in rows)
     output = sum(r.output_tokens for r in rows)
     prompts = [r.prompts for r in rows]
+    caps = [r.cap_tokens for r in rows]
     return PlanRow(
-        category="total", cap_tokens=sum(r.cap_tokens for r in rows),
+        category="total", cap_tokens=None if None in caps else sum(c or 0 for c in caps),
         prompts=None if None in prompts else sum(p or 0 for p in prompts),
         avg_tokens=total / samples if samples else 0.0,
         avg_output_tokens=output / samples if samples else 0.0,
@@ -165,6 +183,47 @@ def count_available(cfg: RunConfig) -> dict[str, int]:
     return counts
 
 
+def check_sources(cfg: RunConfig, renderer: Any,
+                  on_progress: Callable[[str, int, int], None] | None = None
+                  ) -> dict[str, SourceCheck]:
+    """Read and render every record of every category as the producer does (the first
+    prompt of a conversation; with `context_length` known, its fit with max_new_tokens) and
+    count the usable ones, the generations they ask for, and the rejects by reason.
+    `on_progress(category, done, total)` is called now and then."""
+    from producer.formats import Rejected
+    from producer.readers import SourceIndex, read_sample
+
+    out = {}
+    for cat in cfg.category:
+        kwargs = template_kwargs(cfg, cat) or None
+        rejected: dict[str, int] = {}
+        usable = generations = 0
+        with SourceIndex.build(cat.paths) as index:
+            for i in range(len(index)):
+                try:
+                    s = read_sample(index, i, cat.format, cat.turns, cat.system_prompt,
+                                    cat.field_map or None, cat.role_map or None)
+                    if s.prompt and isinstance(s.prompt[0], dict):
+                        ids = renderer.render(s.prompt, kwargs, s.tools)[1]
+                    else:
+                        ids = list(s.prompt)
+                    ctx = cfg.context_length
+                    if not ids:
+                        raise Rejected("empty_prompt")
+                    if ctx is not None and len(ids) + cat.sampling.max_new_tokens > ctx:
+                        raise Rejected("prompt_too_long")
+                except Rejected as exc:
+                    rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
+                    continue
+                usable += 1
+                generations += s.conversation.turns if s.conversation else 1
+                if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
+                    on_progress(cat.name, i + 1, len(index))
+            out[cat.name] = SourceCheck(len(index), usable, generations,
+                                        dict(sorted(rejected.items())))
+    return out
+
+
 def template_kwargs(cfg: RunConfig, cat: Category) -> dict[str, Any]:
     """The chat-template keyword arguments of `cat`: its own merged over the run's."""
     return {**cfg.chat_template_kwargs, **cat.chat_template_kwargs}
@@ -183,9 +242,9 @@ def _first_prompts(cfg: RunConfig, cat: Category, renderer: Any, want: int):
         for pos in order[:PREVIEW_SCAN_LIMIT]:
             try:
                 s = read_sample(index, pos, cat.format, cat.turns, cat.system_prompt,
-                                cat.field_map or None)
+                                cat.field_map or None, cat.role_map or None)
                 if s.prompt and isinstance(s.prompt[0], dict):
-                    text, ids = renderer.render(s.prompt, kwargs)
+                    text, ids = renderer.render(s.prompt, kwargs, s.tools)
                 else:
                     ids = list(s.prompt)
                     text = renderer.decode(ids) if renderer is not None else None

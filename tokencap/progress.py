@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from budget_service.budget import cap_text
+
 
 class ProgressPrinter:
     """Prints one line per category every call, with tok/s since the previous call, and what
@@ -25,9 +27,12 @@ class ProgressPrinter:
             t, used = self._last.get(name, (now, st["used"]))
             rate = (st["used"] - used) / (now - t) if now > t else 0.0
             self._last[name] = (now, st["used"])
-            pct = 100.0 * st["used"] / st["cap"] if st["cap"] else 100.0
-            parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%) {rate:.0f} tok/s "
-                         f"{st['state']}")
+            if st["cap"] is None:
+                parts.append(f"{name} {st['used']} (uncapped) {rate:.0f} tok/s {st['state']}")
+            else:
+                pct = 100.0 * st["used"] / st["cap"] if st["cap"] else 100.0
+                parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%) {rate:.0f} tok/s "
+                             f"{st['state']}")
         line = "[progress] " + " | ".join(parts)
         writer = status.get("writer") or {}
         unwritten = writer.get("unwritten", 0)
@@ -52,5 +57,6 @@ def summary_table(status: dict[str, Any]) -> str:
     rows = [f"run {status['run']}", head, "-" * len(head)]
     for n in names:
         st = status["categories"][n]
-        rows.append(n.ljust(width) + "  " + "  ".join(str(st[c]).rjust(10) for c in cols))
+        cells = [cap_text(st[c]) if c == "cap" else str(st[c]) for c in cols]
+        rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
     return "\n".join(rows)

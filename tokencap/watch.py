@@ -111,11 +111,11 @@ class RateTracker:
         (t0, u0), (t1, u1) = points[0], points[-1]
         return (u1 - u0) / (t1 - t0) if t1 > t0 else 0.0
 
-    def rate(self, name: str, cap: int, used: int, state: str) -> CategoryRate:
+    def rate(self, name: str, cap: int | None, used: int, state: str) -> CategoryRate:
         """Tok/s and ETA = (cap - used) / tok/s; the ETA is None unless the category is open,
-        below its cap and growing."""
+        capped, below its cap and growing."""
         tok_s = self.tok_s(name)
-        if state != "open" or tok_s <= 0 or used >= cap:
+        if state != "open" or tok_s <= 0 or cap is None or used >= cap:
             return CategoryRate(tok_s, None)
         return CategoryRate(tok_s, (cap - used) / tok_s)
 
@@ -131,7 +131,7 @@ class RateTracker:
         rates: dict[str, CategoryRate] = {}
         for name, st in cats.items():
             self.observe(name, int(st["used"]), now)
-            rates[name] = self.rate(name, int(st["cap"]), int(st["used"]), str(st["state"]))
+            rates[name] = self.rate(name, st["cap"], int(st["used"]), str(st["state"]))
         return rates
 
 
@@ -160,6 +160,17 @@ def _pct(used: int, cap: int) -> float:
     return 100.0 * used / cap if cap else 100.0
 
 
+def _used_of(st: Mapping[str, Any], exact: bool) -> str:
+    """``used/cap (pct%)``, or ``used (uncapped)``."""
+    used, cap = int(st["used"]), st["cap"]
+    num = (lambda n: str(n)) if exact else _si
+    if cap is None:
+        return f"{num(used)} (uncapped)"
+    sep = "/" if exact else " / "
+    pct = f"{_pct(used, int(cap)):.1f}" if exact else f"{_pct(used, int(cap)):.0f}"
+    return f"{num(used)}{sep}{num(int(cap))} ({pct}%)"
+
+
 def _engine_text(e: EngineLoad) -> str:
     if not e.up:
         return f"{e.url} down ({e.error})" if e.error else f"{e.url} down"
@@ -186,7 +197,7 @@ def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
     for name, st in status["categories"].items():
         r = rates.get(name) or _no_rate()
         lines.append(
-            f"{name} used={st['used']}/{st['cap']} ({_pct(st['used'], st['cap']):.1f}%) "
+            f"{name} used={_used_of(st, exact=True)} "
             f"samples={st['samples']} tok_s={r.tok_s:.1f} eta={format_eta(r.eta_s)} "
             f"state={st['state']} skipped={st['skipped']} failed={st['failed']} "
             f"rejected={st['rejected']} overshoot={st['overshoot']}"
@@ -223,15 +234,20 @@ def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
     table.add_column("overshoot", justify="right")
     for name, st in status["categories"].items():
         r = rates.get(name) or _no_rate()
-        cap, used = int(st["cap"]), int(st["used"])
+        cap, used = st["cap"], int(st["used"])
         over = int(st["overshoot"])
-        bar = ProgressBar(total=max(cap, 1), completed=min(used, cap) if cap else 1,
-                          width=BAR_WIDTH_CHARS, complete_style="cyan",
-                          finished_style="red" if over else "green")
+        if cap is None:  # uncapped: the bar shows only whether it still grows
+            bar = ProgressBar(total=None if st["state"] == "open" else 1, completed=1,
+                              width=BAR_WIDTH_CHARS, complete_style="cyan")
+        else:
+            bar = ProgressBar(total=max(int(cap), 1),
+                              completed=min(used, int(cap)) if cap else 1,
+                              width=BAR_WIDTH_CHARS, complete_style="cyan",
+                              finished_style="red" if over else "green")
         table.add_row(
             name,
             bar,
-            f"{_si(used)} / {_si(cap)} ({_pct(used, cap):.0f}%)",
+            _used_of(st, exact=False),
             _si(int(st["samples"])),
             f"{r.tok_s:,.0f}",
             format_eta(r.eta_s),

@@ -5,8 +5,16 @@ local K = {
   state = KEYS[1], pending = KEYS[2], leases = KEYS[3], parked = KEYS[4],
   reserved = KEYS[5], final = KEYS[6], hist = KEYS[7], results = KEYS[8], dead = KEYS[9],
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
-  written = KEYS[15],
+  written = KEYS[15], follow = KEYS[16], history = KEYS[17], cut = KEYS[18],
 }
+-- the cap of an uncapped category (`cap_tokens = "none"`)
+local UNCAPPED = 'none'
+
+-- cap_of(raw): a state's cap as a number: math.huge when uncapped, nil when absent.
+local function cap_of(raw)
+  if raw == UNCAPPED then return math.huge end
+  return tonumber(raw or '')
+end
 
 -- drop_inflight(s): remove sample s from the per-sample hashes `reserved` (its estimate),
 -- `worst` (the most it can add) and `var` (the variance of what it will add), and subtract
@@ -32,12 +40,12 @@ local function forget(s)
   redis.call('HDEL', K.seq, s)
 end
 
--- skip(s): the category is closed: s ends skipped, never sent. False if s was final already.
-local function skip(s)
-  forget(s)
-  if redis.call('HSETNX', K.final, s, 's') == 0 then return false end
-  redis.call('HINCRBY', K.state, 'skipped', 1)
-  return true
+-- hold(s, now): the category is closed: s is not sent, and not final either. It waits parked
+-- (its payload kept, its reservation dropped) until a raised cap reopens the category.
+local function hold(s, now)
+  drop_inflight(s)
+  redis.call('ZREM', K.leases, s)
+  redis.call('ZADD', K.parked, now, s)
 end
 
 -- reject(s, reason, json): s ends rejected (counted per reason) and its dead letter goes to
@@ -72,7 +80,7 @@ end
 -- budget(): the state fields admission reads, as numbers, and whether the category is closed.
 local function budget()
   local raw = redis.call('HMGET', K.state, 'cap', 'used', 'reserved', 'var', 'worst', 'closed')
-  return {cap = tonumber(raw[1]) or 0, used = tonumber(raw[2]) or 0,
+  return {cap = cap_of(raw[1]) or 0, used = tonumber(raw[2]) or 0,
           reserved = tonumber(raw[3]) or 0, var = tonumber(raw[4]) or 0,
           worst = tonumber(raw[5]) or 0}, raw[6] == '1'
 end

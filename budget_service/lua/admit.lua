@@ -6,7 +6,8 @@
 -- deviations (z)  ARGV[8] the job's seq (which enqueue of the sample the job carries)
 -- ARGV[9] max_unwritten (0 = no bound): while the writer has that many of the category's
 -- results still to write, nothing is admitted
--- Returns {'ok', payload}; {'done'} (final already); {'closed'} (skipped now, never sent);
+-- Returns {'ok', payload}; {'done'} (final already); {'closed'} (held back, parked: sent if a
+-- raised cap reopens the category);
 -- {'wait'} (parked until it fits, or until the writer catches up: unpark.lua); {'stale'} (the
 -- job of an earlier enqueue of a sample enqueued again since); {'unknown'} (not pending).
 local s = ARGV[1]
@@ -19,7 +20,7 @@ if not payload then return {'unknown'} end
 if seq_of(s) ~= tonumber(ARGV[8]) then return {'stale'} end
 local st, closed = budget()
 if closed then
-  skip(s)
+  hold(s, ARGV[4])
   return {'closed'}
 end
 if redis.call('HEXISTS', K.reserved, s) == 1 then
@@ -46,7 +47,7 @@ if not behind(tonumber(ARGV[9])) and fits(st, est, est_var, max_add, tonumber(AR
 end
 if st.used >= st.cap then
   redis.call('HSET', K.state, 'closed', '1')
-  skip(s)
+  hold(s, ARGV[4])
   return {'closed'}
 end
 redis.call('ZADD', K.parked, ARGV[4], s)

@@ -25,7 +25,8 @@ for i = 1, #ARGV, 5 do
   end
 end
 local st = redis.call('HMGET', K.state, 'cap', 'used')
-if tonumber(st[2] or '0') >= tonumber(st[1] or '0') then
+local cap = cap_of(st[1])
+if cap and tonumber(st[2] or '0') >= cap then
   redis.call('HSET', K.state, 'closed', '1')
 end
 return n

@@ -131,7 +131,9 @@ def workers_died_and_retries_are_due(pipe: Pipeline) -> None:
     p = msgspec.json.decode(raw, type=Pending)
     pipe.budget.release("a", msgspec.structs.replace(p, failures=1), now_ms() - 1)
     pipe.budget.keep_lease("b", fed_ids(pipe, "b")[0].decode(), now_ms() - 1)
-    wait_until(lambda: len(pipe.budget.expired("a", now_ms(), 100)) == 3,
+    # the three leases expire at once; a's fourth sample (its job still queued) expires
+    # after lease_s, maybe before this check on a loaded machine: either way the tick reaps
+    wait_until(lambda: set(a[:3]) <= set(pipe.budget.expired("a", now_ms(), 100)),
                what="the leases to expire")
 
 
@@ -139,7 +141,7 @@ def samples_parked_with_room_now(pipe: Pipeline) -> None:
     """Everything fed; in `a` three samples wait in the park behind one in flight whose
     estimate has shrunk since (room now); in `b`, closed since, two wait in the park. The
     in-flight samples' worker died (their leases expire at once). The tick unparks a's
-    and skips b's."""
+    and holds b's back (a closed category's parked samples are not final)."""
     producer = build_producer(pipe.cfg, pipe.redis, None)
     producer.tick()
     a = [s.decode() for s in fed_ids(pipe, "a")]
