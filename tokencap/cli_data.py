@@ -58,6 +58,12 @@ def _export_table(summary: dict[str, Any]) -> str:
     width = max(len("category"), *(len(r[0]) for r in rows))
     lines = [f"{'category':<{width}}" + "".join(f"  {h:>16}" for h in heads)]
     lines += [f"{r[0]:<{width}}" + "".join(f"  {v:>16,}" for v in r[1:]) for r in rows]
+    for name, st in summary["categories"].items():
+        if st.get("conversations") or st.get("conversations_in_progress"):
+            lines.append(f"{name}: {st['conversations']:,} conversations written "
+                         f"({st['conversations_complete']:,} complete, the others cut with a "
+                         f"reason), {st['conversations_in_progress']:,} still going on "
+                         "(not written)")
     lines += [f"wrote {path}" for path in summary["files"]]
     return "\n".join(lines)
 
