@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rq import Queue
@@ -12,6 +13,14 @@ from tests.conftest import write_config
 from tokencap.harness import Pipeline
 
 PROMPTS = 200
+# Short leases and timeouts, so that faults are seen and ridden out within seconds.
+FAULT_KNOBS = """lease_s = 1.0
+lock_ttl_s = 2.0
+max_attempts = 4
+connect_timeout_s = 1.0
+read_timeout_s = 5.0
+http_retries = 3
+backoff_max_s = 0.2"""
 
 
 def ids_source(tmp: Path, n: int = PROMPTS, name: str = "ids.jsonl") -> Path:
@@ -28,13 +37,7 @@ def two_category_config(tmp: Path, run: str = "faults", cap_a: int = 20000,
     return write_config(tmp, f"""
 run = "{run}"
 output_dir = "{tmp / 'out'}"
-lease_s = 1.0
-lock_ttl_s = 2.0
-max_attempts = 4
-connect_timeout_s = 1.0
-read_timeout_s = 5.0
-http_retries = 3
-backoff_max_s = 0.2
+{FAULT_KNOBS}
 {extra}
 [[category]]
 name = "a"
@@ -49,6 +52,28 @@ format = "input_ids"
 cap_tokens = {cap_b}
 sampling = {{ max_new_tokens = {max_new} }}
 """)
+
+
+def worker_killer(pipe: Pipeline, kills: list[int], most: int, every_tokens: int
+                  ) -> Callable[[], bool]:
+    """A `should_stop` for `Pipeline.run` that, every `every_tokens` committed tokens,
+    SIGKILLs a worker RQ reports busy (in the middle of a request) and starts another, up to
+    `most` kills (their pids appended to `kills`); it never stops the run."""
+    names = [c.name for c in pipe.cfg.category]
+    last = {"used": 0}
+
+    def chaos() -> bool:
+        used = sum(int(pipe.budget.state(c)["used"] or 0) for c in names)
+        if len(kills) < most and used - last["used"] >= every_tokens:
+            busy = pipe.busy_worker_pids()
+            if busy:
+                pipe.kill_worker(busy[0])
+                pipe.start_workers(1)
+                kills.append(busy[0])
+                last["used"] = used
+        return False
+
+    return chaos
 
 
 class Background:

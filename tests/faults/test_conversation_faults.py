@@ -19,7 +19,7 @@ from foundation.config import RunConfig
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
 from tests.conftest import DATASETS, QWEN, ROOT, write_config
-from tests.faults.common import Background
+from tests.faults.common import FAULT_KNOBS, Background, worker_killer
 from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
 pytestmark = pytest.mark.slow
@@ -46,13 +46,7 @@ def conversation_config(tmp: Path, cap_agent: int = 5000, cap_chat: int = 3000) 
 run = "convfaults"
 output_dir = "{tmp / 'out'}"
 tokenizer = "{QWEN}"
-lease_s = 1.0
-lock_ttl_s = 2.0
-max_attempts = 4
-connect_timeout_s = 1.0
-read_timeout_s = 5.0
-http_retries = 3
-backoff_max_s = 0.2
+{FAULT_KNOBS}
 [[category]]
 name = "agent"
 source = "{agent}"
@@ -98,21 +92,8 @@ def test_workers_killed_mid_request_on_conversations(tmp_path, redis_url, sim) -
         pipe.build()
         pipe.start_writer()
         pipe.start_workers(6)
-        last = {"used": 0}
-
-        def chaos() -> bool:
-            # every ~1,000 committed tokens, SIGKILL a worker in the middle of a turn
-            used = used_total(pipe)
-            if len(kills) < KILLS and used - last["used"] >= 1000:
-                busy = pipe.busy_worker_pids()
-                if busy:
-                    pipe.kill_worker(busy[0])
-                    pipe.start_workers(1)
-                    kills.append(busy[0])
-                    last["used"] = used
-            return False
-
-        status = pipe.run(should_stop=chaos)
+        # every ~1,000 committed tokens, SIGKILL a worker in the middle of a turn
+        status = pipe.run(should_stop=worker_killer(pipe, kills, KILLS, 1000))
     finally:
         pipe.close()
     assert len(kills) == KILLS

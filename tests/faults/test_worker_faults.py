@@ -15,7 +15,7 @@ from rq.webhook import Webhook
 from foundation.wire import MsgspecSerializer
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
-from tests.faults.common import Background, two_category_config
+from tests.faults.common import Background, two_category_config, worker_killer
 from tokencap.harness import Pipeline, wait_until
 
 pytestmark = pytest.mark.slow
@@ -32,21 +32,8 @@ def test_sigkill_random_busy_workers_repeatedly(tmp_path, redis_url) -> None:
             pipe.build()
             pipe.start_writer()
             pipe.start_workers(6)
-            last_used = {"v": 0}
-
-            def chaos() -> bool:
-                # Every ~1,500 committed tokens, SIGKILL a worker in the middle of a request
-                used = sum(pipe.budget.state(c)["used"] for c in ("a", "b"))
-                if len(kills) < KILLS and used - last_used["v"] >= 1500:
-                    busy = pipe.busy_worker_pids()
-                    if busy:
-                        pipe.kill_worker(busy[0])
-                        pipe.start_workers(1)
-                        kills.append(busy[0])
-                        last_used["v"] = used
-                return False
-
-            status = pipe.run(should_stop=chaos)
+            # every ~1,500 committed tokens, SIGKILL a worker in the middle of a request
+            status = pipe.run(should_stop=worker_killer(pipe, kills, KILLS, 1500))
         finally:
             pipe.close()
     assert len(kills) == KILLS
