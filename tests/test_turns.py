@@ -306,3 +306,43 @@ def test_an_uncapped_category_takes_its_whole_source(tmp_path, redis_url, sim_qw
     assert chat["samples"] == len(pipe.results("chat"))
     files = list(category_dir(Path(cfg.output_dir), "chat").glob("part-*.jsonl"))
     assert files
+
+
+def test_a_conversation_that_outgrows_the_context_stops_with_the_reason(
+        tmp_path, redis_url, sim_qwen) -> None:
+    # the multi-turn chats of the FastChat fixture, in a context too small for their ends
+    dummy = json.loads((DATASETS / "sharegpt" / "fastchat_dummy_conversation.json").read_text())
+    multi = {r["conversations"][0]["value"]: r for r in dummy if len(r["conversations"]) >= 6}
+    src = tmp_path / "long.json"
+    src.write_text(json.dumps(list(multi.values())[:20]))
+    cfg = write_config(tmp_path, f"""
+run = "ctx"
+output_dir = "{tmp_path / 'out'}"
+tokenizer = "{QWEN}"
+context_length = 170
+[[category]]
+name = "chat"
+source = "{src}"
+turns = "all"
+cap_tokens = "none"
+sampling = {{ max_new_tokens = 64 }}
+""")
+    with started(cfg, redis_url, [sim_qwen.url], 4) as pipe:
+        status = pipe.run()
+        pipe.check_invariants(status)
+        rows, letters = pipe.results("chat"), pipe.dead("chat")
+    too_long = [d for d in letters if d.reason == "prompt_too_long"]
+    assert too_long and all(d.turn > 1 and d.conversation_id for d in too_long)
+    for d in too_long:  # the turns before it are kept
+        kept = sorted(r.turn for r in rows if r.conversation_id == d.conversation_id)
+        assert kept == list(range(1, d.turn))
+        assert all(len(r.prompt_ids) + 64 <= 170 for r in rows)
+    dest = tmp_path / "export"
+    export(Path(cfg.output_dir), dest, ["conversations"], keep_truncated=True,
+           tokenizer=Renderer(QWEN).tokenizer)
+    convs = {c["id"]: c for c in map(json.loads, (dest / "chat" / "conversations.jsonl")
+                                     .read_text().splitlines())}
+    for d in too_long:
+        c = convs[d.conversation_id]
+        assert (c["complete"], c["stopped"], c["turns"]) == (
+            False, "rejected:prompt_too_long", d.turn - 1)
