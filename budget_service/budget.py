@@ -186,7 +186,9 @@ class Budget:
         for p in samples:
             dup = DeadLetter(id=p.sample_id, category=category, outcome="rejected",
                              reason="duplicate_prompt", where=p.where,
-                             message="same prompt token ids as an earlier sample")
+                             message="same prompt token ids as an earlier sample",
+                             conversation_id=p.conversation_id, turn=p.turn,
+                             turns_total=p.turns_total)
             args += [p.sample_id, prompt_digest(p.prompt_ids), encode(p), encode(dup)]
         for d in rejected:
             args += [d.id, d.reason, encode(d)]
