@@ -248,16 +248,19 @@ class Budget:
             return 0
         return int(self.scripts.cut(keys=self._ck(category), args=args))
 
-    def held(self, category: str, limit: int = 10_000) -> list[str]:
-        """Turns and samples a closed category holds back: waiting in `follow`, or parked."""
+    def held(self, category: str, limit: int = 10_000) -> list[tuple[str, int | None]]:
+        """Turns and samples a closed category holds back and has not reported cut: those
+        waiting in `follow` with their record's position, then the parked ones (None)."""
         ck = self._ck(category)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zrange(ck.follow, 0, limit - 1)
+        pipe.zrange(ck.follow, 0, limit - 1, withscores=True)
         pipe.zrange(ck.parked, 0, limit - 1)
         pipe.hgetall(ck.cut)
         follow, parked, cut = pipe.execute()
         done = {_s(k) for k in cut}
-        return [s for s in (_s(v) for v in [*follow, *parked]) if s not in done]
+        out: list[tuple[str, int | None]] = [(_s(v), int(o)) for v, o in follow]
+        out += [(_s(v), None) for v in parked]
+        return [(s, o) for s, o in out if s not in done]
 
     def requeue(self, category: str, p: Pending, seen_seq: int, deadline_ms: int) -> int:
         """Give a sample whose lease expired back to its queue: returns its new seq (enqueue

@@ -458,16 +458,27 @@ class Producer:
         if mark == feed._cut_mark or not any(mark):
             return 0
         feed._cut_mark = mark
+        name = feed.cat.name
+        turns = [(sid, ordinal, split) for sid, ordinal in self.budget.held(name)
+                 if (split := split_turn_id(sid)) is not None and split[1] >= 2]
+        parked = self.budget.entries(name, [sid for sid, ordinal, _ in turns if ordinal is None])
+        pending = {e.pending.sample_id: e.pending for e in parked if e.pending is not None}
         letters = []
-        for sid in self.budget.held(feed.cat.name):
-            split = split_turn_id(sid)
-            if split is None or split[1] < 2:
-                continue  # not a conversation yet: nothing was cut
+        for sid, ordinal, (conv, turn) in turns:  # turn 1 held: not a conversation yet
+            p = pending.get(sid)
+            where, total = (p.where, p.turns_total) if p is not None else ("", 0)
+            if ordinal is not None and ordinal < len(feed.index):
+                where = feed.index.where(ordinal)
+                try:
+                    conversation = feed.read(ordinal).conversation
+                    total = conversation.turns if conversation else 0
+                except Rejected:
+                    pass
             letters.append(DeadLetter(
-                id=sid, category=feed.cat.name, outcome="cut", reason="cap",
+                id=sid, category=name, outcome="cut", reason="cap", where=where,
                 message="the category closed (its cap) before this turn was sent; a raised "
-                        "cap sends it", conversation_id=split[0], turn=split[1]))
-        return self.budget.cut(feed.cat.name, letters)
+                        "cap sends it", conversation_id=conv, turn=turn, turns_total=total))
+        return self.budget.cut(name, letters)
 
     def _enqueue(self, category: str, samples: list[tuple[str, int, int]]) -> None:
         """Enqueue one job per (sample id, seq, prompt tokens), in one round trip. The ledger

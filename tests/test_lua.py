@@ -565,7 +565,7 @@ def test_cut_reports_each_held_turn_once_while_closed(budget: Budget) -> None:
     other = msgspec.structs.replace(letter, id="x#t3")  # not held: not reported
     assert budget.cut("code", [letter]) == 0  # open: nothing is cut
     budget.close("code")
-    assert budget.held("code") == ["c#t2"]
+    assert budget.held("code") == [("c#t2", 3)]
     assert budget.cut("code", [letter, other]) == 1
     assert budget.cut("code", [letter]) == 0
     assert budget.held("code") == []
