@@ -117,7 +117,8 @@ def ordered_prompts(path: Path, seed: int) -> list[list[int]]:
 
 def config_toml(run: str, out: Path, cats: list[Cat], sources: dict[str, Path],
                 **top: Any) -> str:
-    lines = [f'run = "{run}"', f'output_dir = "{out}"']
+    # token-id prompts, no tokenizer and no generation config: the engine's sampling
+    lines = [f'run = "{run}"', f'output_dir = "{out}"', 'sampling_defaults = "engine"']
     lines += [f"{k} = {json.dumps(v)}" for k, v in top.items()]
     for c in cats:
         lines += ["[[category]]", f'name = "{c.name}"', f'source = "{sources[c.name]}"',

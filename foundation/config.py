@@ -3,6 +3,14 @@
 A run config names the run, where results go, the tokenizer, the budget rules and one
 `[[category]]` table per prompt category. Relative paths are resolved against the config
 file's folder. Every error names the file and the field (`$.category[1].cap_tokens`).
+
+Sampling is the model's own: with `sampling_defaults = "model"` (the default) each category's
+`sampling` is completed from the model's `generation_config.json` (beside the tokenizer, or
+`generation_config`), the keys SGLang and vLLM take from it (`MODEL_SAMPLING_KEYS`), and the
+category's own values win. The loaded config holds the effective params: they are sent on
+every request, shown by preview and stored in every row. A category left without a
+temperature is refused (SGLang's `/generate` would sample at 1.0, not the model's), unless
+`sampling_defaults = "engine"` says to leave unset params to the engine on purpose.
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ REASONING_PARSERS = ("auto", "qwen3", "none")
 TOOL_CALL_PARSERS = ("auto", "qwen25", "none")
 # `cap_tokens = "none"`: the category takes its whole source
 UNCAPPED = "none"
+# what SGLang (`ModelConfig.get_default_sampling_params`, --sampling-defaults model) and vLLM
+# take from a model's generation_config.json as sampling defaults
+MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_CONFIG = "generation_config.json"
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -123,6 +135,10 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_unwritten: NonNegInt = 512
     backoff_max_s: PositiveFloat = 30.0
     key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = DEFAULT_KEY_PREFIX
+    # where unset sampling params come from: the model's generation_config.json ("model"), or
+    # nowhere, the engine's own defaults applying ("engine", on purpose)
+    sampling_defaults: Literal["model", "engine"] = "model"
+    generation_config: str | None = None  # default: <tokenizer>/generation_config.json
     reasoning_parser: Literal[REASONING_PARSERS] = "auto"  # type: ignore[valid-type]
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = "auto"  # type: ignore[valid-type]
     category: list[Category] = []
@@ -214,9 +230,54 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
         tok = rel(tok)
         if not Path(tok).is_dir():
             raise ConfigError(str(path), f"$.tokenizer: not a directory: {tok}")
+    gen = rel(cfg.generation_config) if cfg.generation_config else None
+    if gen is not None and not Path(gen).is_file():
+        raise ConfigError(str(path), f"$.generation_config: no such file: {gen}")
+    if gen is None and tok is not None and (Path(tok) / GENERATION_CONFIG).is_file():
+        gen = str(Path(tok) / GENERATION_CONFIG)
+    cats = _with_model_sampling(cfg, cats, gen, str(path))
     return msgspec.structs.replace(
-        cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir)
+        cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir), generation_config=gen
     )
+
+
+def model_sampling_defaults(gen_path: str) -> dict[str, Any]:
+    """The sampling defaults in a generation_config.json (`MODEL_SAMPLING_KEYS` it sets)."""
+    try:
+        raw = msgspec.json.decode(Path(gen_path).read_bytes())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ConfigError(gen_path, f"cannot read the generation config: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(gen_path, "the generation config is not a JSON object")
+    return {k: raw[k] for k in MODEL_SAMPLING_KEYS if raw.get(k) is not None}
+
+
+def _with_model_sampling(cfg: RunConfig, cats: list[Category], gen: str | None,
+                         path: str) -> list[Category]:
+    """Each category's sampling completed from the model's defaults (module docstring)."""
+    if cfg.sampling_defaults == "engine":
+        return cats
+    defaults = model_sampling_defaults(gen) if gen else {}
+    out = []
+    for i, cat in enumerate(cats):
+        own = msgspec.to_builtins(cat.sampling)
+        merged = {**defaults, **own}
+        if "temperature" not in merged:
+            where = f"$.category[{i}].sampling"
+            looked = gen or (f"{cfg.tokenizer}/{GENERATION_CONFIG}" if cfg.tokenizer else
+                             "no tokenizer folder")
+            raise ConfigError(path, f"{where}: no temperature: the category sets none and the "
+                              f"model's generation config gives none ({looked}); set "
+                              f"sampling.temperature, `generation_config = PATH`, or "
+                              f"`sampling_defaults = \"engine\"` to leave unset params to the "
+                              f"engine on purpose (SGLang's /generate then samples at "
+                              f"temperature 1.0)")
+        try:
+            sampling = msgspec.convert(merged, SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(gen or path, f"sampling defaults for {cat.name!r}: {exc}") from None
+        out.append(msgspec.structs.replace(cat, sampling=sampling))
+    return out
 
 
 def config_to_json(cfg: RunConfig) -> bytes:

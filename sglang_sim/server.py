@@ -29,7 +29,7 @@ import logging
 import socket
 import struct
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import msgspec
@@ -71,6 +71,9 @@ TASK_KEY = web.AppKey("engine_task", asyncio.Task)
 # "requests_total" and one count per HTTP status of /generate replies.
 HTTP_KEY = web.AppKey("http_counts", Counter)
 TEXT_KEY = web.AppKey("text_outputs", TextOutputs)
+# the sampling params of the last requests, as received (`GET /_sim/requests`)
+REQUESTS_KEY: web.AppKey[deque[dict[str, Any]]] = web.AppKey("request_log", deque)
+REQUEST_LOG_SIZE = 10_000
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -154,6 +157,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         except (msgspec.DecodeError, ValueError) as exc:
             raise schema_error(f"JSON decode error: {exc}") from exc
         parsed = parse_generate(body, config)
+        app[REQUESTS_KEY].append(parsed.sampling_params)
         fault = faults.before_generate(parsed.input_ids)
         if fault is not None:
             raise fault
@@ -279,6 +283,12 @@ async def get_stats(request: web.Request) -> web.Response:
     return _json(sim_stats(request.app))
 
 
+async def get_requests(request: web.Request) -> web.Response:
+    """The sampling params of the last `REQUEST_LOG_SIZE` requests, oldest first."""
+    log: deque[dict[str, Any]] = request.app[REQUESTS_KEY]
+    return _json(list(log))
+
+
 async def reset_stats(request: web.Request) -> web.Response:
     reset_sim_stats(request.app)
     return _json(sim_stats(request.app))
@@ -329,6 +339,7 @@ def create_app(config: SimConfig) -> web.Application:
     app[FAULTS_KEY] = FaultInjector(config.faults, config.seed)
     app[E2E_KEY] = LatencyHistogram()
     app[HTTP_KEY] = Counter()
+    app[REQUESTS_KEY] = deque(maxlen=REQUEST_LOG_SIZE)
     if config.tokenizer:
         app[TEXT_KEY] = TextOutputs(config.tokenizer, config.eos_token_id)
     app.on_startup.append(_start_engine)
@@ -349,6 +360,7 @@ def create_app(config: SimConfig) -> web.Application:
     r.add_post("/abort_request", abort_request)
     r.add_get("/metrics", metrics)
     r.add_get("/_sim/stats", get_stats)
+    r.add_get("/_sim/requests", get_requests)
     r.add_post("/_sim/reset_stats", reset_stats)
     r.add_post("/_sim/pause", pause)
     r.add_post("/_sim/resume", resume)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +26,14 @@ import requests
 from aiohttp import web
 
 from sglang_sim.config import SimConfig
-from sglang_sim.server import ENGINE_KEY, FAULTS_KEY, reset_sim_stats, sim_stats, start_server
+from sglang_sim.server import (
+    ENGINE_KEY,
+    FAULTS_KEY,
+    REQUESTS_KEY,
+    reset_sim_stats,
+    sim_stats,
+    start_server,
+)
 
 LOOPBACK_HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
@@ -104,6 +112,14 @@ class SimServer:
     def stats(self) -> dict[str, Any]:
         """What ``GET /_sim/stats`` returns."""
         return self.call(sim_stats)
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The sampling params of the last requests, as ``GET /_sim/requests``."""
+        def read(app: web.Application) -> list[dict[str, Any]]:
+            log: deque[dict[str, Any]] = app[REQUESTS_KEY]
+            return list(log)
+
+        return self.call(read)
 
     def reset_stats(self) -> None:
         """Zero every counter, as ``POST /_sim/reset_stats``."""

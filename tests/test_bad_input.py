@@ -94,6 +94,7 @@ def test_prompt_longer_than_the_context_is_rejected_with_reason(tmp_path, redis_
 run = "long"
 output_dir = "{tmp_path / 'out'}"
 context_length = 256
+sampling_defaults = "engine"
 [[category]]
 name = "ids"
 source = "{src}"

@@ -47,7 +47,7 @@ def _gz_config(tmp_path) -> str:
     (tmp_path / "x.jsonl.gz").write_bytes(b"\x1f\x8b not really")
     (tmp_path / "run.toml").write_text(
         'run = "gz"\noutput_dir = "out"\n[[category]]\nname = "a"\nsource = "x.jsonl.gz"\n'
-        'format = "input_ids"\nsampling = { max_new_tokens = 8 }\n')
+        'format = "input_ids"\nsampling = { max_new_tokens = 8, temperature = 0.7 }\n')
     return str(tmp_path / "run.toml")
 
 

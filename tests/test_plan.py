@@ -191,10 +191,12 @@ def test_preview_renders_the_first_shuffled_prompt(tmp_path):
     assert math_p.prompt_tokens == len(math_p.prompt_ids)
     assert math_p.prompt_tokens == len(renderer.tokenizer(math_p.text,
                                                           add_special_tokens=False)["input_ids"])
-    assert math_p.sampling == {"max_new_tokens": 1024, "temperature": 0.7}
+    # the model's generation_config.json completes what the category leaves unset
+    model = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    assert math_p.sampling == {**model, "max_new_tokens": 1024, "temperature": 0.7}
     assert any("exceeds context_length 300" in w for w in math_p.warnings)
     assert chat_p.text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>")
-    assert chat_p.sampling == {"max_new_tokens": 256}
+    assert chat_p.sampling == {**model, "max_new_tokens": 256}
     assert len(preview(cfg, n=3, renderer=renderer, categories=["chat"])) == 3
 
 

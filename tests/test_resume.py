@@ -19,6 +19,7 @@ def config(tmp_path):
     return write_config(tmp_path, f"""
 run = "resume"
 output_dir = "{tmp_path / 'out'}"
+sampling_defaults = "engine"
 cap_tokens = 40000
 lease_s = 1.0
 [[category]]

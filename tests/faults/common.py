@@ -13,8 +13,10 @@ from tests.conftest import write_config
 from tokencap.harness import Pipeline
 
 PROMPTS = 200
-# Short leases and timeouts, so that faults are seen and ridden out within seconds.
-FAULT_KNOBS = """lease_s = 1.0
+# Short leases and timeouts, so that faults are seen and ridden out within seconds; sampling
+# is the engine's (the prompts are token ids: no tokenizer, no generation config).
+FAULT_KNOBS = """sampling_defaults = "engine"
+lease_s = 1.0
 lock_ttl_s = 2.0
 max_attempts = 4
 connect_timeout_s = 1.0
