@@ -24,8 +24,8 @@ $(BIN)/tokencap: pyproject.toml
 
 install: $(BIN)/tokencap ## Create .venv and install tokencap with its test tools
 
-up: install ## Start Redis, the engine (simulator unless SGLANG_URL), writer, budget service, WORKERS consumers; run CONFIG to completion
-	$(BIN)/tokencap up $(CONFIG) --workers $(WORKERS)
+up: install ## Start Redis, the engine (SGLANG_URL, else the simulator, asked for with --sim), writer, budget service, WORKERS consumers; run CONFIG to completion
+	$(BIN)/tokencap up $(CONFIG) --workers $(WORKERS) $(if $(SGLANG_URL),,--sim)
 
 down: ## Stop everything `make up` started
 	@if [ -x $(BIN)/tokencap ]; then $(BIN)/tokencap down; else echo "nothing to stop"; fi

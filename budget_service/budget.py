@@ -24,6 +24,7 @@ from budget_service.estimator import bucket_of
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.scripts import Scripts
 from foundation.config import RunConfig, config_from_json, config_to_json
+from foundation.engine import EngineInfo
 from foundation.errors import RunMismatch
 from foundation.wire import DeadLetter, Pending, Result, encode, split_turn_id, turn_id
 
@@ -372,6 +373,18 @@ class Budget:
         if args:
             self.scripts.engine_counts(keys=[self.keys.engines], args=args)
 
+    def record_engines(self, infos: Sequence[EngineInfo]) -> None:
+        """What the run's engines serve (the producer's preflight), for status and workers."""
+        args: list[Any] = []
+        for info in infos:
+            args += [info.url, encode(info)]
+        self.scripts.engine_info(keys=[self.keys.engine_info], args=args)
+
+    def engines_seen(self) -> dict[str, EngineInfo]:
+        """What the producer's preflight found each engine serves (url -> info)."""
+        raw = self.redis.hgetall(self.keys.engine_info)
+        return {_s(k): msgspec.json.decode(v, type=EngineInfo) for k, v in raw.items()}
+
     def refuse(self, record: Mapping[str, Any]) -> None:
         """Record a job a worker refused to run (capped stream, for operators)."""
         self.redis.xadd(self.keys.refused, {"r": encode(record)},
@@ -512,7 +525,8 @@ class Budget:
             pipe.zcard(ck.follow)
         pipe.get(self.keys.writer_lock)
         pipe.hgetall(self.keys.writer_state)
-        *raw, holder, wstate = pipe.execute()
+        pipe.hgetall(self.keys.engine_info)
+        *raw, holder, wstate, engines_raw = pipe.execute()
         per = 8
         cats: dict[str, Any] = {}
         for i, name in enumerate(categories):
@@ -548,4 +562,8 @@ class Budget:
         writer = {"holder": None if holder is None else _s(holder),
                   "error": _s(wstate[b"error"]) if b"error" in wstate else None,
                   "unwritten": sum(c["unwritten"] for c in cats.values())}
-        return {"run": self.keys.run, "categories": cats, "writer": writer}
+        engines = {_s(k): msgspec.to_builtins(msgspec.json.decode(v, type=EngineInfo))
+                   for k, v in engines_raw.items()}
+        return {"run": self.keys.run, "categories": cats, "writer": writer,
+                "engines": engines, "simulated": any(e.get("simulated") for e in
+                                                     engines.values())}

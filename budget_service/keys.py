@@ -38,6 +38,8 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
 | `P:engines`          | hash   | add_engine_counts               | `/metrics`         | run       |
+| `P:engines:info`     | hash   | record_engines (preflight:      | status, workers'   | run       |
+|                      |        | url -> what it serves)          | preflight          |           |
 | `prefix:refused`     | stream | refuse                          | operators          | capped    |
 
 A script that ends a sample (commit, fail, a skip, reconcile) also drops what the ledger kept
@@ -113,6 +115,10 @@ class Keys:
     @property
     def engines(self) -> str:
         return f"{self.base}:engines"
+
+    @property
+    def engine_info(self) -> str:
+        return f"{self.base}:engines:info"
 
     @property
     def refused(self) -> str:

@@ -2,7 +2,8 @@
 
 A per-category script starts with `lua/_lib.lua` (the names of its KEYS and the helpers the
 scripts share: the admission rule among them) and is called with the category's keys in
-`CategoryKeys` order. `init_run` and `engine_counts` touch no category and get no prelude.
+`CategoryKeys` order. `init_run`, `engine_counts` and `engine_info` touch no category and get
+no prelude.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
     "lease", "unpark", "close", "reconcile", "acknowledge", "feed_follow", "cut",
 )  # fmt: skip
-OTHER_SCRIPTS = ("init_run", "engine_counts")
+OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info")
 PRELUDE = "_lib.lua"
 
 
@@ -51,6 +52,7 @@ class Scripts:
     cut: Script
     init_run: Script
     engine_counts: Script
+    engine_info: Script
 
     def __init__(self, redis: Redis) -> None:
         for name in CATEGORY_SCRIPTS + OTHER_SCRIPTS:

@@ -1,5 +1,7 @@
-"""SGLang `/generate` client: one `requests.Session` per process, timeouts always set,
-retries with backoff on 429/502/503/504 and connection errors, responses validated.
+"""The engine client of a worker: one `requests.Session` per process, timeouts always set,
+retries with backoff on 429/502/503/504 and connection errors, each engine asked in its own
+API (SGLang's `/generate` or an OpenAI-compatible `/v1/completions`, `foundation.engine`),
+replies validated, every generation labelled with the model and engine version that made it.
 
 HTTP errors are translated to `EngineError` subclasses here and nowhere else. No
 `transformers` import: a worker stays small.
@@ -26,8 +28,29 @@ from urllib3.util.retry import Retry
 
 from consumers.engines import EnginePool
 from consumers.stats import EngineStats
-from foundation.errors import TokencapError
-from foundation.wire import ErrorKind, TokenId
+from foundation.engine import (
+    BadRequest,
+    EngineError,
+    EngineInfo,
+    EngineTimeout,
+    Generation,
+    InvalidResponse,
+    Overloaded,
+    ServerError,
+    Unreachable,
+    auto_read_timeout,
+    discover,
+    engine_specs,
+    error_message,
+    parse,
+    request,
+)
+from foundation.errors import EngineUnusable, TokencapError
+
+__all__ = [
+    "BadRequest", "EngineClient", "EngineError", "EngineTimeout", "Generation",
+    "InvalidResponse", "Overloaded", "ServerError", "Unreachable", "parse_reply",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -37,126 +60,14 @@ BACKOFF_JITTER_S = 0.5
 CATEGORY_HEADER = "X-Tokencap-Category"
 
 
-class EngineError(Exception):
-    """A request that did not give a usable result. `kind` says why; `retryable` whether a
-    later attempt (another job run) may succeed."""
-
-    kind = ErrorKind.SERVER_ERROR
-    retryable = True
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class BadRequest(EngineError):
-    kind = ErrorKind.BAD_REQUEST
-    retryable = False
-
-
-class Overloaded(EngineError):
-    kind = ErrorKind.OVERLOAD
-
-
-class EngineTimeout(EngineError):
-    kind = ErrorKind.TIMEOUT
-
-
-class Unreachable(EngineError):
-    kind = ErrorKind.UNREACHABLE
-
-
-class InvalidResponse(EngineError):
-    kind = ErrorKind.INVALID_RESPONSE
-
-
-class ServerError(EngineError):
-    kind = ErrorKind.SERVER_ERROR
-
-
-class Generation(msgspec.Struct, frozen=True):
-    """A validated `/generate` reply."""
-
-    output_ids: list[int]
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    finish: dict[str, Any]
-    latency_s: float
-    engine: str
-
-
-class _Meta(msgspec.Struct):
-    finish_reason: Any = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    e2e_latency: float | None = None
-
-
-class _Reply(msgspec.Struct):
-    meta_info: _Meta
-    output_ids: list[TokenId] | None = None
-    text: str = ""
-
-
-_reply_decoder = msgspec.json.Decoder(_Reply)
-
-
 def parse_reply(body: bytes, n_prompt: int, engine: str, latency_s: float) -> Generation:
-    """Validate a 200 reply; raise InvalidResponse on anything a training set cannot use."""
-    try:
-        reply = _reply_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise InvalidResponse(f"unparseable /generate reply: {exc}") from None
-    meta = reply.meta_info
-    fr = meta.finish_reason
-    if not isinstance(fr, dict) or "type" not in fr:
-        raise InvalidResponse(f"finish_reason missing or not a dict: {fr!r}")
-    if fr["type"] == "abort":
-        raise ServerError(f"request aborted by the engine: {fr.get('message')}")
-    if reply.output_ids is None:
-        raise InvalidResponse("reply has no output_ids (SGLang older than Aug 2025?)")
-    if meta.completion_tokens is None or meta.prompt_tokens is None:
-        raise InvalidResponse("meta_info lacks prompt_tokens/completion_tokens")
-    ids = reply.output_ids
-    n = meta.completion_tokens
-    if len(ids) > n >= 1:
-        # known SGLang bug (#10896): output_ids may start inside the prompt
-        ids = ids[-n:]
-    if len(ids) != n:
-        raise InvalidResponse(f"completion_tokens={n} but len(output_ids)={len(ids)}")
-    if meta.prompt_tokens != n_prompt:
-        log.warning("engine %s counted %d prompt tokens, sent %d", engine, meta.prompt_tokens,
-                    n_prompt)
-    return Generation(
-        output_ids=ids,
-        text=reply.text,
-        prompt_tokens=meta.prompt_tokens,
-        completion_tokens=n,
-        finish_reason=str(fr["type"]),
-        finish=fr,
-        latency_s=meta.e2e_latency if meta.e2e_latency is not None else latency_s,
-        engine=engine,
-    )
-
-
-def _error_message(resp: requests.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:300]
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        return str(body.get("message", body))
-    return str(body)[:300]
+    """A SGLang `/generate` reply, validated (`foundation.engine.parse`)."""
+    return parse("sglang", body, n_prompt, engine, latency_s)
 
 
 class EngineClient:
-    """Sends single `/generate` requests to one of several engines, chosen by `EnginePool`
-    (less loaded of two random picks; unreachable engines taken out, put back when healthy;
+    """Sends single generations to one of several engines, chosen by `EnginePool` (less
+    loaded of two random picks; unreachable engines taken out, put back when healthy;
     optional adaptive gate on the engine's queue)."""
 
     def __init__(
@@ -164,21 +75,38 @@ class EngineClient:
         urls: list[str],
         *,
         connect_timeout_s: float,
-        read_timeout_s: float,
+        read_timeout_s: float | None,
         retries: int,
         backoff_max_s: float,
         adaptive_max_queue: int | None = None,
     ) -> None:
         if not urls:
             raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.timeout = (connect_timeout_s, read_timeout_s)
+        self.specs = {s.url: s for s in engine_specs(urls)}
+        self.urls = list(self.specs)
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s  # None: derived per request ("auto")
         self.retries = retries
         self.backoff_max_s = backoff_max_s
-        self.pool = EnginePool(self.urls, adaptive_max_queue)
+        self.pool = EnginePool(self.urls, adaptive_max_queue,
+                               headers={u: s.headers() for u, s in self.specs.items()})
         self.stats = EngineStats()
+        self.infos: dict[str, EngineInfo] = {}
         self._session: requests.Session | None = None
         self._pid = -1
+
+    def info(self, url: str) -> EngineInfo:
+        """What the engine at `url` serves (read once per process)."""
+        if url not in self.infos:
+            self.infos[url] = discover(self.specs[url])
+            i = self.infos[url]
+            log.info("engine %s: %s API, model %r, version %s%s", url, i.api, i.model,
+                     i.version or "?", " (a SIMULATOR)" if i.simulated else "")
+        return self.infos[url]
+
+    def preflight(self) -> list[EngineInfo]:
+        """Read what every engine serves; raise `EngineUnusable` if one cannot be used."""
+        return [self.info(url) for url in self.urls]
 
     def _retry(self) -> Retry:
         return Retry(
@@ -207,7 +135,15 @@ class EngineClient:
             self._session, self._pid = s, os.getpid()
         return self._session
 
-    def generate(self, input_ids: list[int], sampling: dict[str, Any], category: str) -> Generation:
+    def read_timeout(self, max_new_tokens: int, decode_tok_s: float) -> float:
+        """The read timeout of one request: the configured one, or derived from what it may
+        generate at the decode rate observed per request (`auto_read_timeout`)."""
+        if self.read_timeout_s is not None:
+            return self.read_timeout_s
+        return auto_read_timeout(max_new_tokens, decode_tok_s)
+
+    def generate(self, input_ids: list[int], sampling: dict[str, Any], category: str,
+                 decode_tok_s: float = 0.0) -> Generation:
         last: EngineError | None = None
         for url in self.pool.order():
             waits = self.pool.gate(url)
@@ -215,7 +151,7 @@ class EngineClient:
                 self.stats.gate_waits(url, waits)
             t0 = time.monotonic()
             try:
-                gen = self._generate_one(url, input_ids, sampling, category)
+                gen = self._generate_one(url, input_ids, sampling, category, decode_tok_s)
             except Unreachable as exc:
                 self.pool.mark_down(url)
                 self.stats.record(url, exc.kind.value, time.monotonic() - t0)
@@ -230,28 +166,32 @@ class EngineClient:
         assert last is not None
         raise last
 
-    def _generate_one(
-        self, url: str, input_ids: list[int], sampling: dict[str, Any], category: str
-    ) -> Generation:
+    def _generate_one(self, url: str, input_ids: list[int], sampling: dict[str, Any],
+                      category: str, decode_tok_s: float) -> Generation:
+        try:
+            info = self.info(url)
+        except EngineUnusable as exc:
+            raise Unreachable(str(exc)) from None
         rid = uuid.uuid4().hex  # prefix-free: /abort_request matches by prefix
-        body = msgspec.json.encode(
-            {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
-        )
-        headers = {"Content-Type": "application/json", CATEGORY_HEADER: category}
+        path, body = request(info.api, input_ids, sampling, rid)
+        headers = {"Content-Type": "application/json", CATEGORY_HEADER: category,
+                   **self.specs[url].headers()}
+        max_new = int(sampling.get("max_new_tokens") or 0)
+        read_s = self.read_timeout(max_new, decode_tok_s)
         t0 = time.monotonic()
         try:
-            resp = self.session.post(f"{url}/generate", data=body, headers=headers,
-                                     timeout=self.timeout)
+            resp = self.session.post(f"{url}{path}", data=body, headers=headers,
+                                     timeout=(self.connect_timeout_s, read_s))
         except requests.exceptions.ConnectTimeout as exc:
             raise Unreachable(f"connect timeout to {url}: {exc}") from None
         except requests.exceptions.ReadTimeout:
-            raise EngineTimeout(f"no reply from {url} within {self.timeout[1]} s") from None
+            raise self._timeout(url, read_s, max_new, decode_tok_s) from None
         except requests.exceptions.RetryError as exc:
             raise Overloaded(f"{url} kept refusing: {exc}") from None
         except requests.exceptions.ConnectionError as exc:
             reason = _reason(exc)
             if isinstance(reason, ReadTimeoutError):
-                raise EngineTimeout(f"no reply from {url} within {self.timeout[1]} s") from None
+                raise self._timeout(url, read_s, max_new, decode_tok_s) from None
             if isinstance(reason, NewConnectionError | ConnectTimeoutError):
                 raise Unreachable(f"cannot connect to {url}: {reason}") from None
             raise ServerError(f"connection to {url} broken: {reason or exc}") from None
@@ -260,13 +200,27 @@ class EngineClient:
         latency = time.monotonic() - t0
         code = resp.status_code
         if code == 200:
-            return parse_reply(resp.content, len(input_ids), url, latency)
-        msg = f"HTTP {code} from {url}: {_error_message(resp)}"
-        if code == 400:
+            gen = parse(info.api, resp.content, len(input_ids), url, latency)
+            if gen.finish_reason == "length" and gen.completion_tokens < max_new:
+                log.warning("%s: engine %s clamped max_new_tokens from %d to %d (the prompt "
+                            "of %d tokens left no more room in its context)", category, url,
+                            max_new, gen.completion_tokens, len(input_ids))
+            return msgspec.structs.replace(gen, model=info.model, engine_version=info.version,
+                                           simulated=info.simulated)
+        msg = f"HTTP {code} from {url}: {error_message(resp.content)}"
+        if code in (400, 404, 422):
             raise BadRequest(msg, code)
+        if code == 401:
+            raise ServerError(f"{msg} (API key missing or wrong)", code)
         if code in RETRY_STATUSES:
             raise Overloaded(msg, code)
         raise ServerError(msg, code)
+
+    @staticmethod
+    def _timeout(url: str, read_s: float, max_new: int, rate: float) -> EngineTimeout:
+        progress = f"; at {rate:.1f} tok/s it would have made about {int(read_s * rate)} of " \
+                   f"its {max_new} tokens" if rate > 0 else ""
+        return EngineTimeout(f"no reply from {url} within {read_s:.0f} s{progress}")
 
 
 def _reason(exc: Exception) -> BaseException | None:
@@ -275,3 +229,4 @@ def _reason(exc: Exception) -> BaseException | None:
     if isinstance(inner, MaxRetryError):
         return inner.reason
     return inner if isinstance(inner, BaseException) else None
+

@@ -1,10 +1,13 @@
 """Choosing an engine: least loaded of two random picks, health checks, and an optional
 adaptive gate that keeps each engine's waiting queue short.
 
-Load is what the engines report on their Prometheus `/metrics` (`sglang:num_running_reqs`
-+ `sglang:num_queue_reqs`), read at most every `LOAD_REFRESH_S` per process; an engine
-without metrics counts as equally loaded. An engine that refuses connections is taken out
-for `DOWN_S`, then put back as soon as its `/health` answers 200.
+Load is what the engines report (running + queued requests): SGLang's `/v1/loads` (0.5.9
+and later, `foundation.engine.parse_loads`), else the Prometheus `/metrics` page
+(`parse_metrics`), read at most every `LOAD_REFRESH_S` per process; an engine with neither
+(SGLang before 0.5.9 started without `--enable-metrics`, or a router, which has no `/metrics`
+on its serving port) counts as equally loaded: no load balancing then. An engine
+that refuses connections is taken out for `DOWN_S`, then put back as soon as its `/health`
+answers 200 (SGLang's `/health` runs a one-token generation: the probe waits for it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from foundation.sglang import parse_metrics
+from foundation.engine import HEALTH_TIMEOUT_S, NO_LOAD_READINGS, read_load
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ class EngineState:
     queued: float = 0.0
     load_at: float = -1e9
     has_metrics: bool = True
+    has_loads: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -43,10 +47,12 @@ class EnginePool:
     """Engine choice for one worker process (one request in flight at a time)."""
 
     def __init__(self, urls: list[str], adaptive_max_queue: int | None = None,
-                 session: requests.Session | None = None) -> None:
+                 session: requests.Session | None = None,
+                 headers: dict[str, dict[str, str]] | None = None) -> None:
         self.engines = [EngineState(u.rstrip("/")) for u in urls]
         self.adaptive_max_queue = adaptive_max_queue
         self.http = session or requests.Session()
+        self.headers = headers or {}
         self._rng = random.Random()
 
     def _refresh(self, e: EngineState, max_age_s: float) -> None:
@@ -55,19 +61,22 @@ class EnginePool:
             return
         e.load_at = now
         try:
-            r = self.http.get(f"{e.url}/metrics", timeout=PROBE_TIMEOUT_S)
+            load, source = read_load(self.http.get, e.url, self.headers.get(e.url),
+                                     PROBE_TIMEOUT_S, try_loads=e.has_loads)
         except requests.RequestException:
             return
-        if r.status_code == 404:
-            e.has_metrics = False  # SGLang started without --enable-metrics
+        e.has_loads = source == "loads"
+        if load is None:
+            e.has_metrics = False
+            log.warning("engine %s: %s", e.url, NO_LOAD_READINGS)
             return
-        load = parse_metrics(r.text)
         e.queued = load["queued"] or 0.0
         e.load = (load["running"] or 0.0) + e.queued
 
     def _probe(self, e: EngineState) -> bool:
         try:
-            ok = self.http.get(f"{e.url}/health", timeout=PROBE_TIMEOUT_S).status_code == 200
+            ok = self.http.get(f"{e.url}/health", timeout=HEALTH_TIMEOUT_S,
+                               headers=self.headers.get(e.url)).status_code == 200
         except requests.RequestException:
             ok = False
         if ok:

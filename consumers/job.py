@@ -21,9 +21,9 @@ from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
 from consumers.client import EngineClient, EngineError, Generation
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
+from foundation.engine import parse_urls
 from foundation.errors import RunNotFound
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
-from foundation.sglang import parse_urls
 from foundation.wire import DeadLetter, JobRef, Pending, Result
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class RunContext:
         self.client = EngineClient(
             engines,
             connect_timeout_s=cfg.connect_timeout_s,
-            read_timeout_s=cfg.read_timeout_s,
+            read_timeout_s=cfg.read_timeout(),
             retries=cfg.http_retries,
             backoff_max_s=cfg.backoff_max_s,
             adaptive_max_queue=cfg.adaptive_max_queue,
@@ -185,7 +185,7 @@ def process(ref: dict[str, Any]) -> str:
     cat = rc.cfg.by_name(job.category)
     budget = rc.budget
     extra = job.prompt_tokens if rc.cfg.count == "total" else 0
-    model, _rate = rc.model(cat)
+    model, rate = rc.model(cat)
     lease_ms = int(rc.cfg.lease_s * 1000)
     max_add = cat.sampling.max_new_tokens + extra if rc.cfg.hard_cap else 0
     est, var = model.moments(0)
@@ -197,7 +197,7 @@ def process(ref: dict[str, Any]) -> str:
     assert pending is not None
     _heartbeat.track(_Beat(rc, cat, job.sample_id, extra, time.monotonic()))
     try:
-        gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name)
+        gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name, rate)
     except EngineError as exc:
         return _failed(rc, cat, pending, exc)
     finally:
@@ -238,6 +238,7 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
         counted_tokens=counted, ordinal=p.ordinal, source_id=p.source_id, where=p.where,
         finish=gen.finish, engine=gen.engine, latency_s=round(gen.latency_s, 4),
         conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
+        model=gen.model, engine_version=gen.engine_version, simulated=gen.simulated,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.budget.commit(result, waste, rate)

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from foundation.engine import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
 
 DEFAULT_CAP_TOKENS = 10_000_000
@@ -127,7 +128,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_attempts: PositiveInt = 4
     lock_ttl_s: PositiveFloat = 15.0
     connect_timeout_s: PositiveFloat = 3.05
-    read_timeout_s: PositiveFloat = 1800.0
+    # seconds a request may take to answer; "auto": a floor plus max_new_tokens at a quarter
+    # of the decode rate observed per request (`foundation.engine.auto_read_timeout`)
+    read_timeout_s: PositiveFloat | Literal["auto"] = "auto"
     http_retries: NonNegInt = 5
     adaptive_max_queue: NonNegInt | None = None
     # results (and dead letters) of a category committed but not yet on disk at which its
@@ -157,11 +160,18 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
                 return cat
         raise UnknownCategory(self.run, name)
 
+    def read_timeout(self) -> float | None:
+        """The configured read timeout in seconds, or None for "auto"."""
+        return None if self.read_timeout_s == "auto" else float(self.read_timeout_s)
+
     def job_timeout_s(self) -> int:
         """RQ job timeout: longer than the worst HTTP retry budget (reliability.md 5.4)."""
         attempts = self.http_retries + 1
         backoff = self.http_retries * self.backoff_max_s
-        return int(attempts * (self.connect_timeout_s + self.read_timeout_s) + backoff + 60)
+        read = self.read_timeout()
+        if read is None:  # the longest an "auto" timeout gets, at the slowest rate assumed
+            read = max(auto_read_timeout(c.sampling.max_new_tokens) for c in self.category)
+        return int(attempts * (self.connect_timeout_s + read) + backoff + 60)
 
 
 _FIELD_RE = re.compile(r"at `(\$[^`]*)`")

@@ -14,6 +14,8 @@ never a traceback. Anything else reaching the CLI is a bug.
 | 6 | `ProducerBusy`: another producer holds the run |
 | 7 | `RunNotFound`: no such run in Redis |
 | 8 | `WriterBusy`: another writer holds the run, or lost the lease to one |
+| 9 | `EngineUnusable`: an engine is unreachable, too old, or serves another model than the |
+|   | tokenizer's (found before anything is fed) |
 """
 
 from __future__ import annotations
@@ -71,6 +73,14 @@ class WriterBusy(TokencapError):
     """Another writer holds the run's writer lease or its output folder."""
 
     exit_code = 8
+
+
+class EngineUnusable(TokencapError):
+    """An engine that cannot be used: unreachable, refusing the API key, too old for the
+    protocol, or serving a model whose vocabulary is not the tokenizer's. Found before the
+    first sample is fed."""
+
+    exit_code = 9
 
 
 class RunNotFound(TokencapError):

@@ -92,6 +92,11 @@ class Result(Struct, frozen=True):
     conversation_id: str | None = None
     turn: int = 0
     turns_total: int = 0
+    # what generated it: the served model's name, the engine's version, and whether the
+    # engine was a simulator (synthetic outputs, not training data)
+    model: str = ""
+    engine_version: str = ""
+    simulated: bool = False
 
 
 class DeadLetter(Struct, frozen=True):

@@ -188,7 +188,7 @@ def engine_gauges(url: str) -> dict[str, float | None]:
     """running, queued, token_usage, gen_throughput from the engine's /metrics."""
     import requests
 
-    from foundation.sglang import parse_metrics
+    from foundation.engine import parse_metrics
 
     try:
         return parse_metrics(requests.get(f"{url}/metrics", timeout=(1, 5)).text)
@@ -267,9 +267,9 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
 
 
 def _context_length(url: str) -> int | None:
-    from foundation.sglang import context_length
+    from foundation.engine import context_length, engine_specs
 
-    return context_length([url])
+    return context_length(engine_specs([url]))
 
 
 def load_replies(path: Path) -> dict[str, list[dict[str, Any]]]:

@@ -17,8 +17,8 @@ from budget_service.keys import Keys
 from budget_service.lease import producer_lease
 from foundation.config import RunConfig
 from foundation.errors import ConfigError, SourceError
-from foundation.sglang import context_length
 from producer.feeder import CategoryFeed, Producer
+from producer.preflight import preflight
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
 
@@ -33,13 +33,8 @@ def build_producer(
 ) -> Producer:
     """Create/check the run in Redis, reconcile with the output files, index every source."""
     # everything that can be wrong with the config is checked before Redis is touched
-    if renderer is None and any(c.format != "input_ids" for c in cfg.category):
-        from producer.render import Renderer, TokenizerError
-
-        try:
-            renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
-        except TokenizerError as exc:
-            raise ConfigError("$.tokenizer", str(exc)) from None
+    if renderer is None:
+        renderer = load_renderer(cfg)
     indexes = {}
     for i, cat in enumerate(cfg.category):
         t0 = time.monotonic()
@@ -62,6 +57,18 @@ def build_producer(
     return producer
 
 
+def load_renderer(cfg: RunConfig) -> Any:
+    """The run's tokenizer (None when every category is pre-tokenized and none is named)."""
+    if cfg.tokenizer is None and all(c.format == "input_ids" for c in cfg.category):
+        return None
+    from producer.render import Renderer, TokenizerError
+
+    try:
+        return Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
+    except TokenizerError as exc:
+        raise ConfigError("$.tokenizer", str(exc)) from None
+
+
 def run_to_end(
     cfg: RunConfig,
     redis: Redis,
@@ -72,15 +79,21 @@ def run_to_end(
     should_stop: Callable[[], bool] = lambda: False,
     progress_s: float = 2.0,
 ) -> dict[str, Any]:
-    """Take the run's lock, build the producer (config, tokenizer and sources checked, run
-    created or resumed, counters rebuilt from the files), call `before_feed` (the launcher
-    starts its processes there), then feed until every category is closed or exhausted and
-    every result is written, or until `should_stop()`. Returns the final status."""
+    """Check the engines (`producer.preflight`: nothing is fed to an engine that is
+    unreachable, too old or serves another model than the tokenizer's), take the run's lock,
+    build the producer (config, tokenizer and sources checked, run created or resumed,
+    counters rebuilt from the files), call `before_feed` (the launcher starts its processes
+    there), then feed until every category is closed or exhausted and every result is
+    written, or until `should_stop()`. Returns the final status."""
+    renderer = load_renderer(cfg)
+    infos = preflight(cfg, engine_urls, renderer)
     lock = producer_lease(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
     lock.acquire()
     try:
-        ctx = cfg.context_length or context_length(engine_urls)
-        producer = build_producer(cfg, redis, ctx, on_progress)
+        known = [i.context_length for i in infos if i.context_length]
+        ctx = cfg.context_length or (min(known) if known else None)
+        producer = build_producer(cfg, redis, ctx, on_progress, renderer)
+        producer.budget.record_engines(infos)
         if before_feed is not None:
             before_feed(producer)
 

@@ -27,8 +27,10 @@ EXIT_BAD_CONFIG = 2
 
 DESCRIPTION = """\
 SGLang-protocol SIMULATOR (not SGLang): serves POST /generate, /health, /server_info,
-/model_info, /v1/models, /get_load, /flush_cache, /abort_request and /metrics, and simulates
-continuous batching without a GPU. Outputs are synthetic, deterministic token ids whose
+/model_info, /v1/models, /v1/loads, /get_load (each as --sglang-version has it),
+/flush_cache, /abort_request and /metrics (or, with --flavor vllm, vLLM's POST
+/v1/completions, /v1/models, /version, /health and /metrics), and simulates continuous
+batching without a GPU. Outputs are synthetic, deterministic token ids whose
 lengths follow a lognormal per category (header X-Tokencap-Category). Debug routes:
 GET /_sim/stats, GET|POST /_sim/faults, POST /_sim/reset_stats. Defaults come from --profile
 ("default": ~1,000 output tok/s at 72 running requests, 72 ms per decode step)."""
@@ -49,6 +51,14 @@ _OVERRIDES: tuple[tuple[str, str, type, str], ...] = (
      "added decode step time per running request, seconds"),
     ("--prefill-s-per-token", "prefill_s_per_token", float, "prefill time per prompt token, s"),
     ("--model-path", "model_path", str, "model name reported by the server"),
+    ("--flavor", "flavor", str, "the server played: sglang (native /generate) or vllm "
+     "(OpenAI-compatible /v1/completions with token ids)"),
+    ("--sglang-version", "sglang_version", str,
+     "SGLang release whose reply shapes, errors, routes and context rule are played"),
+    ("--api-key", "api_key", str, "require Authorization: Bearer KEY, as SGLang's --api-key"),
+    ("--metrics-dp-ranks", "metrics_dp_ranks", int, "/metrics series per DP rank"),
+    ("--metrics-tp-ranks", "metrics_tp_ranks", int,
+     "/metrics series repeated per TP rank (--enable-metrics-for-all-schedulers)"),
 )  # fmt: skip
 
 

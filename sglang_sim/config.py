@@ -42,6 +42,17 @@ DEFAULT_MEAN_OUTPUT_TOKENS = 500.0
 DEFAULT_OUTPUT_SIGMA = 0.8
 
 FAULT_STATUSES = frozenset({429, 500, 502, 503, 504})
+FLAVORS = ("sglang", "vllm")
+# vLLM reports this version; its OpenAI-compatible server returns token ids since 0.10.2
+VLLM_VERSION = "0.11.0"
+
+
+def version(text: str) -> tuple[int, ...]:
+    """A release number as a tuple, for comparisons ("0.5.15" -> (0, 5, 15))."""
+    try:
+        return tuple(int(p) for p in text.split(".")[:3])
+    except ValueError:
+        raise ValueError(f"sglang_version must look like 0.5.23, got {text!r}") from None
 # SGLang: max_req_input_len = max_req_len - 5.
 RESERVED_INPUT_MARGIN_TOKENS = 5
 
@@ -131,6 +142,22 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # A local tokenizer directory: answers are text-like (words, reasoning, tool calls in the
     # template's syntax; `sglang_sim.text`) instead of random ids. None: random ids.
     tokenizer: str | None = None
+    # Which server it plays: SGLang (its native API, of `sglang_version`: reply shapes,
+    # error bodies, routes and the context rule of that release family) or vLLM (the
+    # OpenAI-compatible /v1/completions with token ids, vLLM's shapes and errors).
+    flavor: str = "sglang"
+    sglang_version: str = "0.5.23"
+    # `--api-key`: every route but /health*, /metrics (and, for vLLM, all but /v1/*) wants
+    # `Authorization: Bearer <key>`; else 401 {"error": "Unauthorized"}.
+    api_key: str | None = None
+    # /metrics shapes: series per DP rank (the requests split across them), duplicated per
+    # TP rank (--enable-metrics-for-all-schedulers), and a priority="" total beside
+    # per-priority series (--enable-priority-scheduling).
+    metrics_dp_ranks: int = 1
+    metrics_tp_ranks: int = 1
+    metrics_priority: bool = False
+    # SGLang's /server_info has context_length null unless --context-length was passed.
+    context_length_flag: bool = True
 
     def validate(self) -> None:
         """Raise ValueError when a knob is out of range."""
@@ -154,6 +181,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError("a decode step must take some time")
         if self.admit_headroom_tokens < 0:
             raise ValueError("admit_headroom_tokens must be >= 0")
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}, got {self.flavor!r}")
+        if min(self.metrics_dp_ranks, self.metrics_tp_ranks) < 1:
+            raise ValueError("metrics_dp_ranks and metrics_tp_ranks must be >= 1")
+        version(self.sglang_version)
         self.default_length.validate()
         for dist in self.length_profiles.values():
             dist.validate()

@@ -26,7 +26,8 @@ def server_info(config: SimConfig, port: int | None, gen_throughput_tok_s: float
         "tokenizer_path": config.model_path,
         "served_model_name": config.model_path,
         "port": port,
-        "context_length": config.context_length,
+        # the --context-length flag: null unless it was passed
+        "context_length": config.context_length if config.context_length_flag else None,
         "max_running_requests": config.max_running_requests,
         "max_queued_requests": config.max_queued_requests,
         "max_total_tokens": config.max_total_tokens,
@@ -55,8 +56,9 @@ def server_info(config: SimConfig, port: int | None, gen_throughput_tok_s: float
                 "effective_max_running_requests_per_dp": config.max_running_requests,
             }
         ],
-        "version": __version__,
+        "version": config.sglang_version,
         "simulator": True,
+        "simulator_version": __version__,
         "sim_config": msgspec.to_builtins(config),
     }
 
@@ -82,7 +84,7 @@ def models_list(config: SimConfig) -> dict[str, Any]:
         "id": config.model_path,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": "sglang",
+        "owned_by": "vllm" if config.flavor == "vllm" else "sglang",
         "root": config.model_path,
         "max_model_len": config.context_length,
     }

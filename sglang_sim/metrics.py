@@ -37,14 +37,32 @@ def _fmt(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else f"{float(value):.1f}"
 
 
+def split(total: float, parts: int) -> list[float]:
+    """`total` requests (or tokens) spread over `parts` ranks, as evenly as whole numbers go."""
+    if parts == 1 or not float(total).is_integer():
+        return [total / parts] * parts
+    n = int(total)
+    return [float(n // parts + (1 if i < n % parts else 0)) for i in range(parts)]
+
+
 def render(
     stats: dict[str, Any],
     *,
     model_name: str,
     gen_throughput_tok_s: float,
     e2e: LatencyHistogram,
+    flavor: str = "sglang",
+    dp_ranks: int = 1,
+    tp_ranks: int = 1,
+    priority: bool = False,
 ) -> str:
-    """The ``/metrics`` page from engine stats, the wall-clock decode rate and latencies."""
+    """The ``/metrics`` page from engine stats, the wall-clock decode rate and latencies.
+
+    SGLang's gauges carry `model_name`, `engine_type`, `tp_rank` and `pp_rank` (and `dp_rank`
+    with several DP ranks): one series per DP rank, the requests split across them, each
+    repeated per TP rank with `tp_ranks` > 1 (--enable-metrics-for-all-schedulers); with
+    `priority`, a ``priority=""`` total beside per-priority series. vLLM's flavour has its own
+    names, labelled `model_name` and `engine`."""
     label = f'model_name="{model_name}"'
     lines: list[str] = []
 
@@ -53,15 +71,39 @@ def render(
         lines.append(f"# TYPE {name} {kind}")
         lines.append(f"{name}{{{label}}} {_fmt(value)}")
 
-    metric("sglang:num_running_reqs", "gauge", "The number of running requests.",
-           stats["running"])  # fmt: skip
-    metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
-           stats["queued"])  # fmt: skip
-    metric("sglang:num_used_tokens", "gauge", "The number of used tokens.",
-           stats["kv_used_tokens"])  # fmt: skip
-    metric("sglang:token_usage", "gauge", "The token usage.", stats["token_usage"])
-    metric("sglang:gen_throughput", "gauge", "The generation throughput (token/s).",
-           gen_throughput_tok_s)  # fmt: skip
+    def gauge(name: str, help_text: str, value: float, shared: bool = False) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} gauge")
+        for dp, part in enumerate([value] * dp_ranks if shared else split(value, dp_ranks)):
+            for tp in range(tp_ranks):
+                base = (f'{label},engine_type="unified",tp_rank="{tp}",pp_rank="0"'
+                        + (f',dp_rank="{dp}"' if dp_ranks > 1 else ""))
+                if not priority:
+                    lines.append(f"{name}{{{base}}} {_fmt(part)}")
+                    continue
+                lines.append(f'{name}{{{base},priority=""}} {_fmt(part)}')
+                for prio, share in enumerate([part, part] if shared else split(part, 2)):
+                    lines.append(f'{name}{{{base},priority="{prio}"}} {_fmt(share)}')
+
+    if flavor == "vllm":
+        vlabel = f'{label},engine="0"'
+        for name, help_text, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 stats["running"]),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 stats["queued"]),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 stats["token_usage"])):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
+                      f"{name}{{{vlabel}}} {_fmt(value)}"]
+        return "\n".join(lines) + "\n"
+    gauge("sglang:num_running_reqs", "The number of running requests.", stats["running"])
+    gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+          stats["queued"])
+    gauge("sglang:num_used_tokens", "The number of used tokens.", stats["kv_used_tokens"])
+    gauge("sglang:token_usage", "The token usage.", stats["token_usage"], shared=True)
+    gauge("sglang:gen_throughput", "The generation throughput (token/s).",
+          gen_throughput_tok_s)
     metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
            stats["finished_prompt_tokens_total"])  # fmt: skip
     metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.",

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_sim.config import SimConfig
+from sglang_sim.config import SimConfig, version
 from sglang_sim.outputs import tokenize_text
 
 # Every field of SGLang's SamplingParams msgspec Struct (API fields, then internal ones that
@@ -55,10 +55,10 @@ NOT_SIMULATED = "not supported by simulator"
 
 
 class ApiError(Exception):
-    """An HTTP error reply: status, JSON body and extra headers."""
+    """An HTTP error reply: status, JSON body (or plain text) and extra headers."""
 
     def __init__(
-        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+        self, status: int, body: dict[str, Any] | str, headers: dict[str, str] | None = None
     ) -> None:
         super().__init__(f"HTTP {status}: {body}")
         self.status = status
@@ -173,15 +173,65 @@ def parse_generate(body: Any, config: SimConfig) -> GenerateRequest:
     return GenerateRequest(rid=rid, input_ids=ids, sampling_params=params)
 
 
+# vLLM's /v1/completions field -> SGLang's sampling param (the same generation)
+VLLM_PARAMS = {
+    "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim", "temperature": "temperature",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+}  # fmt: skip
+VLLM_DEFAULT_MAX_TOKENS = 16
+
+
+def parse_completion(body: Any, config: SimConfig) -> tuple[GenerateRequest, bool, int]:
+    """vLLM's /v1/completions body as the simulator's request; also whether the reply carries
+    token ids (`return_token_ids`) and the max_tokens asked. Unknown fields are ignored, as
+    vLLM does; max_tokens past the context is clamped (vLLM 0.11 and later)."""
+    if not isinstance(body, dict):
+        raise schema_error("Input should be a valid dictionary or object")
+    model = body.get("model")
+    if model is not None and model != config.model_path:
+        raise ApiError(404, {"error": f"The model `{model}` does not exist."})
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompt = tokenize_text(prompt, config.vocab_size, config.eos_token_id)
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+        raise bad_request("prompt must be a string or a non-empty list of token ids "
+                          f"(batches {NOT_SIMULATED})")
+    if body.get("stream"):
+        raise bad_request(f"stream {NOT_SIMULATED}")
+    bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} is out of vocabulary")
+    if len(prompt) >= config.context_length:
+        raise bad_request(f"This model's maximum context length is {config.context_length} "
+                          f"tokens. However, your request has {len(prompt)} input tokens.")
+    params = {VLLM_PARAMS[k]: v for k, v in body.items() if k in VLLM_PARAMS and v is not None}
+    asked = params.get("max_new_tokens", VLLM_DEFAULT_MAX_TOKENS)
+    if _is_int(asked):
+        params["max_new_tokens"] = min(asked, config.context_length - len(prompt))
+    else:
+        params["max_new_tokens"] = asked
+    rid = uuid.uuid4().hex
+    return (GenerateRequest(rid=rid, input_ids=list(prompt), sampling_params=params),
+            bool(body.get("return_token_ids")), asked if _is_int(asked) else 0)
+
+
 def _check_context(num_input: int, max_new: Any, config: SimConfig) -> None:
-    """tokenizer_manager._validate_one_request (without --allow-auto-truncate)."""
+    """tokenizer_manager._validate_one_request (without --allow-auto-truncate): input plus
+    max_new_tokens must stay below the context up to 0.5.9, may equal it from 0.5.15."""
     context = config.context_length
     if num_input >= context:
         raise bad_request(
             f"The input ({num_input} tokens) is longer than the model's "
             f"context length ({context} tokens)."
         )
-    if _is_number(max_new) and max_new + num_input >= context:
+    equal_ok = version(config.sglang_version) >= (0, 5, 15)
+    if _is_number(max_new) and (max_new + num_input > context or (
+            max_new + num_input == context and not equal_ok)):
         total = max_new + num_input
         raise bad_request(
             f"Requested token count exceeds the model's maximum context length "
@@ -192,11 +242,17 @@ def _check_context(num_input: int, max_new: Any, config: SimConfig) -> None:
         )
 
 
-def _build_sampling(params: dict[str, Any]) -> dict[str, Any]:
-    """SamplingParams(**params) and its __post_init__; TypeError becomes HTTP 500."""
+def _build_sampling(params: dict[str, Any], release: tuple[int, ...] = (0, 5, 23)
+                    ) -> dict[str, Any]:
+    """SamplingParams(**params) and its __post_init__. An unknown key: a TypeError SGLang
+    does not catch (500, plain text) up to 0.5.15; its schema check's 400 from 0.5.23."""
     unknown = sorted(set(params) - SAMPLING_PARAM_FIELDS)
     if unknown:
-        raise internal_error(f"Unexpected keyword argument '{unknown[0]}'")
+        if release >= (0, 5, 23):
+            expected = ", ".join(f"`{f}`" for f in sorted(SAMPLING_PARAM_FIELDS))
+            raise ApiError(400, {"error": f"unknown field `{unknown[0]}`, expected one of "
+                                          f"{expected}"})
+        raise ApiError(500, "Internal Server Error")
     sp: dict[str, Any] = {k: params.get(k) for k in (*_FLOAT_FIELDS, *_INT_FIELDS)}
     for name in _FLOAT_FIELDS:
         if sp[name] is None:
@@ -268,7 +324,7 @@ def validate_generate(req: GenerateRequest, config: SimConfig) -> ValidRequest:
     """Run SGLang's checks on a parsed request; raise ApiError with SGLang's reply."""
     num_input = len(req.input_ids)
     _check_context(num_input, req.sampling_params.get("max_new_tokens"), config)
-    sp = _build_sampling(req.sampling_params)
+    sp = _build_sampling(req.sampling_params, version(config.sglang_version))
     _verify(sp, config.vocab_size)
     if sp["n"] != 1:
         raise bad_request(f"n > 1 (parallel sampling) {NOT_SIMULATED}")

@@ -30,22 +30,24 @@ import socket
 import struct
 import time
 from collections import Counter, deque
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from sglang_sim import info
-from sglang_sim.config import SimConfig
+from sglang_sim.config import VLLM_VERSION, SimConfig, version
 from sglang_sim.engine import Engine
 from sglang_sim.faults import FaultInjector
 from sglang_sim.jobs import DuplicateRidError, Job, QueueFullError
-from sglang_sim.metrics import LatencyHistogram, render
+from sglang_sim.metrics import LatencyHistogram, render, split
 from sglang_sim.outputs import natural_length, output_ids, render_text, request_seed
 from sglang_sim.protocol import (
     ApiError,
     ValidRequest,
     bad_request,
+    parse_completion,
     parse_generate,
     queue_full,
     schema_error,
@@ -86,7 +88,22 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _error(exc: ApiError) -> web.Response:
+    if isinstance(exc.body, str):  # SGLang's uncaught errors: plain text
+        return web.Response(text=exc.body, status=exc.status, headers=exc.headers)
     return _json(exc.body, exc.status, exc.headers)
+
+
+def _vllm_error(exc: ApiError) -> web.Response:
+    """An error as vLLM's OpenAI server writes it."""
+    if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict):
+        message = str(exc.body["error"].get("message", ""))
+    elif isinstance(exc.body, dict):
+        message = str(exc.body.get("error") or exc.body.get("message") or "")
+    else:
+        message = exc.body
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    return _json({"error": {"message": message, "type": kind.get(exc.status, "InternalError"),
+                            "param": None, "code": exc.status}}, exc.status, exc.headers)
 
 
 def build_job(
@@ -141,58 +158,116 @@ def _drop_connection(request: web.Request) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """``/generate``, counted in ``requests_total`` and ``responses_by_status``."""
+    return await _counted(request, _generate)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """vLLM's ``/v1/completions`` (token-id prompts), counted like ``/generate``."""
+    return await _counted(request, _completions)
+
+
+async def _counted(request: web.Request, handler: Any) -> web.StreamResponse:
     http = request.app[HTTP_KEY]
     http["requests_total"] += 1
-    response = await _generate(request)
+    response = await handler(request)
     http[str(response.status)] += 1
     return response
 
 
-async def _generate(request: web.Request) -> web.StreamResponse:
+class _Done:
+    """A request the engine finished: its ids and what the reply reports."""
+
+    def __init__(self, valid: ValidRequest, done: Any, ids: list[int], reported: int,
+                 text: str) -> None:
+        self.valid, self.done, self.ids, self.reported, self.text = (
+            valid, done, ids, reported, text)
+
+
+async def _run(request: web.Request, parsed: Any) -> _Done:
+    """Fault injection, SGLang's checks, the engine, the ids: what both APIs share."""
     app = request.app
     config, engine, faults = app[CONFIG_KEY], app[ENGINE_KEY], app[FAULTS_KEY]
+    app[REQUESTS_KEY].append(parsed.sampling_params)
+    fault = faults.before_generate(parsed.input_ids)
+    if fault is not None:
+        raise fault
+    valid = validate_generate(parsed, config)
+    text = app.get(TEXT_KEY)
+    job, seed, natural, answer = build_job(valid, config, request.headers.get(CATEGORY_HEADER),
+                                           text)
     try:
-        try:
-            body = await request.json(loads=msgspec.json.decode)
-        except (msgspec.DecodeError, ValueError) as exc:
-            raise schema_error(f"JSON decode error: {exc}") from exc
-        parsed = parse_generate(body, config)
-        app[REQUESTS_KEY].append(parsed.sampling_params)
-        fault = faults.before_generate(parsed.input_ids)
-        if fault is not None:
-            raise fault
-        valid = validate_generate(parsed, config)
-        text = app.get(TEXT_KEY)
-        job, seed, natural, answer = build_job(valid, config,
-                                               request.headers.get(CATEGORY_HEADER), text)
-        try:
-            done = await engine.generate(job)
-        except QueueFullError as exc:
-            raise queue_full() from exc
-        except DuplicateRidError as exc:
-            raise bad_request(f"Duplicate request ID detected: {job.rid}") from exc
-    except ApiError as exc:
-        return _error(exc)
+        done = await engine.generate(job)
+    except QueueFullError as exc:
+        raise queue_full() from exc
+    except DuplicateRidError as exc:
+        raise bad_request(f"Duplicate request ID detected: {job.rid}") from exc
     if answer is not None:
         ids = answer[: done.completion_tokens]
     else:
-        ids = output_ids(
-            seed,
-            done.completion_tokens,
-            natural,
-            vocab_size=config.vocab_size,
-            eos_token_id=config.eos_token_id,
-            ignore_eos=valid.ignore_eos,
-        )
+        ids = output_ids(seed, done.completion_tokens, natural, vocab_size=config.vocab_size,
+                         eos_token_id=config.eos_token_id, ignore_eos=valid.ignore_eos)
     app[E2E_KEY].observe(done.e2e_latency_s)
     if faults.should_reset():
         logger.info("simulated fault: dropping the connection of %s", done.rid)
         _drop_connection(request)
         # End the handler as a cancelled one, so aiohttp writes nothing to the dead socket.
         raise asyncio.CancelledError
-    reported_tokens = done.completion_tokens + int(faults.should_bad_count())
-    reply = {
-        "text": text.decode(ids) if text is not None else render_text(ids, config.eos_token_id),
+    reported = done.completion_tokens + int(faults.should_bad_count())
+    decoded = text.decode(ids) if text is not None else render_text(ids, config.eos_token_id)
+    stall_s = faults.stall_s()
+    if stall_s > 0:
+        await asyncio.sleep(stall_s)
+    return _Done(valid, done, ids, reported, decoded)
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=msgspec.json.decode)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise schema_error(f"JSON decode error: {exc}") from exc
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    config = request.app[CONFIG_KEY]
+    try:
+        parsed, want_ids, max_tokens = parse_completion(await _body(request), config)
+        r = await _run(request, parsed)
+    except ApiError as exc:
+        return _vllm_error(exc)
+    fr = r.done.finish_reason
+    stop = fr.get("type") == "stop"
+    matched = fr.get("matched")
+    return _json({
+        "id": f"cmpl-{r.done.rid}", "object": "text_completion", "created": int(time.time()),
+        "model": config.model_path,
+        "choices": [{
+            "index": 0, "text": r.text, "logprobs": None,
+            "finish_reason": "stop" if stop else "length",
+            # vLLM: None for the model's EOS, the id of another stop token
+            "stop_reason": None if matched == config.eos_token_id else matched,
+            "token_ids": r.ids if want_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": parsed.input_ids if want_ids else None,
+        }],
+        "usage": {"prompt_tokens": r.done.prompt_tokens, "completion_tokens": r.reported,
+                  "total_tokens": r.done.prompt_tokens + r.reported},
+    })
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    config = app[CONFIG_KEY]
+    release = version(config.sglang_version)
+    try:
+        r = await _run(request, parse_generate(await _body(request), config))
+    except ApiError as exc:
+        return _error(exc)
+    ids = r.ids
+    if (0, 5, 1) <= release < (0, 5, 5):  # output_ids start with prompt ids (#17240)
+        ids = r.valid.input_ids[-min(5, len(r.valid.input_ids)):] + ids
+    done = r.done
+    reply: dict[str, Any] = {
+        "text": r.text,
         "output_ids": ids,
         "meta_info": {
             "id": done.rid,
@@ -201,15 +276,33 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             "weight_version": config.weight_version,
             "num_retractions": done.num_retractions,
             "reasoning_tokens": 0,
-            "completion_tokens": reported_tokens,
+            "completion_tokens": r.reported,
             "cached_tokens": 0,
             "e2e_latency": done.e2e_latency_s,
         },
     }
-    stall_s = faults.stall_s()
-    if stall_s > 0:
-        await asyncio.sleep(stall_s)
+    if release < (0, 5, 1):  # output_ids only with --skip-tokenizer-init before 0.5.1
+        del reply["output_ids"]
     return _json(reply)
+
+
+OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/_sim/")
+
+
+@web.middleware
+async def _api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """`--api-key`: SGLang checks every route but /health* and /metrics; vLLM only /v1/*."""
+    config = request.app[CONFIG_KEY]
+    path = request.path
+    guarded = path.startswith("/v1/") if config.flavor == "vllm" else not path.startswith(
+        OPEN_PATHS)
+    if guarded and request.headers.get("Authorization") != f"Bearer {config.api_key}":
+        return _json({"error": "Unauthorized"}, 401)
+    return await handler(request)
+
+
+async def vllm_version(request: web.Request) -> web.Response:
+    return _json({"version": VLLM_VERSION})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -245,6 +338,21 @@ async def get_load(request: web.Request) -> web.Response:
     return _json([load])
 
 
+async def v1_loads(request: web.Request) -> web.Response:
+    """``/v1/loads`` (0.5.9 and later): one entry per DP rank, the requests split across them."""
+    config, stats = request.app[CONFIG_KEY], request.app[ENGINE_KEY].stats()
+    ranks = config.metrics_dp_ranks
+    running, queued = split(stats["running"], ranks), split(stats["queued"], ranks)
+    used = split(stats["kv_used_tokens"], ranks)
+    loads = [{"dp_rank": i, "num_running_reqs": int(running[i]),
+              "num_waiting_reqs": int(queued[i]), "num_used_tokens": int(used[i]),
+              "max_running_requests": config.max_running_requests,
+              "token_usage": stats["token_usage"]} for i in range(ranks)]
+    return _json({"timestamp": datetime.now(UTC).isoformat(),
+                  "version": config.sglang_version, "accelerator": None,
+                  "num_accelerators": 1, "loads": loads})
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     idle = request.app[ENGINE_KEY].is_idle()
     return web.Response(text=FLUSH_CACHE_TEXT, status=200 if idle else 400)
@@ -275,6 +383,10 @@ async def metrics(request: web.Request) -> web.Response:
         model_name=config.model_path,
         gen_throughput_tok_s=engine.decode_rate_tok_per_sim_s() * config.time_scale,
         e2e=app[E2E_KEY],
+        flavor=config.flavor,
+        dp_ranks=config.metrics_dp_ranks,
+        tp_ranks=config.metrics_tp_ranks,
+        priority=config.metrics_priority,
     )
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -333,7 +445,7 @@ async def _stop_engine(app: web.Application) -> None:
 def create_app(config: SimConfig) -> web.Application:
     """The aiohttp application; the engine runs while the app is started."""
     config.validate()
-    app = web.Application()
+    app = web.Application(middlewares=[_api_key] if config.api_key else [])
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = Engine(config)
     app[FAULTS_KEY] = FaultInjector(config.faults, config.seed)
@@ -345,19 +457,29 @@ def create_app(config: SimConfig) -> web.Application:
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_engine)
     r = app.router
-    for method in ("POST", "PUT"):
-        r.add_route(method, "/generate", generate)
-    for path in ("/health", "/health_generate"):
-        r.add_get(path, health)
-    for path in ("/server_info", "/get_server_info"):
-        r.add_get(path, server_info)
-    for path in ("/model_info", "/get_model_info"):
-        r.add_get(path, model_info)
+    release = version(config.sglang_version)
+    if config.flavor == "vllm":
+        r.add_post("/v1/completions", completions)
+        r.add_get("/version", vllm_version)
+        r.add_get("/health", health)
+    else:
+        for method in ("POST", "PUT"):
+            r.add_route(method, "/generate", generate)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, health)
+        # /server_info and /model_info from 0.5.9; the get_ names stay as aliases
+        names = ("", "get_") if release >= (0, 5, 9) else ("get_",)
+        for prefix in names:
+            r.add_get(f"/{prefix}server_info", server_info)
+            r.add_get(f"/{prefix}model_info", model_info)
+        if release >= (0, 5, 9):
+            r.add_get("/v1/loads", v1_loads)
+        if release < (0, 5, 23):  # removed in 0.5.23
+            r.add_get("/get_load", get_load)
+        r.add_get("/flush_cache", flush_cache)
+        r.add_post("/flush_cache", flush_cache)
+        r.add_post("/abort_request", abort_request)
     r.add_get("/v1/models", list_models)
-    r.add_get("/get_load", get_load)
-    r.add_get("/flush_cache", flush_cache)
-    r.add_post("/flush_cache", flush_cache)
-    r.add_post("/abort_request", abort_request)
     r.add_get("/metrics", metrics)
     r.add_get("/_sim/stats", get_stats)
     r.add_get("/_sim/requests", get_requests)

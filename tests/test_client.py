@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from consumers.client import (
@@ -141,19 +144,37 @@ def test_abort_finish_is_a_server_error() -> None:
         parse_reply(body, 1, "e", 0.1)
 
 
-class _Metrics:
-    """A session whose `/metrics` says `sglang:num_queue_reqs` is queue[i] at the i-th read
-    (the last value from then on)."""
+class _Reply:
+    def __init__(self, status_code: int, text: str = "") -> None:
+        self.status_code, self.text = status_code, text
 
-    def __init__(self, queue: list[int]) -> None:
+    def raise_for_status(self) -> None:
+        assert self.status_code < 400
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+class _Metrics:
+    """A session whose load reading says the engine's queue is queue[i] at the i-th read (the
+    last value from then on): on `/metrics` (`sglang:num_queue_reqs`; `/v1/loads` is 404, an
+    SGLang before 0.5.9) or, with `loads`, on `/v1/loads` (two DP ranks sharing the queue)."""
+
+    def __init__(self, queue: list[int], loads: bool = False) -> None:
         self.queue = queue
+        self.loads = loads
         self.reads = 0
 
-    def get(self, url: str, timeout: object = None) -> object:
+    def get(self, url: str, timeout: object = None, headers: object = None) -> _Reply:
+        if "/v1/loads" in url and not self.loads:
+            return _Reply(404)
         value = self.queue[min(self.reads, len(self.queue) - 1)]
         self.reads += 1
-        return type("R", (), {"status_code": 200,
-                              "text": f"sglang:num_queue_reqs {value}\n"})()
+        if self.loads:
+            ranks = [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": value // 2},
+                     {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": value - value // 2}]
+            return _Reply(200, json.dumps({"version": "0.5.23", "loads": ranks}))
+        return _Reply(200, f"sglang:num_queue_reqs {value}\n")
 
 
 def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> None:
@@ -161,10 +182,11 @@ def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> 
 
     monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # every look is a new reading
-    metrics = _Metrics([2, 3, 2, 2, 1])
-    pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
-    # queue at the bound (2), above (3), at it twice more: four waits, through on the fifth
-    assert pool.gate("http://e") == 4 and metrics.reads == 5
+    for loads in (False, True):
+        metrics = _Metrics([2, 3, 2, 2, 1], loads)
+        pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
+        # queue at the bound (2), above (3), at it twice more: four waits, through on the fifth
+        assert pool.gate("http://e") == 4 and metrics.reads == 5
     assert EnginePool(["http://e"], session=_Metrics([50])).gate("http://e") == 0  # no gate
 
 

@@ -24,6 +24,7 @@ def test_32_workers_one_category_count_exactly(tmp_path, redis_url) -> None:
                            for i in range(PROMPTS)))
     cfg = write_config(tmp_path, f"""
 run = "conc"
+sampling_defaults = "engine"
 output_dir = "{tmp_path / 'out'}"
 cap_tokens = 30000
 high_water = 64

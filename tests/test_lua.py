@@ -17,6 +17,7 @@ from budget_service.budget import Budget, now_ms, prompt_digest
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.scripts import CATEGORY_SCRIPTS, LUA_DIR, OTHER_SCRIPTS
 from foundation.config import Category, RunConfig, SamplingParams
+from foundation.engine import EngineInfo
 from foundation.errors import RunMismatch
 from foundation.wire import DeadLetter, Pending, Result
 
@@ -579,3 +580,16 @@ def test_engine_counts_add_up(budget: Budget) -> None:
     budget.add_engine_counts({"http://e|requests|ok": 2, "http://e|latency_sum_ms": 150})
     budget.add_engine_counts({"http://e|requests|ok": 1})
     assert budget.engine_counts() == {"http://e|requests|ok": 3, "http://e|latency_sum_ms": 150}
+
+
+def test_engine_info_replaces_what_the_preflight_found(budget: Budget) -> None:
+    a = EngineInfo(url="http://a:30000", api="sglang", model="Qwen/Qwen3-8B", version="0.5.23",
+                   context_length=40960)
+    b = EngineInfo(url="http://b:8000", api="openai", model="Qwen/Qwen3-8B", version="0.11.0")
+    budget.record_engines([a, b])
+    assert budget.engines_seen() == {a.url: a, b.url: b}
+    sim = EngineInfo(url="http://a:30000", api="sglang", model="tokencap-sglang-sim",
+                     simulated=True)
+    budget.record_engines([sim])  # a later preflight: engines no longer used are dropped
+    assert budget.engines_seen() == {sim.url: sim}
+    assert budget.status()["simulated"] is True

@@ -127,6 +127,7 @@ def test_adaptive_concurrency_keeps_the_engine_queue_short(tmp_path, redis_url) 
     src.write_text("".join(json.dumps({"input_ids": [700 + i, 1, 2]}) + "\n" for i in range(400)))
     cfg = write_config(tmp_path, f"""
 run = "adaptive"
+sampling_defaults = "engine"
 output_dir = "{tmp_path / 'out'}"
 adaptive_max_queue = {bound}
 # this measures the gate: no admission margin tapering the small cap (31 outputs)
@@ -183,7 +184,8 @@ def test_worker_pool_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path, redis
     from tests.conftest import ROOT
 
     cfg = two_category_config(tmp_path)
-    pipe = Pipeline(cfg, redis_url, ["http://127.0.0.1:9"])
+    sim = SimServer(time_scale=1000.0).start()  # a worker starts only on a usable engine
+    pipe = Pipeline(cfg, redis_url, [sim.url])
     pipe.budget.init_run(cfg)
     queue = Queue(pipe.keys.queue_name("a"), connection=pipe.redis)
     pool = subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker", "--pool", "3"],
@@ -204,6 +206,7 @@ def test_worker_pool_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path, redis
     finally:
         if pool.poll() is None:
             pool.kill()
+        sim.stop()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
 from foundation.errors import ProducerBusy
+from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.faults.common import two_category_config
 from tokencap.harness import wait_until
@@ -47,8 +48,9 @@ def test_renew_takes_back_a_lost_lock_and_fails_on_a_stolen_one(redis) -> None:
 def test_two_producers_started_at_once_one_runs_the_other_exits_6(tmp_path, redis_url) -> None:
     # Given a run with no workers (the producer that gets the lock keeps feeding)
     cfg = two_category_config(tmp_path)  # lock_ttl_s = 2: the other waits 3 s for it
+    sim = SimServer(time_scale=1000.0).start()  # the preflight needs an engine
     argv = [sys.executable, "-m", "tokencap.cli", "run", str(tmp_path / "run.toml"),
-            "--redis-url", redis_url, "--sglang-url", "http://127.0.0.1:9"]
+            "--redis-url", redis_url, "--sglang-url", sim.url]
     # When two producers start at the same time
     procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
@@ -77,3 +79,4 @@ def test_two_producers_started_at_once_one_runs_the_other_exits_6(tmp_path, redi
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        sim.stop()

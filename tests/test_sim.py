@@ -19,7 +19,7 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_sim.config import DEFAULT_EOS_TOKEN_ID, LengthDist, SimConfig
+from sglang_sim.config import DEFAULT_EOS_TOKEN_ID, LengthDist, SimConfig, version
 from sglang_sim.engine import Engine
 from sglang_sim.jobs import Job
 from sglang_sim.testing import (
@@ -125,23 +125,27 @@ def test_category_header_selects_length_distribution() -> None:
 # ----- errors ------------------------------------------------------------------------------
 
 
-def test_input_longer_than_context_is_400(sim: SimServer) -> None:
-    r = post(sim.url, {"input_ids": [1] * 32768})
-    assert r.status_code == 400
-    assert r.json() == {
-        "error": {
-            "message": (
-                "The input (32768 tokens) is longer than the model's context length (32768 tokens)."
-            )
-        }
-    }
-    r = post(sim.url, {"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 32668}})
-    assert r.status_code == 400
-    assert r.json()["error"]["message"].startswith(
-        "Requested token count exceeds the model's maximum context length of 32768 tokens. "
-        "You requested a total of 32768 tokens: 100 tokens from the input messages and "
-        "32668 tokens for the completion."
-    )  # fmt: skip
+@pytest.mark.parametrize(("release", "equal_ok"), [("0.5.9", False), ("0.5.15", True),
+                                                  ("0.5.23", True)])
+def test_input_longer_than_context_is_400(release: str, equal_ok: bool) -> None:
+    with SimServer(time_scale=FAST, sglang_version=release) as sim:
+        r = post(sim.url, {"input_ids": [1] * 32768})
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": (
+            "The input (32768 tokens) is longer than the model's context length (32768 tokens)."
+        )}}  # fmt: skip
+        # input + max_new_tokens one past the context: refused by every release
+        r = post(sim.url, {"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 32669}})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith(
+            "Requested token count exceeds the model's maximum context length of 32768 tokens. "
+            "You requested a total of 32769 tokens: 100 tokens from the input messages and "
+            "32669 tokens for the completion."
+        )  # fmt: skip
+        # exactly the context: refused before 0.5.15 (`>=`), accepted from then on (`>`)
+        r = post(sim.url, {"input_ids": [1] * 100, "sampling_params": {
+            "max_new_tokens": 32668, "ignore_eos": False}})
+        assert (r.status_code == 200) is equal_ok, r.text
 
 
 def test_input_longer_than_kv_pool_is_400() -> None:
@@ -154,11 +158,18 @@ def test_input_longer_than_kv_pool_is_400() -> None:
         )
 
 
-def test_unknown_sampling_key_is_500(sim: SimServer) -> None:
+@pytest.mark.parametrize("release", ["0.5.9", "0.5.15"])
+def test_unknown_sampling_key_is_a_plain_text_500_before_0_5_23(release: str) -> None:
+    with SimServer(time_scale=FAST, sglang_version=release) as sim:
+        r = post(sim.url, {"input_ids": [1], "sampling_params": {"logprobs": 5}})
+        assert r.status_code == 500 and r.text == "Internal Server Error"
+
+
+def test_unknown_sampling_key_is_a_400_with_an_error_string_from_0_5_23(sim: SimServer) -> None:
     r = post(sim.url, {"input_ids": [1], "sampling_params": {"logprobs": 5}})
-    assert r.status_code == 500
-    body = r.json()
-    assert body["object"] == "error" and "logprobs" in body["message"] and body["code"] == 500
+    assert r.status_code == 400
+    message = r.json()["error"]
+    assert isinstance(message, str) and "unknown field `logprobs`" in message
 
 
 @pytest.mark.parametrize(
@@ -276,14 +287,54 @@ def test_info_endpoints(sim: SimServer) -> None:
         assert info["simulator"] is True and info["context_length"] == 32768
         assert info["max_running_requests"] == 72 and info["max_queued_requests"] is None
         assert info["max_total_tokens"] == 400_000 and info["max_req_input_len"] == 32762
-        assert "version" in info and "last_gen_throughput" in info["internal_states"][0]
+        assert info["version"] == "0.5.23" and "simulator_version" in info
+        assert "last_gen_throughput" in info["internal_states"][0]
     for path in ("/model_info", "/get_model_info"):
         assert requests.get(sim.url + path, timeout=5).json()["model_path"] == "tokencap-sglang-sim"
     models = requests.get(sim.url + "/v1/models", timeout=5).json()
     assert models["data"][0]["max_model_len"] == 32768
-    load = requests.get(sim.url + "/get_load", timeout=5).json()
-    assert load[0]["num_reqs"] == 0
+    assert models["data"][0]["owned_by"] == "sglang"
+    loads = requests.get(sim.url + "/v1/loads", timeout=5).json()["loads"]
+    assert loads[0]["dp_rank"] == 0 and loads[0]["num_running_reqs"] == 0
+    assert requests.get(sim.url + "/get_load", timeout=5).status_code == 404  # gone in 0.5.23
     assert requests.post(sim.url + "/flush_cache", timeout=5).text.startswith("Cache flushed.")
+
+
+@pytest.mark.parametrize(("release", "present", "absent"), [
+    ("0.5.4", ["/get_server_info", "/get_model_info", "/get_load"],
+     ["/server_info", "/model_info", "/v1/loads"]),
+    ("0.5.9", ["/server_info", "/get_server_info", "/get_load", "/v1/loads"], []),
+    ("0.5.23", ["/server_info", "/v1/loads"], ["/get_load"]),
+])  # fmt: skip
+def test_routes_follow_the_sglang_release(release: str, present: list[str],
+                                          absent: list[str]) -> None:
+    with SimServer(time_scale=FAST, sglang_version=release, context_length_flag=False) as sim:
+        for path in present:
+            assert requests.get(sim.url + path, timeout=5).status_code == 200, path
+        for path in absent:
+            assert requests.get(sim.url + path, timeout=5).status_code == 404, path
+        info_path = "/server_info" if version(release) >= (0, 5, 9) else "/get_server_info"
+        info = requests.get(sim.url + info_path, timeout=5).json()
+        # without --context-length SGLang reports none there; /v1/models has it
+        assert info["context_length"] is None and info["version"] == release
+        models = requests.get(sim.url + "/v1/models", timeout=5).json()
+        assert models["data"][0]["max_model_len"] == 32768
+
+
+@pytest.mark.parametrize(("release", "prefixed", "has_ids"), [
+    ("0.4.10", 0, False), ("0.5.1", 5, True), ("0.5.9", 0, True), ("0.5.23", 0, True)])
+def test_reply_shape_follows_the_sglang_release(release: str, prefixed: int,
+                                                has_ids: bool) -> None:
+    with SimServer(time_scale=FAST, sglang_version=release) as sim:
+        prompt = [11, 12, 13, 14, 15, 16, 17]
+        out = gen(sim.url, prompt, max_new_tokens=4, ignore_eos=True)
+        n = out["meta_info"]["completion_tokens"]
+        assert n == 4
+        if not has_ids:
+            assert "output_ids" not in out
+            return
+        assert len(out["output_ids"]) == n + prefixed
+        assert out["output_ids"][:prefixed] == prompt[-prefixed:][:prefixed]
 
 
 # ----- the batching model ------------------------------------------------------------------

@@ -114,8 +114,8 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     Safe to stop and restart: committed samples are never fed again.
     """
     from foundation.config import load_config
+    from foundation.engine import parse_urls
     from foundation.redisconn import connect
-    from foundation.sglang import parse_urls
     from producer.run import run_to_end
     from tokencap.progress import ProgressPrinter, summary_table
 
@@ -168,19 +168,33 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
         sys.exit(run_pool(argv, env, pool, restart=not burst))
     from consumers.job import configure, flush_stats
     from consumers.worker import supervise
+    from foundation.engine import parse_urls
     from foundation.redisconn import connect
-    from foundation.sglang import parse_urls
 
     urls = parse_urls(sglang_url)
     if not urls:
         raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
     budget = _budget(redis_url, prefix, run_name)
     cfg = _stored_config(budget)
-    configure(redis_url, urls, prefix)
+    ctx = configure(redis_url, urls, prefix)
+    _check_engines(ctx.run(budget.keys.run).client.preflight(), budget)
     code = supervise(lambda: connect(redis_url), budget.keys, [c.name for c in cfg.category],
                      name, burst=burst)
     flush_stats()
     sys.exit(code)
+
+
+def _check_engines(infos: list[Any], budget: Any) -> None:
+    """A worker's engines must serve a model the run's producer checked (its preflight):
+    else it would feed the run another model's outputs."""
+    from foundation.errors import EngineUnusable
+
+    seen = {i.model for i in budget.engines_seen().values()}
+    for info in infos:
+        if seen and info.model not in seen:
+            raise EngineUnusable(f"engine {info.url} serves {info.model!r}; the run's producer "
+                                 f"checked {sorted(seen)}: this worker would commit another "
+                                 "model's outputs")
 
 
 @main.command()
@@ -242,7 +256,7 @@ def status(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, a
     budget = _budget(redis_url, prefix, run_name)
     if watch_flag:
         from budget_service.server import worker_count
-        from foundation.sglang import parse_urls
+        from foundation.engine import parse_urls
         from tokencap.watch import watch
 
         watch(budget.status, parse_urls(sglang_url), lambda: worker_count(budget),
@@ -333,17 +347,31 @@ def sim(ctx: click.Context) -> None:
 @click.option("--workers", "n_workers", envvar="WORKERS", default=8, show_default=True,
               help="Consumers to start. Env: WORKERS.")
 @click.option("--state-dir", default=".run", show_default=True, help="Pids, logs, Redis data.")
+@click.option("--sim", "use_sim", is_flag=True,
+              help="Run on the SGLang simulator (no GPU; synthetic outputs, labelled "
+              "simulated) instead of SGLANG_URL.")
 @click.option("--sim-time-scale", default=20.0, show_default=True,
-              help="Speed-up of the simulator when no SGLANG_URL is given.")
-def up(config: str, n_workers: int, state_dir: str, sim_time_scale: float) -> None:
-    """Start what is missing (Redis, engine, budget service, writer, workers) and run CONFIG
-    to completion with progress, then print a summary. Uses REDIS_URL / SGLANG_URL if set,
-    else a local redis-server with AOF (or an embedded one) and the simulator."""
+              help="Speed-up of the simulator (with --sim).")
+def up(config: str, n_workers: int, state_dir: str, use_sim: bool,
+       sim_time_scale: float) -> None:
+    """Start what is missing (Redis, budget service, writer, workers; the simulator with
+    --sim) and run CONFIG to completion with progress, then print a summary. Uses REDIS_URL
+    if set, else a local redis-server with AOF (or an embedded one). The engine is SGLANG_URL
+    (checked before anything is fed: reachable, served model = the tokenizer's), or the
+    simulator with --sim; never the simulator by default."""
     from tokencap.launcher import Stack
 
+    sglang_url = os.environ.get("SGLANG_URL")
+    if use_sim and sglang_url:
+        raise TokencapError("--sim and SGLANG_URL both given: choose the simulator or the "
+                            "engine")
+    if not use_sim and not sglang_url:
+        raise TokencapError("no engine: set SGLANG_URL to your SGLang or vLLM server "
+                            "(http://host:30000), or pass --sim to run on the simulator "
+                            "(synthetic outputs, not training data)")
     stack = Stack(Path(state_dir))
-    code = stack.up(config, n_workers, os.environ.get("REDIS_URL"),
-                    os.environ.get("SGLANG_URL"), sim_time_scale)
+    code = stack.up(config, n_workers, os.environ.get("REDIS_URL"), sglang_url,
+                    sim_time_scale)
     sys.exit(code)
 
 

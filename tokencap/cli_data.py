@@ -98,10 +98,12 @@ def _export_table(summary: dict[str, Any]) -> str:
 @click.option("--keep-truncated", is_flag=True,
               help="Keep samples cut at max_new_tokens (finish_reason length); "
               "by default they are dropped and counted.")
+@click.option("--allow-simulated", is_flag=True,
+              help="Export rows a simulator generated (synthetic outputs); refused otherwise.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | None, dest: str,
                formats: tuple[str, ...], merged: bool, categories: tuple[str, ...],
-               keep_truncated: bool, as_json: bool) -> None:
+               keep_truncated: bool, allow_simulated: bool, as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet).
 
     Streams <out>/<category>/part-*.jsonl; drops truncated samples unless --keep-truncated;
@@ -121,7 +123,7 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
         messages = SourceMessages(cfg) if cfg else None
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
-                         decoder, messages)
+                         decoder, messages, allow_simulated)
     finally:
         if messages is not None:
             messages.close()

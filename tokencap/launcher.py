@@ -22,9 +22,9 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.server import worker_count
 from foundation.config import load_config
+from foundation.engine import healthy, parse_urls
 from foundation.errors import TokencapError
 from foundation.redisconn import connect
-from foundation.sglang import healthy, parse_urls
 from producer.run import run_to_end
 from tokencap.harness import find_redis_server, free_port
 from tokencap.progress import ProgressPrinter, summary_table

@@ -27,8 +27,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from foundation.engine import NO_LOAD_READINGS, engine_spec, read_load
 from foundation.errors import TokencapError
-from foundation.sglang import parse_metrics
 
 RATE_WINDOW_S = 60.0
 ENGINE_TIMEOUT_S = 2.0
@@ -46,17 +46,19 @@ class EngineLoad:
     token_usage: float | None = None
     gen_throughput: float | None = None
     error: str = ""
+    readings: bool = True  # False: the engine has neither /v1/loads nor /metrics
 
 
-def _one_engine(url: str, timeout_s: float) -> EngineLoad:
+def _one_engine(item: str, timeout_s: float) -> EngineLoad:
+    spec = engine_spec(item)
     try:
-        r = requests.get(f"{url.rstrip('/')}/metrics", timeout=(timeout_s, timeout_s))
-        r.raise_for_status()
-        m = parse_metrics(r.text)
-        return EngineLoad(url, True, running=m["running"], queued=m["queued"],
-                          token_usage=m["token_usage"], gen_throughput=m["gen_throughput"])
+        m, _ = read_load(requests.get, spec.url, spec.headers(), (timeout_s, timeout_s))
     except requests.RequestException as exc:
-        return EngineLoad(url, False, error=type(exc).__name__)
+        return EngineLoad(spec.url, False, error=type(exc).__name__)
+    if m is None:
+        return EngineLoad(spec.url, True, readings=False)
+    return EngineLoad(spec.url, True, running=m["running"], queued=m["queued"],
+                      token_usage=m["token_usage"], gen_throughput=m["gen_throughput"])
 
 
 def engine_load(urls: list[str], timeout_s: float = ENGINE_TIMEOUT_S) -> list[EngineLoad]:
@@ -174,6 +176,8 @@ def _used_of(st: Mapping[str, Any], exact: bool) -> str:
 def _engine_text(e: EngineLoad) -> str:
     if not e.up:
         return f"{e.url} down ({e.error})" if e.error else f"{e.url} down"
+    if not e.readings:
+        return f"{e.url} up, {NO_LOAD_READINGS}"
 
     def num(v: float | None) -> str:
         return NO_VALUE if v is None else f"{v:g}"
@@ -205,7 +209,12 @@ def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
     engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
     lines.append(f"engines: {engine_part}; workers={workers}")
     lines.append(writer_text(status))
+    if status.get("simulated"):
+        lines.append(SIMULATED_TEXT)
     return lines
+
+
+SIMULATED_TEXT = "SIMULATED: an engine of this run is the simulator; its outputs are synthetic"
 
 
 def writer_text(status: Mapping[str, Any]) -> str:
@@ -269,6 +278,8 @@ def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
     w = status.get("writer") or {}
     footer.append(writer_text(status), style="bold red" if w.get("error") or (
         w.get("unwritten") and not w.get("holder")) else "")
+    if status.get("simulated"):
+        footer.append("\n" + SIMULATED_TEXT, style="bold yellow")
     return Group(table, footer)
 
 

@@ -52,6 +52,7 @@ def test_poisoned_sample_is_dead_lettered_and_the_rest_goes_on(tmp_path, redis_u
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = write_config(tmp_path, f"""
 run = "poison"
+sampling_defaults = "engine"
 output_dir = "{tmp_path / 'out'}"
 lease_s = 1.0
 max_attempts = 3

@@ -76,6 +76,7 @@ def make_config(tmp: Path, name: str) -> RunConfig:
     out = tmp / name
     return write_config(tmp, f"""
 run = "kill"
+sampling_defaults = "engine"
 output_dir = "{out}"
 lease_s = {LEASE_S}
 high_water = {PROMPTS}

@@ -126,11 +126,13 @@ def test_a_worker_process_refuses_forged_jobs_whole(redis, redis_url, tmp_path) 
             producers_job(q, webhooks=[Webhook(listener.url, "failed", method="POST")]),
             q.enqueue("os.system", f"touch {marker}"),
         ]
-        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": "http://127.0.0.1:9",
-               "TOKENCAP_RUN": "t", "TOKENCAP_TEST_MARKER": str(marker),
-               "PYTHONPATH": str(ROOT)}
-        done = subprocess.run([sys.executable, "-m", "tokencap.cli", "worker", "--burst"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        with SimServer(time_scale=1000.0) as sim:  # a worker starts only on a usable engine
+            env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sim.url,
+                   "TOKENCAP_RUN": "t", "TOKENCAP_TEST_MARKER": str(marker),
+                   "PYTHONPATH": str(ROOT)}
+            done = subprocess.run([sys.executable, "-m", "tokencap.cli", "worker", "--burst"],
+                                  cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert not marker.exists() and listener.requests == []
         records = [msgspec.json.decode(f[b"r"]) for _id, f in redis.xrange(keys.refused)]

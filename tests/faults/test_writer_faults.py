@@ -155,6 +155,7 @@ def test_a_full_disk_pauses_the_run_and_it_resumes_when_space_returns(tmp_path, 
                            for i in range(300)))
     cfg: RunConfig = write_config(tmp_path, f"""
 run = "disk"
+sampling_defaults = "engine"
 output_dir = "{small_disk / 'out'}"
 lock_ttl_s = 2.0
 max_unwritten = 8

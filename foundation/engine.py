@@ -1,0 +1,553 @@
+"""Engines: how they are named, what they serve, how they are asked for one generation and
+how their replies, errors and load are read. The one place that knows SGLang's native API
+(`POST /generate`) and the OpenAI-compatible one (`POST /v1/completions`, vLLM).
+
+Naming (`SGLANG_URL`, comma separated): ``http://host:30000``; a prefix picks the API,
+``sglang+http://...`` or ``openai+http://...`` (default: found out from ``/v1/models``'
+``owned_by``); an API key, sent as ``Authorization: Bearer``, comes from ``SGLANG_API_KEY``
+or, per engine, from the URL's password (``http://:KEY@host:30000``). A key is never
+printed: `EngineSpec.url` has none.
+
+What an engine serves (`discover`): the served model name and context length from
+``/v1/models`` (SGLang and vLLM alike), SGLang's version from ``/server_info`` (0.5.9 and
+later; ``/get_server_info`` before), vLLM's from ``/version``; a simulator says so
+(``"simulator": true``, model ``tokencap-sglang-sim``). SGLang tells its vocabulary size only
+in the message that refuses an out-of-range ``logit_bias`` key (`vocab_size`).
+
+Versions handled (read in their source: SGLang 0.4.10 to 0.5.23, vLLM 0.10.1 to 0.33):
+
+- SGLang 0.4.x: no ``output_ids`` in a ``/generate`` reply: refused (`InvalidResponse`);
+- SGLang 0.5.1/0.5.2: ``output_ids`` starts with up to 5 prompt ids: the last
+  ``completion_tokens`` are kept;
+- error bodies ``{"error": {"message": ...}}``, ``{"error": "..."}`` (0.5.23's schema check,
+  and 401s), ``{"object": "error", "message": ...}``, or plain text (an unknown sampling key
+  before 0.5.23): all read by `error_message`;
+- vLLM returns token ids only with ``return_token_ids`` (0.10.2 and later); an older vLLM
+  ignores the field and is refused (`InvalidResponse`);
+- load from ``/v1/loads`` (0.5.9 and later: read on request, one entry per DP rank;
+  `parse_loads`), else ``/metrics`` (`parse_metrics`; SGLang refreshes those gauges only
+  every few dozen decode steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+import requests
+
+from foundation.errors import EngineUnusable
+from foundation.wire import ErrorKind, TokenId
+
+log = logging.getLogger(__name__)
+
+API_SGLANG, API_OPENAI, API_AUTO = "sglang", "openai", "auto"
+API_KEY_ENV = "SGLANG_API_KEY"
+SIM_MODEL = "tokencap-sglang-sim"
+INFO_TIMEOUT_S = (3.05, 10.0)
+# SGLang's /health runs a one-token generation and may take seconds on a busy engine (its
+# own limit is 20 s): a probe waits that long before calling an engine down.
+HEALTH_TIMEOUT_S = (3.05, 25.0)
+# `read_timeout_s = "auto"`: a request may take a floor (queueing, prefill) plus its
+# max_new_tokens at a quarter of the decode rate observed per request (at least MIN_DECODE)
+READ_TIMEOUT_FLOOR_S = 600.0
+READ_TIMEOUT_RATE_SHARE = 0.25
+MIN_DECODE_TOK_S = 2.0
+COMPLETIONS_PATH = "/v1/completions"
+GENERATE_PATH = "/generate"
+
+
+def auto_read_timeout(max_new_tokens: int, decode_tok_s: float = 0.0) -> float:
+    """How long one request may take to answer (`read_timeout_s = "auto"`)."""
+    rate = max(MIN_DECODE_TOK_S, decode_tok_s * READ_TIMEOUT_RATE_SHARE)
+    return READ_TIMEOUT_FLOOR_S + max_new_tokens / rate
+
+
+# -- names ---------------------------------------------------------------------------------
+class EngineSpec(NamedTuple):
+    """One engine: its URL (no key in it), API (sglang, openai or auto) and API key."""
+
+    url: str
+    api: str = API_AUTO
+    key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+
+def parse_urls(value: str | None) -> list[str]:
+    """`SGLANG_URL` style: one or several engines, comma separated (as given)."""
+    return [u.strip().rstrip("/") for u in (value or "").split(",") if u.strip()]
+
+
+def engine_spec(item: str, default_key: str | None = None) -> EngineSpec:
+    """One `SGLANG_URL` item as an `EngineSpec` (module docstring)."""
+    api = API_AUTO
+    for prefix in (API_SGLANG, API_OPENAI):
+        if item.startswith(prefix + "+"):
+            api, item = prefix, item[len(prefix) + 1:]
+    parts = urlsplit(item)
+    key = parts.password or default_key
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, "")).rstrip("/")
+    return EngineSpec(url, api, key)
+
+
+def engine_specs(value: str | list[str] | None) -> list[EngineSpec]:
+    """Every engine of `SGLANG_URL` (a string or its items), keys from `SGLANG_API_KEY`."""
+    items = parse_urls(value) if isinstance(value, str) or value is None else value
+    default_key = os.environ.get(API_KEY_ENV) or None
+    return [engine_spec(i, default_key) for i in items]
+
+
+def display(item: str) -> str:
+    """An `SGLANG_URL` item fit to print: any key taken out."""
+    spec = engine_spec(item)
+    return spec.url if spec.api == API_AUTO else f"{spec.api}+{spec.url}"
+
+
+# -- errors ----------------------------------------------------------------------------------
+class EngineError(Exception):
+    """A request that did not give a usable result. `kind` says why; `retryable` whether a
+    later attempt (another job run) may succeed."""
+
+    kind = ErrorKind.SERVER_ERROR
+    retryable = True
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BadRequest(EngineError):
+    kind = ErrorKind.BAD_REQUEST
+    retryable = False
+
+
+class Overloaded(EngineError):
+    kind = ErrorKind.OVERLOAD
+
+
+class EngineTimeout(EngineError):
+    kind = ErrorKind.TIMEOUT
+
+
+class Unreachable(EngineError):
+    kind = ErrorKind.UNREACHABLE
+
+
+class InvalidResponse(EngineError):
+    kind = ErrorKind.INVALID_RESPONSE
+
+
+class ServerError(EngineError):
+    kind = ErrorKind.SERVER_ERROR
+
+
+def error_message(body: bytes | str) -> str:
+    """The message of an error reply, whatever its shape (module docstring)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        doc = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text.strip()[:300]
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:300]
+        if isinstance(err, str):
+            return err[:300]
+        return str(doc.get("message", doc))[:300]
+    return str(doc)[:300]
+
+
+# -- one generation ------------------------------------------------------------------------
+class Generation(msgspec.Struct, frozen=True):
+    """A validated reply: the generated ids and what the engine said of them."""
+
+    output_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    finish: dict[str, Any]
+    latency_s: float
+    engine: str
+    model: str = ""
+    engine_version: str = ""
+    simulated: bool = False
+
+
+# SGLang sampling param -> the OpenAI completions field (vLLM's names)
+OPENAI_PARAMS = {
+    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output", "temperature": "temperature",
+    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+}  # fmt: skip
+
+
+def request(api: str, input_ids: list[int], sampling: dict[str, Any], rid: str
+            ) -> tuple[str, bytes]:
+    """The path and JSON body that ask `api` for one generation of `input_ids`."""
+    if api == API_OPENAI:
+        body: dict[str, Any] = {OPENAI_PARAMS[k]: v for k, v in sampling.items()
+                                if k in OPENAI_PARAMS}
+        body.update(prompt=input_ids, return_token_ids=True, stream=False, n=1)
+        return COMPLETIONS_PATH, msgspec.json.encode(body)
+    return GENERATE_PATH, msgspec.json.encode(
+        {"input_ids": input_ids, "sampling_params": sampling, "rid": rid})
+
+
+class _Meta(msgspec.Struct):
+    finish_reason: Any = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    e2e_latency: float | None = None
+
+
+class _Reply(msgspec.Struct):
+    meta_info: _Meta
+    output_ids: list[TokenId] | None = None
+    text: str = ""
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[TokenId] | None = None
+    text: str = ""
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_Choice]
+    usage: _Usage | None = None
+
+
+_reply = msgspec.json.Decoder(_Reply)
+_completion = msgspec.json.Decoder(_Completion)
+
+
+def parse(api: str, body: bytes, n_prompt: int, engine: str, latency_s: float) -> Generation:
+    """Validate a 200 reply; raise `InvalidResponse` for anything a training set cannot use,
+    `ServerError` for a request the engine aborted."""
+    if api == API_OPENAI:
+        return _parse_completion(body, n_prompt, engine, latency_s)
+    try:
+        reply = _reply.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidResponse(f"unparseable /generate reply: {exc}") from None
+    meta = reply.meta_info
+    fr = meta.finish_reason
+    if not isinstance(fr, dict) or "type" not in fr:
+        raise InvalidResponse(f"finish_reason missing or not a dict: {fr!r}")
+    if fr["type"] == "abort":
+        raise ServerError(f"request aborted by the engine: {fr.get('message')}")
+    if reply.output_ids is None:
+        raise InvalidResponse("reply has no output_ids: SGLang older than 0.5.1 (it returns "
+                              "them since August 2025); upgrade the engine")
+    if meta.completion_tokens is None or meta.prompt_tokens is None:
+        raise InvalidResponse("meta_info lacks prompt_tokens/completion_tokens")
+    ids = reply.output_ids
+    n = meta.completion_tokens
+    if len(ids) > n >= 1:
+        # SGLang 0.5.1/0.5.2 (#10896, #17240): output_ids start with prompt ids
+        ids = ids[-n:]
+    return _checked(ids, meta.prompt_tokens, n, n_prompt, str(fr["type"]), fr, reply.text,
+                    meta.e2e_latency if meta.e2e_latency is not None else latency_s, engine)
+
+
+def _parse_completion(body: bytes, n_prompt: int, engine: str, latency_s: float
+                      ) -> Generation:
+    try:
+        reply = _completion.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidResponse(f"unparseable /v1/completions reply: {exc}") from None
+    if len(reply.choices) != 1:
+        raise InvalidResponse(f"expected one choice, got {len(reply.choices)}")
+    choice, usage = reply.choices[0], reply.usage or _Usage()
+    if choice.finish_reason in ("abort", "error"):
+        raise ServerError(f"request ended by the engine: {choice.finish_reason}")
+    if choice.finish_reason not in ("stop", "length"):
+        raise InvalidResponse(f"unexpected finish_reason {choice.finish_reason!r}")
+    if choice.token_ids is None:
+        raise InvalidResponse("reply has no token_ids: the engine ignored return_token_ids "
+                              "(vLLM older than 0.10.2?); upgrade the engine")
+    if usage.completion_tokens is None or usage.prompt_tokens is None:
+        raise InvalidResponse("usage lacks prompt_tokens/completion_tokens")
+    ids = choice.token_ids
+    if choice.finish_reason == "length":
+        fr: dict[str, Any] = {"type": "length", "length": usage.completion_tokens}
+    else:
+        matched = choice.stop_reason if choice.stop_reason is not None else (
+            ids[-1] if ids else None)
+        fr = {"type": "stop", "matched": matched}
+    return _checked(ids, usage.prompt_tokens, usage.completion_tokens, n_prompt, fr["type"],
+                    fr, choice.text, latency_s, engine)
+
+
+def _checked(ids: list[int], n_prompt_engine: int, n: int, n_prompt: int, reason: str,
+             fr: dict[str, Any], text: str, latency_s: float, engine: str) -> Generation:
+    if len(ids) != n:
+        raise InvalidResponse(f"completion_tokens={n} but {len(ids)} ids returned")
+    if n_prompt_engine != n_prompt:
+        log.warning("engine %s counted %d prompt tokens, sent %d", engine, n_prompt_engine,
+                    n_prompt)
+    return Generation(output_ids=ids, text=text, prompt_tokens=n_prompt_engine,
+                      completion_tokens=n, finish_reason=reason, finish=fr,
+                      latency_s=latency_s, engine=engine)
+
+
+# -- what an engine serves -------------------------------------------------------------------
+class EngineInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What an engine says it serves (`discover`)."""
+
+    url: str
+    api: str
+    model: str = ""
+    version: str = ""
+    context_length: int | None = None
+    simulated: bool = False
+    metrics: bool = True
+
+
+def _get(spec: EngineSpec, path: str, timeout: tuple[float, float] = INFO_TIMEOUT_S
+         ) -> requests.Response:
+    try:
+        r = requests.get(f"{spec.url}{path}", headers=spec.headers(), timeout=timeout)
+    except requests.RequestException as exc:
+        raise EngineUnusable(f"engine {spec.url}: cannot reach it ({_why(exc, timeout)})"
+                             ) from None
+    if r.status_code == 401:
+        raise EngineUnusable(f"engine {spec.url}: refuses the request without a valid API key "
+                             f"(HTTP 401); set {API_KEY_ENV} or http://:KEY@host in SGLANG_URL")
+    return r
+
+
+def _why(exc: requests.RequestException, timeout: tuple[float, float]) -> str:
+    """A connection failure in a few words (urllib3's own text runs to hundreds)."""
+    text = str(exc)
+    if isinstance(exc, requests.ConnectTimeout):
+        return f"no connection within {timeout[0]:g} s"
+    if isinstance(exc, requests.ReadTimeout):
+        return f"no answer within {timeout[1]:g} s"
+    for needle, words in (("Connection refused", "connection refused"),
+                          ("Name or service not known", "unknown host"),
+                          ("nodename nor servname", "unknown host"),
+                          ("No route to host", "no route to host"),
+                          ("Connection reset", "connection reset")):
+        if needle in text:
+            return words
+    return type(exc).__name__
+
+
+def _json(r: requests.Response) -> dict[str, Any]:
+    try:
+        doc = r.json()
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def discover(spec: EngineSpec) -> EngineInfo:
+    """What `spec` serves: API, model, version, context length, whether it is a simulator.
+    Raises `EngineUnusable` when it cannot be reached or refuses the key."""
+    models = _json(_get(spec, "/v1/models"))
+    data = models.get("data") or [{}]
+    card = data[0] if isinstance(data[0], dict) else {}
+    api = spec.api
+    if api == API_AUTO:
+        owner = str(card.get("owned_by") or "")
+        api = API_OPENAI if owner == "vllm" else API_SGLANG if owner == "sglang" else ""
+    model = str(card.get("id") or "")
+    ctx = card.get("max_model_len")
+    version, simulated = "", False
+    if api != API_OPENAI:
+        r = _get(spec, "/server_info")
+        if r.status_code == 404:
+            r = _get(spec, "/get_server_info")
+        info = _json(r) if r.ok else {}
+        if not api:
+            api = API_SGLANG if r.ok else API_OPENAI
+        version = str(info.get("version") or "")
+        simulated = info.get("simulator") is True
+        model = model or str(info.get("served_model_name") or info.get("model_path") or "")
+        ctx = ctx or info.get("context_length")
+    if api == API_OPENAI:
+        r = _get(spec, "/version")
+        version = str(_json(r).get("version") or "") if r.ok else ""
+    simulated = simulated or model == SIM_MODEL
+    metrics = _get(spec, "/metrics").status_code != 404
+    return EngineInfo(url=spec.url, api=api, model=model, version=version,
+                      context_length=int(ctx) if ctx else None, simulated=simulated,
+                      metrics=metrics)
+
+
+_VOCAB_RE = re.compile(r"\[0,\s*(\d+)\s*([\])])")
+
+
+def vocab_size(spec: EngineSpec) -> int | None:
+    """SGLang's vocabulary size, from the message refusing an out-of-range `logit_bias` key
+    ("keys in [0, V-1]"); None when the engine does not say (vLLM, or another message)."""
+    body = msgspec.json.encode({"input_ids": [0], "sampling_params": {
+        "max_new_tokens": 1, "logit_bias": {str(2**31 - 1): 0.0}}})
+    try:
+        r = requests.post(f"{spec.url}{GENERATE_PATH}", data=body, timeout=INFO_TIMEOUT_S,
+                          headers={"Content-Type": "application/json", **spec.headers()})
+    except requests.RequestException:
+        return None
+    m = _VOCAB_RE.search(error_message(r.content)) if r.status_code == 400 else None
+    if m is None:
+        return None
+    return int(m[1]) + (1 if m[2] == "]" else 0)
+
+
+def context_length(specs: list[EngineSpec]) -> int | None:
+    """The smallest context length the engines report, or None if none says."""
+    found = []
+    for spec in specs:
+        try:
+            n = discover(spec).context_length
+        except EngineUnusable as exc:
+            log.warning("could not read the context length: %s", exc)
+            continue
+        if n:
+            found.append(n)
+    return min(found) if found else None
+
+
+def healthy(url: str, timeout_s: float = 5.0, key: str | None = None) -> bool:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        return requests.get(f"{url}/health", timeout=(timeout_s, timeout_s),
+                            headers=headers).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+# -- load -------------------------------------------------------------------------------------
+LOADS_PATH = "/v1/loads?include=core"
+
+
+NO_LOAD_READINGS = ("no load readings (a router, or SGLang before 0.5.9 without "
+                    "--enable-metrics): no load balancing across it")
+
+
+def read_load(get: Callable[..., requests.Response], url: str,
+              headers: dict[str, str] | None, timeout: tuple[float, float],
+              try_loads: bool = True) -> tuple[dict[str, float | None] | None, str]:
+    """An engine's load and where it was read: ``/v1/loads`` ("loads"), else ``/metrics``
+    ("metrics"); (None, "") when it has neither. `get` is `requests.get` or a session's;
+    its errors (and an HTTP error status) are raised as `requests.RequestException`."""
+    if try_loads:
+        r = get(f"{url}{LOADS_PATH}", timeout=timeout, headers=headers)
+        if r.status_code != 404:
+            r.raise_for_status()
+            try:
+                return parse_loads(r.json()), "loads"
+            except ValueError:
+                pass
+    r = get(f"{url}/metrics", timeout=timeout, headers=headers)
+    if r.status_code == 404:
+        return None, ""
+    r.raise_for_status()
+    return parse_metrics(r.text), "metrics"
+
+
+def parse_loads(doc: Any) -> dict[str, float | None]:
+    """Running and queued requests and KV-cache usage from SGLang's ``/v1/loads`` JSON (one
+    entry per DP rank: they add up; usage: the max); None for what it lacks."""
+    loads = doc.get("loads") if isinstance(doc, dict) else None
+    out: dict[str, float | None] = dict.fromkeys(
+        ("running", "queued", "token_usage", "gen_throughput"))
+    if not isinstance(loads, list):
+        return out
+    ranks = [d for d in loads if isinstance(d, dict)]
+    for key, field, combine in (("running", "num_running_reqs", sum),
+                                ("queued", "num_waiting_reqs", sum),
+                                ("token_usage", "token_usage", max),
+                                ("gen_throughput", "gen_throughput", sum)):
+        values = [float(d[field]) for d in ranks if isinstance(d.get(field), int | float)]
+        out[key] = float(combine(values)) if values else None
+    return out
+
+
+# metric name -> (key of `parse_metrics`' result, how the series of its ranks combine)
+METRICS: dict[str, tuple[str, Callable[[list[float]], float]]] = {
+    "sglang:num_running_reqs": ("running", sum),
+    "sglang:num_queue_reqs": ("queued", sum),
+    "sglang:token_usage": ("token_usage", max),
+    "sglang:gen_throughput": ("gen_throughput", sum),
+    "vllm:num_requests_running": ("running", sum),
+    "vllm:num_requests_waiting": ("queued", sum),
+    "vllm:kv_cache_usage_perc": ("token_usage", max),
+    "vllm:gpu_cache_usage_perc": ("token_usage", max),
+}
+# labels that tell engines apart (their series add up); any other label (tp_rank, pp_rank,
+# moe_ep_rank, ...) repeats one scheduler's value (the max of them is taken)
+ENGINE_LABELS = ("dp_rank", "engine", "model_name")
+# One sample line: name, optional {labels} (quoted values may hold '}' or escaped quotes),
+# value, optional timestamp.
+_SAMPLE_RE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
+    r'(?:\{(?P<labels>(?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?'
+    r'\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$'
+)
+_LABEL_RE = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[str, float | None]:
+    """Running and queued requests, KV-cache usage (0..1) and generation tok/s of an engine,
+    from its Prometheus `/metrics` page (SGLang's or vLLM's names).
+
+    With priority scheduling SGLang exports a total (``priority=""``) beside one series per
+    priority: only the total is read. With several DP ranks (or vLLM engines) each has its
+    series: they add up (usage: the max). Tensor-parallel ranks (all schedulers' metrics)
+    repeat their group's value: one per group is read. Comments, other metrics and
+    unparsable lines are ignored; a metric that is missing (or only NaN) is None.
+    """
+    series: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if m is None or m["name"] not in METRICS:
+            continue
+        try:
+            value = float(m["value"])
+        except ValueError:
+            continue
+        if not math.isnan(value):
+            series[m["name"]].append((dict(_LABEL_RE.findall(m["labels"] or "")), value))
+    out: dict[str, float | None] = dict.fromkeys(
+        ("running", "queued", "token_usage", "gen_throughput"))
+    for metric, (key, combine) in METRICS.items():
+        found = series.get(metric)
+        if not found or out[key] is not None:
+            continue
+        if any("priority" in labels for labels, _ in found):
+            found = [(labels, v) for labels, v in found if labels.get("priority", "") == ""]
+        groups: dict[tuple[str, ...], float] = {}
+        for labels, value in found:
+            group = tuple(labels.get(k, "") for k in ENGINE_LABELS)
+            groups[group] = max(groups.get(group, value), value)
+        out[key] = float(combine(list(groups.values()))) if groups else None
+    return out

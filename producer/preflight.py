@@ -1,0 +1,96 @@
+"""Before the first sample is fed: every engine is reachable, speaks a protocol version
+tokencap reads, and serves the model the run's tokenizer belongs to.
+
+Per engine (`foundation.engine.discover`): its API, served model, version and context
+length; then one probe generation of a fixed short chat prompt (greedy, 16 tokens) sent
+exactly as samples are, whose reply must have the right shape (SGLang 0.5.1 or later: token
+ids in the reply; vLLM 0.10.2 or later: `return_token_ids`) and whose ids must lie in the
+tokenizer's vocabulary; and, where SGLang tells it, the engine's vocabulary size must be the
+tokenizer's (a model's embedding table may be padded past the tokenizer: up to
+`VOCAB_PADDING` ids). A mismatch raises `EngineUnusable` (exit 9) naming both sides, before
+anything is enqueued. A simulator passes, and says so: its rows are labelled simulated.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import requests
+
+from foundation.config import RunConfig
+from foundation.engine import (
+    EngineError,
+    EngineInfo,
+    EngineSpec,
+    discover,
+    engine_specs,
+    error_message,
+    parse,
+    request,
+    vocab_size,
+)
+from foundation.errors import EngineUnusable, TokencapError
+
+log = logging.getLogger(__name__)
+
+PROBE_MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]
+PROBE_IDS = [1, 2, 3, 4]  # a run of token-id prompts only (no tokenizer): any small ids
+PROBE_SAMPLING = {"max_new_tokens": 16, "temperature": 0.0}
+PROBE_TIMEOUT_S = (3.05, 120.0)
+VOCAB_PADDING = 1024  # ids a model's vocabulary may have past its tokenizer's (Qwen2.5: 271)
+
+
+def preflight(cfg: RunConfig, urls: list[str], renderer: Any) -> list[EngineInfo]:
+    """Check every engine of `urls` (module docstring); return what each serves."""
+    specs = engine_specs(urls)
+    if not specs:
+        raise TokencapError("no engine: set SGLANG_URL (or --sglang-url) to your SGLang or "
+                            "vLLM server, or pass --sim to run on the simulator")
+    infos = []
+    for spec in specs:
+        info = discover(spec)
+        _probe(spec, info, renderer, cfg)
+        log.info("engine %s: %s API, model %r, version %s, context %s%s", spec.url, info.api,
+                 info.model, info.version or "?", info.context_length or "?",
+                 " -- a SIMULATOR: its outputs are synthetic" if info.simulated else "")
+        infos.append(info)
+    return infos
+
+
+def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) -> None:
+    """One generation, sent as samples are, checked against the tokenizer."""
+    ids = renderer.render(PROBE_MESSAGES)[1] if renderer is not None else PROBE_IDS
+    path, body = request(info.api, ids, PROBE_SAMPLING, f"tokencap-probe-{uuid.uuid4().hex}")
+    who = f"engine {spec.url} ({info.api} {info.version or 'version ?'}, model " \
+          f"{info.model or '?'})"
+    try:
+        r = requests.post(f"{spec.url}{path}", data=body, timeout=PROBE_TIMEOUT_S,
+                          headers={"Content-Type": "application/json", **spec.headers()})
+    except requests.RequestException as exc:
+        raise EngineUnusable(f"{who}: the probe generation failed: {exc}") from None
+    if r.status_code != 200:
+        raise EngineUnusable(f"{who}: the probe generation failed: HTTP {r.status_code}: "
+                             f"{error_message(r.content)}")
+    try:
+        gen = parse(info.api, r.content, len(ids), spec.url, 0.0)
+    except EngineError as exc:
+        raise EngineUnusable(f"{who}: {exc}") from None
+    if renderer is None:
+        return
+    n = int(renderer.vocab_size)
+    tok = cfg.tokenizer
+    outside = [t for t in gen.output_ids if t >= n]
+    if outside:
+        raise EngineUnusable(f"{who} does not serve the tokenizer's model: the probe "
+                             f"generation returned id {outside[0]}, outside the {n} ids of "
+                             f"the tokenizer {tok}. Point the run at the served model's "
+                             "tokenizer (or the engine at the tokenizer's model).")
+    v = vocab_size(spec) if info.api != "openai" else None
+    if v is not None and not n <= v <= n + VOCAB_PADDING:
+        raise EngineUnusable(f"{who} does not serve the tokenizer's model: its vocabulary has "
+                             f"{v} ids, the tokenizer {tok} has {n}. Point the run at the "
+                             "served model's tokenizer (or the engine at the tokenizer's "
+                             "model).")
+    log.info("%s: probe ok (%d ids, finish %s)", who, len(gen.output_ids), gen.finish)
