@@ -17,8 +17,8 @@ in the message that refuses an out-of-range ``logit_bias`` key (`vocab_size`).
 Versions handled (read in their source: SGLang 0.4.10 to 0.5.23, vLLM 0.10.1 to 0.33):
 
 - SGLang 0.4.x: no ``output_ids`` in a ``/generate`` reply: refused (`InvalidResponse`);
-- SGLang 0.5.1/0.5.2: ``output_ids`` starts with up to 5 prompt ids: the last
-  ``completion_tokens`` are kept;
+- early SGLang 0.5 releases (played by the simulator as 0.5.1 to 0.5.4): ``output_ids``
+  starts with prompt ids: the last ``completion_tokens`` are kept;
 - error bodies ``{"error": {"message": ...}}``, ``{"error": "..."}`` (0.5.23's schema check,
   and 401s), ``{"object": "error", "message": ...}``, or plain text (an unknown sampling key
   before 0.5.23): all read by `error_message`;
@@ -268,7 +268,7 @@ def parse(api: str, body: bytes, n_prompt: int, engine: str, latency_s: float) -
     ids = reply.output_ids
     n = meta.completion_tokens
     if len(ids) > n >= 1:
-        # SGLang 0.5.1/0.5.2 (#10896, #17240): output_ids start with prompt ids
+        # early SGLang 0.5 releases (#10896, #17240): output_ids start with prompt ids
         ids = ids[-n:]
     return _checked(ids, meta.prompt_tokens, n, n_prompt, str(fr["type"]), fr, reply.text,
                     meta.e2e_latency if meta.e2e_latency is not None else latency_s, engine)

@@ -5,7 +5,9 @@ Per engine (`foundation.engine.discover`): its API, served model, version and co
 length; then one probe generation of a fixed short chat prompt (greedy, 16 tokens) sent
 exactly as samples are, whose reply must have the right shape (SGLang 0.5.1 or later: token
 ids in the reply; vLLM 0.10.2 or later: `return_token_ids`) and whose ids must lie in the
-tokenizer's vocabulary; and, where SGLang tells it, the engine's vocabulary size must be the
+tokenizer's vocabulary; a probe that SGLang reports stopped on a token must have stopped on
+one of the tokenizer's end-of-turn ids (its eos token, and the generation config's
+`eos_token_id`); and, where SGLang tells it, the engine's vocabulary size must be the
 tokenizer's (a model's embedding table may be padded past the tokenizer: up to
 `VOCAB_PADDING` ids). A mismatch raises `EngineUnusable` (exit 9) naming both sides, before
 anything is enqueued. A simulator passes, and says so: its rows are labelled simulated.
@@ -13,8 +15,10 @@ anything is enqueued. A simulator passes, and says so: its rows are labelled sim
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -87,6 +91,13 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) ->
                              f"generation returned id {outside[0]}, outside the {n} ids of "
                              f"the tokenizer {tok}. Point the run at the served model's "
                              "tokenizer (or the engine at the tokenizer's model).")
+    eot = end_of_turn_ids(cfg, renderer)
+    matched = gen.finish.get("matched") if info.api != "openai" else None
+    if gen.finish_reason == "stop" and isinstance(matched, int) and eot and matched not in eot:
+        raise EngineUnusable(f"{who} does not serve the tokenizer's model: the probe "
+                             f"generation stopped on id {matched}, the end-of-turn ids of the "
+                             f"tokenizer {tok} are {sorted(eot)}. Point the run at the served "
+                             "model's tokenizer (or the engine at the tokenizer's model).")
     v = vocab_size(spec) if info.api != "openai" else None
     if v is not None and not n <= v <= n + VOCAB_PADDING:
         raise EngineUnusable(f"{who} does not serve the tokenizer's model: its vocabulary has "
@@ -94,3 +105,18 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) ->
                              "served model's tokenizer (or the engine at the tokenizer's "
                              "model).")
     log.info("%s: probe ok (%d ids, finish %s)", who, len(gen.output_ids), gen.finish)
+
+
+def end_of_turn_ids(cfg: RunConfig, renderer: Any) -> set[int]:
+    """The ids a generation of the tokenizer's model ends on: the tokenizer's eos token and
+    the generation config's `eos_token_id` (one id or a list)."""
+    ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
+    if cfg.generation_config:
+        try:
+            eos = json.loads(Path(cfg.generation_config).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int):
+                ids.add(i)
+    return ids

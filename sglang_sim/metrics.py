@@ -58,9 +58,10 @@ def render(
 ) -> str:
     """The ``/metrics`` page from engine stats, the wall-clock decode rate and latencies.
 
-    SGLang's gauges carry `model_name`, `engine_type`, `tp_rank` and `pp_rank` (and `dp_rank`
-    with several DP ranks): one series per DP rank, the requests split across them, each
-    repeated per TP rank with `tp_ranks` > 1 (--enable-metrics-for-all-schedulers); with
+    SGLang's gauges carry `model_name`, `engine_type`, `tp_rank`, `pp_rank` and `moe_ep_rank`
+    (and `dp_rank` with several DP ranks): one series per DP rank, the requests split across
+    them, each repeated per TP rank with `tp_ranks` > 1 (--enable-metrics-for-all-schedulers);
+    with
     `priority`, a ``priority=""`` total beside per-priority series. vLLM's flavour has its own
     names, labelled `model_name` and `engine`."""
     label = f'model_name="{model_name}"'
@@ -76,8 +77,9 @@ def render(
         lines.append(f"# TYPE {name} gauge")
         for dp, part in enumerate([value] * dp_ranks if shared else split(value, dp_ranks)):
             for tp in range(tp_ranks):
-                base = (f'{label},engine_type="unified",tp_rank="{tp}",pp_rank="0"'
-                        + (f',dp_rank="{dp}"' if dp_ranks > 1 else ""))
+                rank = dp * tp_ranks + tp  # TP ranks numbered across DP groups
+                base = (f'{label},engine_type="unified",tp_rank="{rank}",pp_rank="0",'
+                        f'moe_ep_rank="{rank}"' + (f',dp_rank="{dp}"' if dp_ranks > 1 else ""))
                 if not priority:
                     lines.append(f"{name}{{{base}}} {_fmt(part)}")
                     continue

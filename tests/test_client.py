@@ -89,8 +89,22 @@ def test_500_is_a_retryable_server_error_without_http_retry(sim) -> None:
 
 def test_read_timeout(sim) -> None:
     sim.set_faults(stall_s=3.0)
-    with pytest.raises(EngineTimeout):
-        client([sim.url], read_timeout_s=0.3).generate(PROMPT, SAMPLING, "chat")
+    with pytest.raises(EngineTimeout, match=r"within 0 s; at 20.0 tok/s it would have made "
+                                            r"about 6 of its 64 tokens"):
+        client([sim.url], read_timeout_s=0.3).generate(PROMPT, SAMPLING, "chat",
+                                                       decode_tok_s=20.0)
+
+
+def test_the_auto_read_timeout_grows_with_max_new_tokens_and_a_slow_decode() -> None:
+    from foundation.engine import auto_read_timeout
+
+    c = client(["http://e"], read_timeout_s=None)  # read_timeout_s = "auto"
+    # nothing observed yet: a floor plus max_new_tokens at the slowest decode assumed
+    assert c.read_timeout(32768, 0.0) == auto_read_timeout(32768) > 1800.0
+    # observed 40 tok/s per request: a quarter of it is still allowed
+    assert c.read_timeout(32768, 40.0) == pytest.approx(600.0 + 32768 / 10.0)
+    assert c.read_timeout(512, 40.0) < c.read_timeout(32768, 40.0)
+    assert client(["http://e"], read_timeout_s=7.0).read_timeout(32768, 40.0) == 7.0
 
 
 def test_counts_that_disagree_are_invalid(sim) -> None:
@@ -201,3 +215,77 @@ def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatc
     assert metrics.reads == 1
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # a third send needs a new reading
     assert pool.gate("http://e") == 0 and metrics.reads == 2
+
+
+# -- engines as they are: keys, release families, vLLM ---------------------------------------
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_and_never_logged(monkeypatch, caplog) -> None:
+    caplog.set_level("DEBUG")
+    with SimServer(time_scale=1000.0, api_key="s3cret-key") as s:
+        with pytest.raises(Unreachable, match="HTTP 401"):  # no key: refused at discovery
+            client([s.url], retries=0).generate(PROMPT, SAMPLING, "chat")
+        # per engine, in the URL's password
+        keyed = f"http://:s3cret-key@{s.url.removeprefix('http://')}"
+        gen = client([keyed]).generate(PROMPT, SAMPLING, "chat")
+        assert gen.engine == s.url and gen.completion_tokens == len(gen.output_ids)
+        # for every engine, from SGLANG_API_KEY
+        monkeypatch.setenv("SGLANG_API_KEY", "s3cret-key")
+        assert client([s.url]).generate(PROMPT, SAMPLING, "chat").engine == s.url
+    assert "s3cret-key" not in caplog.text
+
+
+@pytest.mark.parametrize("release", ["0.5.1", "0.5.4", "0.5.9", "0.5.15", "0.5.23"])
+def test_every_sglang_release_from_0_5_1_gives_just_the_generated_ids(release: str) -> None:
+    with SimServer(time_scale=1000.0, sglang_version=release) as s:
+        c = client([s.url])
+        gen = c.generate(PROMPT, {**SAMPLING, "ignore_eos": True}, "chat")
+        assert c.info(s.url).version == release
+    assert gen.completion_tokens == len(gen.output_ids) == 64
+    assert gen.engine_version == release
+
+
+def test_output_ids_prefixed_by_prompt_ids_are_cut_to_the_completion() -> None:
+    # SGLang 0.5.1: the last prompt ids come first in output_ids
+    body = json.dumps({"text": "", "output_ids": [6023, 151645, 198, 77091, 198, 9, 8, 7],
+                       "meta_info": {"finish_reason": {"type": "length", "length": 3},
+                                     "prompt_tokens": 9, "completion_tokens": 3}}).encode()
+    assert parse_reply(body, 9, "e", 0.1).output_ids == [9, 8, 7]
+
+
+def test_a_reply_the_engine_clamped_to_its_context_is_logged(caplog) -> None:
+    # SGLang 0.5.15+: input + max_new_tokens equal to the context is accepted, then clamped
+    with SimServer(time_scale=1000.0, context_length=256) as s:
+        gen = client([s.url]).generate(list(range(10, 110)), {
+            "max_new_tokens": 156, "temperature": 0.0, "ignore_eos": True}, "chat")
+    assert gen.finish_reason == "length" and gen.completion_tokens < 156
+    assert f"clamped max_new_tokens from 156 to {gen.completion_tokens}" in caplog.text
+
+
+def test_vllm_completions_give_token_ids_finish_reason_and_usage() -> None:
+    with SimServer(time_scale=1000.0, flavor="vllm", context_length=4096) as s:
+        c = client([s.url])
+        gen = c.generate(PROMPT, {**SAMPLING, "ignore_eos": True}, "chat")
+        assert c.info(s.url).api == "openai" and c.info(s.url).version  # found out
+        stop = client([f"openai+{s.url}"]).generate(PROMPT, {"max_new_tokens": 4000}, "chat")
+        with pytest.raises(BadRequest, match="maximum context length"):
+            c.generate(list(range(10, 4200)), SAMPLING, "chat")
+    assert (gen.finish_reason, gen.completion_tokens, len(gen.output_ids)) == ("length", 64, 64)
+    assert stop.finish_reason == "stop" and stop.output_ids[-1] == stop.finish["matched"]
+
+
+def test_a_vllm_that_ignores_return_token_ids_is_refused() -> None:
+    from foundation.engine import parse
+
+    old = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
+                      "usage": {"prompt_tokens": 9, "completion_tokens": 2}}).encode()
+    with pytest.raises(InvalidResponse, match="return_token_ids"):
+        parse("openai", old, 9, "e", 0.1)
+
+
+def test_the_simulator_maps_vllm_fields_back_to_the_params_the_client_maps_them_from() -> None:
+    # two sides of one protocol, written apart (the simulator imports nothing of tokencap)
+    from foundation.engine import OPENAI_PARAMS
+    from sglang_sim.protocol import VLLM_PARAMS
+
+    assert {v: k for k, v in OPENAI_PARAMS.items()} == VLLM_PARAMS

@@ -9,9 +9,12 @@ Dockerfile is read stage by stage.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -178,11 +181,13 @@ def test_workers_have_replicas_and_share_the_engine_url(
     worker = services["worker"]
     assert int(_default(worker["deploy"]["replicas"])) >= 1
     assert "container_name" not in worker
+    for key in ("SGLANG_URL", "SGLANG_API_KEY"):
+        assert services["producer"]["environment"][key] == worker["environment"][key]
     engine = worker["environment"]["SGLANG_URL"]
-    assert services["producer"]["environment"]["SGLANG_URL"] == engine
-    sim_argv = _argv(services["sim"]["command"])
-    sim_port = sim_argv[sim_argv.index("--port") + 1]
-    assert _default(engine) == f"http://sim:{sim_port}", "the simulator is the default engine"
+    sglang_argv = _argv(services["sglang"]["command"])
+    port = sglang_argv[sglang_argv.index("--port") + 1]
+    # the real engine by default; never the simulator unless SGLANG_URL names it
+    assert _default(engine) == f"http://sglang:{port}"
 
 
 def test_sglang_runs_on_gpus_under_the_gpu_profile_with_metrics(
@@ -200,9 +205,32 @@ def test_sglang_runs_on_gpus_under_the_gpu_profile_with_metrics(
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert "/health" in " ".join(_argv(sglang["healthcheck"]["test"]))
     assert sglang["ipc"] == "host" and sglang["shm_size"]
+    assert services["sim"]["profiles"] == ["sim"], "the simulator only when asked for"
     for name, svc in services.items():
-        if name != "sglang":
+        if name not in ("sglang", "sim"):
             assert "profiles" not in svc, f"{name} must start without a profile"
+
+
+def test_compose_config_under_the_gpu_profile_points_workers_at_sglang() -> None:
+    """What `docker compose --profile gpu config` resolves (needs Compose v2: v1 does not read
+    the Compose Specification)."""
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(argv[0]) is None:
+            continue
+        version = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True,
+                                 timeout=60)
+        if version.returncode != 0 or not version.stdout.strip().lstrip("v").startswith("2"):
+            continue
+        env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_URL", "SGLANG_API_KEY")}
+        done = subprocess.run([*argv, "-f", str(COMPOSE), "--profile", "gpu", "config"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        resolved = yaml.safe_load(done.stdout)["services"]
+        for name in ("producer", "worker"):
+            assert resolved[name]["environment"]["SGLANG_URL"] == "http://sglang:30000"
+        assert "sglang" in resolved and "sim" not in resolved
+        return
+    pytest.skip("no Compose v2 binary (docker compose / docker-compose 2.x)")
 
 
 def test_services_wait_for_a_healthy_redis_and_restart_until_the_run_exists(

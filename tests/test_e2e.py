@@ -12,9 +12,11 @@ from tokencap.harness import started
 SIM_TIME_SCALE = 400.0
 
 
-@pytest.fixture
-def sim():
-    with SimServer(time_scale=SIM_TIME_SCALE) as s:
+@pytest.fixture(params=["sglang", "vllm"])
+def sim(request):
+    """The engine: SGLang's native /generate, or vLLM's OpenAI-compatible /v1/completions
+    (the API found out from /v1/models, as with a real server)."""
+    with SimServer(time_scale=SIM_TIME_SCALE, flavor=request.param) as s:
         yield s
 
 
@@ -62,3 +64,8 @@ sampling = {{ max_new_tokens = 1024 }}
     assert rec["completion_tokens"] == len(rec["output_ids"])
     assert rec["prompt_tokens"] == len(rec["prompt_ids"])
     assert rec["sampling"]["max_new_tokens"] == 512
+    # made by the engine the run was pointed at, through its own API (the vLLM flavour has
+    # no /generate: every sample went through /v1/completions)
+    assert rec["model"] == "tokencap-sglang-sim" and rec["simulated"] is True
+    assert sim.stats()["requests_total"] >= sum(
+        status["categories"][c.name]["samples"] for c in cfg.category)

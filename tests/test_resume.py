@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sglang_sim.testing import SimServer
 from tests.conftest import write_config
 from tokencap.harness import Pipeline
@@ -36,11 +38,14 @@ sampling = {{ max_new_tokens = 512 }}
 """)
 
 
-def test_stop_midway_and_restart(tmp_path, redis_url) -> None:
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_stop_midway_and_restart(tmp_path, redis_url, flavor: str) -> None:
     cfg = config(tmp_path)
-    with SimServer(time_scale=100.0) as sim:
+    with SimServer(time_scale=100.0, flavor=flavor) as sim:
+        # the API named in the URL (`openai+`), as `SGLANG_URL=openai+http://...` does
+        url = f"openai+{sim.url}" if flavor == "vllm" else sim.url
         # Given a run interrupted once 40% of category a's budget is used
-        first = Pipeline(cfg, redis_url, [sim.url])
+        first = Pipeline(cfg, redis_url, [url])
         first.build()
         first.start_writer()
         first.start_workers(8)
@@ -57,7 +62,7 @@ def test_stop_midway_and_restart(tmp_path, redis_url) -> None:
         in_flight = first.budget.status()["categories"]["a"]["in_flight"]
 
         # When everything is started again from scratch
-        second = Pipeline(cfg, redis_url, [sim.url])
+        second = Pipeline(cfg, redis_url, [url])
         second.build()
         second.start_writer()
         second.start_workers(8)

@@ -206,7 +206,7 @@ def test_exports_give_a_row_per_turn_and_one_per_conversation(done) -> None:
     try:
         summary = export(Path(done.cfg.output_dir), dest, ["specforge", "conversations"],
                          keep_truncated=True, tokenizer=done.renderer.tokenizer,
-                         messages_for=messages)
+                         messages_for=messages, allow_simulated=True)
     finally:
         messages.close()
     for name in ("conv", "glaive"):
@@ -344,7 +344,7 @@ sampling = {{ max_new_tokens = 64 }}
         assert all(len(r.prompt_ids) + 64 <= 170 for r in rows)
     dest = tmp_path / "export"
     export(Path(cfg.output_dir), dest, ["conversations"], keep_truncated=True,
-           tokenizer=Renderer(QWEN).tokenizer)
+           tokenizer=Renderer(QWEN).tokenizer, allow_simulated=True)
     convs = {c["id"]: c for c in map(json.loads, (dest / "chat" / "conversations.jsonl")
                                      .read_text().splitlines())}
     for d in too_long:

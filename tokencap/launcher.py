@@ -51,6 +51,8 @@ class Stack:
         self.pids = state_dir / "pids"
         self.logs = state_dir / "logs"
         self.env_file = state_dir / "env"
+        self.spawned: list[str] = []  # what this process started, by name
+        self.fed = False  # `up` got as far as starting the run's processes
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> int:
@@ -60,6 +62,7 @@ class Stack:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         (self.pids / f"{name}.pid").write_text(str(proc.pid))
+        self.spawned.append(name)
         return proc.pid
 
     def _alive(self, name: str) -> bool:
@@ -151,6 +154,23 @@ class Stack:
     # -- commands ----------------------------------------------------------------------
     def up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
            time_scale: float) -> int:
+        """Start what is missing and run `config` to the end. When it fails before anything is
+        fed (a bad config, an unusable engine, another producer), what this call started
+        (Redis, the simulator) is stopped again."""
+        self.fed = False
+        try:
+            return self._up(config, n_workers, redis_url, sglang_url, time_scale)
+        except TokencapError:
+            if not self.fed and self.spawned:
+                print(f"[up] stopping what it started: {', '.join(self.spawned)}", flush=True)
+                # Redis last: nothing else may still need it
+                order = sorted(self.spawned, key=lambda n: n == "redis")
+                self._stop([self.pids / f"{n}.pid" for n in order])
+                self.env_file.unlink(missing_ok=True)
+            raise
+
+    def _up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
+            time_scale: float) -> int:
         cfg = load_config(config)
         saved = self._read_env()
         rurl = self._redis(redis_url, saved)
@@ -163,6 +183,7 @@ class Stack:
         budget = Budget(redis, Keys(cfg.key_prefix, cfg.run))
 
         def start_processes(_producer: Any) -> None:
+            self.fed = True
             # after the config, tokenizer and sources were checked and the run created; what
             # runs is found in Redis (the writer's lease, the workers on the run's queues),
             # not in this state dir: a rerun from anywhere joins what is there

@@ -86,16 +86,10 @@ def check(pipe: Pipeline, status: dict) -> None:
 
 def test_workers_killed_mid_request_on_conversations(tmp_path, redis_url, sim) -> None:
     cfg = conversation_config(tmp_path)
-    pipe = Pipeline(cfg, redis_url, [sim.url])
     kills: list[int] = []
-    try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(6)
+    with started(cfg, redis_url, [sim.url], 6) as pipe:
         # every ~1,000 committed tokens, SIGKILL a worker in the middle of a turn
         status = pipe.run(should_stop=worker_killer(pipe, kills, KILLS, 1000))
-    finally:
-        pipe.close()
     assert len(kills) == KILLS
     check(pipe, status)
 

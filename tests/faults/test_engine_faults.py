@@ -19,9 +19,10 @@ POISON = 151_000
 
 
 def run_with(tmp_path, redis_url, faults: dict, *, workers: int = 4, cap_a: int = 6000,
-             cap_b: int = 4000, time_scale: float = 200.0, during=None):
+             cap_b: int = 4000, time_scale: float = 200.0, during=None,
+             flavor: str = "sglang"):
     cfg = two_category_config(tmp_path, cap_a=cap_a, cap_b=cap_b)
-    with SimServer(time_scale=time_scale) as sim:
+    with SimServer(time_scale=time_scale, flavor=flavor) as sim:
         sim.set_faults(**faults)
         with started(cfg, redis_url, [sim.url], workers) as pipe:
             if during is None:
@@ -35,10 +36,12 @@ def run_with(tmp_path, redis_url, faults: dict, *, workers: int = 4, cap_a: int 
     return pipe, status, stats
 
 
-@pytest.mark.parametrize("status_code", [503, 429])
-def test_overload_storm_is_ridden_out(tmp_path, redis_url, status_code) -> None:
-    # 40% of requests refused, for the whole run
-    pipe, status, stats = run_with(tmp_path, redis_url, {"error_rates": {status_code: 0.4}})
+@pytest.mark.parametrize(("status_code", "flavor"), [(503, "sglang"), (429, "sglang"),
+                                                     (503, "vllm")])
+def test_overload_storm_is_ridden_out(tmp_path, redis_url, status_code, flavor) -> None:
+    # 40% of requests refused, for the whole run (SGLang's /generate or vLLM's completions)
+    pipe, status, stats = run_with(tmp_path, redis_url, {"error_rates": {status_code: 0.4}},
+                                   flavor=flavor)
     assert stats["faults_injected"].get(str(status_code), 0) > 10
     for c in ("a", "b"):
         assert status["categories"][c]["state"] == "closed"
@@ -97,8 +100,9 @@ def test_connection_resets_are_retried(tmp_path, redis_url) -> None:
     assert all(status["categories"][c]["state"] == "closed" for c in ("a", "b"))
 
 
-def test_token_counts_that_disagree_are_never_counted(tmp_path, redis_url) -> None:
-    pipe, status, stats = run_with(tmp_path, redis_url, {"bad_counts_rate": 0.3})
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_token_counts_that_disagree_are_never_counted(tmp_path, redis_url, flavor) -> None:
+    pipe, status, stats = run_with(tmp_path, redis_url, {"bad_counts_rate": 0.3}, flavor=flavor)
     assert stats["faults_injected"].get("bad_counts", 0) > 3
     for c in ("a", "b"):
         for rec in pipe.records(c):

@@ -16,7 +16,7 @@ from foundation.wire import MsgspecSerializer
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config, worker_killer
-from tokencap.harness import Pipeline, wait_until
+from tokencap.harness import Pipeline, started, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +26,10 @@ KILLS = 6
 def test_sigkill_random_busy_workers_repeatedly(tmp_path, redis_url) -> None:
     cfg = two_category_config(tmp_path)
     with SimServer(time_scale=60.0) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
         kills: list[int] = []
-        try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(6)
+        with started(cfg, redis_url, [sim.url], 6) as pipe:
             # every ~1,500 committed tokens, SIGKILL a worker in the middle of a request
             status = pipe.run(should_stop=worker_killer(pipe, kills, KILLS, 1500))
-        finally:
-            pipe.close()
     assert len(kills) == KILLS
     pipe.check_invariants(status)
     assert all(status["categories"][c]["state"] == "closed" for c in ("a", "b"))

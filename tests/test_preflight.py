@@ -1,0 +1,188 @@
+"""The preflight: nothing is fed to an engine that serves another model than the tokenizer's,
+cannot be reached, or answers in a shape tokencap cannot read (`producer.preflight`); a
+worker refuses an engine whose model is not the one the run's producer checked; rows say
+which model and engine made them, and whether it was a simulator."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from foundation.config import RunConfig
+from foundation.engine import EngineInfo
+from foundation.errors import EngineUnusable
+from producer.run import run_to_end
+from sglang_sim.config import LengthDist
+from sglang_sim.testing import SimServer
+from tests.conftest import ROOT, write_config
+from tests.faults.common import FAULT_KNOBS
+from tokencap.export import ExportError, export
+from tokencap.harness import Pipeline, free_port
+
+FIXTURES = ROOT / "tests" / "fixtures"
+PHI3 = FIXTURES / "tokenizers" / "phi-3-mini"
+QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
+GSM8K = FIXTURES / "datasets" / "question_answer" / "gsm8k_test_first200.jsonl"
+UP_TIMEOUT_S = 30.0  # the issue's bound: a dead engine stops `up` within 30 s
+EXIT_ENGINE_UNUSABLE = EngineUnusable.exit_code
+ONE_TOKEN = LengthDist(1.0, 0.0)  # every generation ends on its first token
+
+
+def _config(tmp: Path, tokenizer: Path) -> Path:
+    path = tmp / "run.toml"
+    path.write_text(f"""
+run = "pre"
+output_dir = "{tmp / 'out'}"
+tokenizer = "{tokenizer}"
+[[category]]
+name = "math"
+source = "{GSM8K}"
+cap_tokens = 5000
+sampling = {{ max_new_tokens = 64, temperature = 0.7 }}
+""")
+    return path
+
+
+def _ids_config(tmp: Path, run: str) -> RunConfig:
+    """A run of six token-id prompts, sampling left to the engine (no tokenizer)."""
+    src = tmp / "ids.jsonl"
+    src.write_text("".join(f'{{"input_ids": [{400 + i}, 5, 6]}}\n' for i in range(6)))
+    return write_config(tmp, f"""
+run = "{run}"
+output_dir = "{tmp / 'out'}"
+{FAULT_KNOBS}
+[[category]]
+name = "a"
+source = "{src}"
+format = "input_ids"
+cap_tokens = "none"
+sampling = {{ max_new_tokens = 16 }}
+""")
+
+
+def _up(tmp: Path, tokenizer: Path, redis_url: str | None, engine: str
+        ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SGLANG_URL": engine}
+    env.pop("SGLANG_API_KEY", None)
+    env.pop("REDIS_URL", None)
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    return subprocess.run(
+        [sys.executable, "-m", "tokencap.cli", "up", str(_config(tmp, tokenizer)),
+         "--workers", "1", "--state-dir", str(tmp / "state")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+
+
+def _refused_before_anything(done: subprocess.CompletedProcess, redis: Redis) -> str:
+    assert done.returncode == EXIT_ENGINE_UNUSABLE, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    # nothing was enqueued, no run was created: the Redis of the run holds no key at all
+    assert redis.keys("*") == []
+    return done.stderr
+
+
+def test_up_stops_before_feeding_when_the_tokenizer_is_not_the_served_model(
+        tmp_path, redis, redis_url) -> None:
+    # Given an engine serving Qwen's vocabulary (151,936 ids) and a run with Phi-3's tokenizer
+    with SimServer(time_scale=1000.0) as sim:
+        done = _up(tmp_path, PHI3, redis_url, sim.url)
+        assert sim.requests() == [{"max_new_tokens": 16, "temperature": 0.0}]  # the probe only
+    err = _refused_before_anything(done, redis)
+    # Then the message names both sides
+    assert f"engine {sim.url}" in err and "tokencap-sglang-sim" in err
+    assert "does not serve the tokenizer's model" in err and str(PHI3) in err
+
+
+def test_up_stops_within_30_s_when_the_engine_cannot_be_reached(tmp_path, redis,
+                                                                 redis_url) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    err = _refused_before_anything(_up(tmp_path, QWEN, redis_url, dead), redis)
+    assert f"engine {dead}: cannot reach it (connection refused)" in err
+
+
+def test_up_stops_the_redis_it_started_when_the_engine_is_unusable(tmp_path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    done = _up(tmp_path, QWEN, None, dead)  # no REDIS_URL: up starts its own redis-server
+    assert done.returncode == EXIT_ENGINE_UNUSABLE, done.stderr[-2000:]
+    assert "[up] stopping what it started: redis" in done.stdout
+    assert list((tmp_path / "state" / "pids").glob("*.pid")) == []
+
+
+def test_up_refuses_an_sglang_without_output_ids_in_its_reply(tmp_path, redis,
+                                                               redis_url) -> None:
+    with SimServer(time_scale=1000.0, sglang_version="0.4.10") as sim:
+        err = _refused_before_anything(_up(tmp_path, QWEN, redis_url, sim.url), redis)
+    assert "SGLang older than 0.5.1" in err and "upgrade the engine" in err
+
+
+def test_up_refuses_an_engine_that_wants_an_api_key_it_was_not_given(tmp_path, redis,
+                                                                     redis_url) -> None:
+    with SimServer(time_scale=1000.0, api_key="s3cret") as sim:
+        err = _refused_before_anything(_up(tmp_path, QWEN, redis_url, sim.url), redis)
+    assert "HTTP 401" in err and "SGLANG_API_KEY" in err and "s3cret" not in err
+
+
+def test_an_engine_that_stops_on_another_models_end_of_turn_is_refused(tmp_path) -> None:
+    from producer.preflight import preflight
+    from producer.run import load_renderer
+
+    cfg = write_config(tmp_path, _config(tmp_path, QWEN).read_text())
+    renderer = load_renderer(cfg)
+    # an engine whose every generation ends at once on id 2 (Phi-3's and Llama's </s>)
+    with SimServer(time_scale=1000.0, eos_token_id=2, default_length=ONE_TOKEN) as sim:
+        with pytest.raises(EngineUnusable, match=r"stopped on id 2, the end-of-turn ids of "
+                                                 r"the tokenizer .* are \[151643, 151645\]"):
+            preflight(cfg, [sim.url], renderer)
+    with SimServer(time_scale=1000.0, default_length=ONE_TOKEN) as sim:
+        (info,) = preflight(cfg, [sim.url], renderer)  # Qwen's <|im_end|>: the same model
+    assert info.simulated and info.model == "tokencap-sglang-sim" and info.version == "0.5.23"
+
+
+def test_a_worker_refuses_an_engine_serving_another_model_than_the_producer_checked(
+        tmp_path, redis, redis_url) -> None:
+    cfg = _ids_config(tmp_path, "w")
+    budget = Budget(redis, Keys(cfg.key_prefix, cfg.run))
+    budget.init_run(cfg)
+    budget.record_engines([EngineInfo(url="http://gpu-1:30000", api="sglang",
+                                      model="Qwen/Qwen3-8B", version="0.5.23")])
+    with SimServer(time_scale=1000.0) as sim:
+        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sim.url,
+               "TOKENCAP_RUN": "w"}
+        done = subprocess.run([sys.executable, "-m", "tokencap.cli", "worker", "--burst"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_ENGINE_UNUSABLE, done.stderr[-2000:]
+    assert "serves 'tokencap-sglang-sim'" in done.stderr and "Qwen/Qwen3-8B" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_rows_name_the_model_and_engine_and_a_simulators_rows_are_not_exported(
+        tmp_path, redis_url) -> None:
+    cfg = _ids_config(tmp_path, "rows")
+    with SimServer(time_scale=1000.0) as sim:
+        pipe = Pipeline(cfg, redis_url, [sim.url])
+
+        def start(_producer: object) -> None:
+            pipe.start_writer()
+            pipe.start_workers(2)
+
+        try:
+            status = run_to_end(cfg, pipe.redis, [sim.url], before_feed=start)
+        finally:
+            pipe.close()
+    rows = pipe.results("a")
+    assert len(rows) == 6
+    assert {(r.model, r.engine_version, r.simulated) for r in rows} == {
+        ("tokencap-sglang-sim", "0.5.23", True)}
+    assert status["simulated"] is True
+    assert [e["model"] for e in status["engines"].values()] == ["tokencap-sglang-sim"]
+    with pytest.raises(ExportError, match="generated by a simulator"):
+        export(Path(cfg.output_dir), tmp_path / "x", ["specforge"])
+    summary = export(Path(cfg.output_dir), tmp_path / "y", ["specforge"], allow_simulated=True)
+    assert summary  # exported on request
