@@ -48,6 +48,9 @@ class ProgressPrinter:
             self.out.flush()
 
 
+SIMULATED_TEXT = "SIMULATED: an engine of this run is the simulator; its outputs are synthetic"
+
+
 def summary_table(status: dict[str, Any]) -> str:
     cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
             "waste_tokens", "state")
@@ -59,4 +62,6 @@ def summary_table(status: dict[str, Any]) -> str:
         st = status["categories"][n]
         cells = [cap_text(st[c]) if c == "cap" else str(st[c]) for c in cols]
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
+    if status.get("simulated"):
+        rows.append(SIMULATED_TEXT)
     return "\n".join(rows)

@@ -29,6 +29,7 @@ from rich.text import Text
 
 from foundation.engine import NO_LOAD_READINGS, engine_spec, read_load
 from foundation.errors import TokencapError
+from tokencap.progress import SIMULATED_TEXT
 
 RATE_WINDOW_S = 60.0
 ENGINE_TIMEOUT_S = 2.0
@@ -212,9 +213,6 @@ def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
     if status.get("simulated"):
         lines.append(SIMULATED_TEXT)
     return lines
-
-
-SIMULATED_TEXT = "SIMULATED: an engine of this run is the simulator; its outputs are synthetic"
 
 
 def writer_text(status: Mapping[str, Any]) -> str:
