@@ -34,7 +34,7 @@ workers: install ## Add N consumers to the running stack (make workers N=8)
 	$(BIN)/tokencap add-workers $(N)
 
 status: install ## Live board of the run started by make up (Ctrl-C to leave)
-	@set -a; source .run/env; set +a; $(BIN)/tokencap status --watch
+	$(BIN)/tokencap status --watch
 
 test: install ## ruff, mypy, then every test (each session starts its own redis-server)
 	$(BIN)/ruff check .

@@ -9,6 +9,7 @@ and the GPU check.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,9 @@ DATASETS = FIXTURES / "datasets"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Commands take what they are not given from the run file of a stack `tokencap up` started
+# (`tokencap.runfile`): tests, and the processes they start, see none but their own.
+os.environ["TOKENCAP_STATE_DIR"] = tempfile.mkdtemp(prefix="tokencap-no-stack-")
 
 
 def write_config(tmp: Path, body: str, name: str = "run.toml") -> RunConfig:

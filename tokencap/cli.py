@@ -24,13 +24,44 @@ from tokencap import logs
 
 log = logging.getLogger("tokencap")
 
-REDIS_OPT = click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_REDIS_URL,
-                         show_default=True, help="Redis URL (redis://, rediss://, unix://). "
-                         "Env: REDIS_URL.")
-SGLANG_OPT = click.option("--sglang-url", envvar="SGLANG_URL", default="",
-                          help="SGLang engine URL(s), comma separated. Env: SGLANG_URL.")
+STATE_META = "tokencap.state_dir"
+
+
+def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    ctx.meta[STATE_META] = value
+    return value
+
+
+def _from_run_file(key: str, default: str | None = None) -> Any:
+    """An option's value when it is not given: the run file of the stack (`tokencap.runfile`),
+    else `default`."""
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value:
+            return value
+        from tokencap.runfile import run_file, state_dir
+
+        return run_file(state_dir(ctx.meta.get(STATE_META))).get(key) or default
+    return callback
+
+
+STATE_OPT = click.option("--state-dir", envvar="TOKENCAP_STATE_DIR", default=".run",
+                         show_default=True, is_eager=True, callback=_remember_state_dir,
+                         help="The stack `tokencap up` keeps there (pids, logs, Redis data, "
+                         "and the run file that gives Redis, engines, run and token to the "
+                         "other commands). Env: TOKENCAP_STATE_DIR.")
+REDIS_OPT = click.option("--redis-url", envvar="REDIS_URL", default=None,
+                         callback=_from_run_file("REDIS_URL", DEFAULT_REDIS_URL),
+                         help="Redis URL (redis://, rediss://, unix://). Env: REDIS_URL. "
+                         f"Default: the stack's run file, else {DEFAULT_REDIS_URL}.")
+SGLANG_OPT = click.option("--sglang-url", envvar="SGLANG_URL", default=None,
+                          callback=_from_run_file("SGLANG_URL", ""),
+                          help="Engine URL(s), comma separated (sglang+/openai+ prefixes, "
+                          "http://:KEY@host for a key). Env: SGLANG_URL. Default: the "
+                          "stack's run file.")
 RUN_OPT = click.option("--run", "run_name", envvar="TOKENCAP_RUN", default=None,
-                       help="Run name (default: the only run in Redis). Env: TOKENCAP_RUN.")
+                       callback=_from_run_file("TOKENCAP_RUN"),
+                       help="Run name (default: the stack's, else the only run in Redis). "
+                       "Env: TOKENCAP_RUN.")
 PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default=DEFAULT_KEY_PREFIX,
                           show_default=True, help="Redis key prefix. Env: TOKENCAP_PREFIX.")
 
@@ -239,6 +270,7 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
 
 
 @main.command()
+@STATE_OPT
 @RUN_OPT
 @REDIS_OPT
 @SGLANG_OPT
@@ -248,8 +280,8 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
               help="Live board (redrawn in place on a terminal, plain lines otherwise), with "
               "tok/s over the last minute, ETA, engine load from SGLANG_URL and workers.")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between redraws.")
-def status(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, as_json: bool,
-           watch_flag: bool, interval: float) -> None:
+def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str, prefix: str,
+           as_json: bool, watch_flag: bool, interval: float) -> None:
     """Show each category's cap, used, reserved, samples and state."""
     from tokencap.progress import summary_table
 
@@ -313,11 +345,12 @@ class CapType(click.ParamType):
 @cap.command("set")
 @click.argument("category")
 @click.argument("tokens", type=CapType())
+@STATE_OPT
 @RUN_OPT
 @REDIS_OPT
 @PREFIX_OPT
-def cap_set(category: str, tokens: int | None, run_name: str | None, redis_url: str,
-            prefix: str) -> None:
+def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | None,
+            redis_url: str, prefix: str) -> None:
     """Set CATEGORY's cap to TOKENS ("none": uncapped, the whole source): raising it
     reopens a closed category and sends what it held back, lowering it below what is used
     closes it at once."""
@@ -346,13 +379,16 @@ def sim(ctx: click.Context) -> None:
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--workers", "n_workers", envvar="WORKERS", default=8, show_default=True,
               help="Consumers to start. Env: WORKERS.")
-@click.option("--state-dir", default=".run", show_default=True, help="Pids, logs, Redis data.")
+@STATE_OPT
+@click.option("--budget-port", envvar="BUDGET_PORT", default=8321, show_default=True,
+              help="Port of the budget service on 127.0.0.1 (/status, /metrics, POST /cap). "
+              "Env: BUDGET_PORT.")
 @click.option("--sim", "use_sim", is_flag=True,
               help="Run on the SGLang simulator (no GPU; synthetic outputs, labelled "
               "simulated) instead of SGLANG_URL.")
 @click.option("--sim-time-scale", default=20.0, show_default=True,
               help="Speed-up of the simulator (with --sim).")
-def up(config: str, n_workers: int, state_dir: str, use_sim: bool,
+def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: bool,
        sim_time_scale: float) -> None:
     """Start what is missing (Redis, budget service, writer, workers; the simulator with
     --sim) and run CONFIG to completion with progress, then print a summary. Uses REDIS_URL
@@ -371,12 +407,12 @@ def up(config: str, n_workers: int, state_dir: str, use_sim: bool,
                             "(synthetic outputs, not training data)")
     stack = Stack(Path(state_dir))
     code = stack.up(config, n_workers, os.environ.get("REDIS_URL"), sglang_url,
-                    sim_time_scale)
+                    sim_time_scale, budget_port)
     sys.exit(code)
 
 
 @main.command()
-@click.option("--state-dir", default=".run", show_default=True)
+@STATE_OPT
 def down(state_dir: str) -> None:
     """Stop every process `tokencap up` started (Redis data stays under the state dir)."""
     from tokencap.launcher import Stack
@@ -386,12 +422,26 @@ def down(state_dir: str) -> None:
 
 @main.command("add-workers")
 @click.argument("n", type=click.IntRange(min=1))
-@click.option("--state-dir", default=".run", show_default=True)
+@STATE_OPT
 def add_workers(n: int, state_dir: str) -> None:
     """Add N consumers to the stack `tokencap up` started."""
     from tokencap.launcher import Stack
 
     Stack(Path(state_dir)).add_workers(n)
+
+
+@main.command()
+@STATE_OPT
+def token(state_dir: str) -> None:
+    """Print the budget service's bearer token of the stack `tokencap up` started (for
+    POST /cap: curl -H "Authorization: Bearer $(tokencap token)" ...)."""
+    from tokencap.runfile import run_file
+
+    value = run_file(Path(state_dir)).get("TOKENCAP_TOKEN")
+    if not value:
+        raise TokencapError(f"no stack started by `tokencap up` in {state_dir} (no run file "
+                            f"{Path(state_dir) / 'env'})")
+    click.echo(value)
 
 
 def _register_data_commands() -> None:

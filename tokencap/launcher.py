@@ -1,16 +1,22 @@
 """`tokencap up` / `down` / `add-workers`: a local stack of processes with pid files.
 
-State lives under `.run/`: `pids/<name>.pid`, `logs/<name>.log`, `env` (the URLs in use),
-`redis/` (AOF data of a Redis this launcher started). Whatever is given through
-REDIS_URL / SGLANG_URL is used as is and never stopped.
+State lives under the state dir (`.run/` of the current directory, `--state-dir` or
+`TOKENCAP_STATE_DIR`): `pids/<name>.pid`, `logs/<name>.log`, `redis/` (AOF data of a Redis
+this launcher started) and the run file `env` (mode 0600): the Redis URL, the engines, the
+run, the budget service's URL and its bearer token. Every other command reads the run file
+(`run_file`) for what it is not given, so a second shell in the same directory finds the
+stack. Whatever is given through REDIS_URL / SGLANG_URL is used as is and never stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,12 +34,25 @@ from foundation.redisconn import connect
 from producer.run import run_to_end
 from tokencap.harness import find_redis_server, free_port
 from tokencap.progress import ProgressPrinter, summary_table
+from tokencap.runfile import RUN_FILE, run_file, stop_hint
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
+DEFAULT_BUDGET_PORT = 8321
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S
@@ -50,7 +69,7 @@ class Stack:
         self.dir = state_dir
         self.pids = state_dir / "pids"
         self.logs = state_dir / "logs"
-        self.env_file = state_dir / "env"
+        self.env_file = state_dir / RUN_FILE
         self.spawned: list[str] = []  # what this process started, by name
         self.fed = False  # `up` got as far as starting the run's processes
 
@@ -76,16 +95,17 @@ class Stack:
             return False
 
     def _read_env(self) -> dict[str, str]:
-        if not self.env_file.exists():
-            return {}
-        lines = self.env_file.read_text().splitlines()
-        pairs = (line.split("=", 1) for line in lines if "=" in line)
-        return {k: v for k, v in pairs}
+        return run_file(self.dir)
 
     def _write_env(self, env: dict[str, str]) -> None:
+        """The run file, created 0600 (it holds the token and any password in the URLs)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
-        os.chmod(self.env_file, 0o600)
+        tmp = self.env_file.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
+        os.replace(tmp, self.env_file)
 
     # -- pieces ------------------------------------------------------------------------
     def _redis(self, given: str | None, saved: dict[str, str]) -> str:
@@ -142,7 +162,8 @@ class Stack:
         return {**os.environ, **env}
 
     def add_workers(self, n: int, env: dict[str, str] | None = None) -> None:
-        env = env or self._read_env()
+        # workers get the stack's URLs and run, never the budget service's token
+        env = {k: v for k, v in (env or self._read_env()).items() if k != "TOKENCAP_TOKEN"}
         if not env.get("REDIS_URL"):
             raise TokencapError("no stack is running here (start one with `make up`)")
         existing = len(list(self.pids.glob("worker-*.pid"))) if self.pids.exists() else 0
@@ -153,31 +174,46 @@ class Stack:
 
     # -- commands ----------------------------------------------------------------------
     def up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
-           time_scale: float) -> int:
+           time_scale: float, budget_port: int = DEFAULT_BUDGET_PORT) -> int:
         """Start what is missing and run `config` to the end. When it fails before anything is
         fed (a bad config, an unusable engine, another producer), what this call started
         (Redis, the simulator) is stopped again."""
         self.fed = False
+        before = self._read_env()
         try:
-            return self._up(config, n_workers, redis_url, sglang_url, time_scale)
+            return self._up(config, n_workers, redis_url, sglang_url, time_scale, budget_port)
         except TokencapError:
-            if not self.fed and self.spawned:
-                print(f"[up] stopping what it started: {', '.join(self.spawned)}", flush=True)
-                # Redis last: nothing else may still need it
-                order = sorted(self.spawned, key=lambda n: n == "redis")
-                self._stop([self.pids / f"{n}.pid" for n in order])
-                self.env_file.unlink(missing_ok=True)
+            if not self.fed:
+                if self.spawned:
+                    print(f"[up] stopping what it started: {', '.join(self.spawned)}",
+                          flush=True)
+                    # Redis last: nothing else may still need it
+                    order = sorted(self.spawned, key=lambda n: n == "redis")
+                    self._stop([self.pids / f"{n}.pid" for n in order])
+                # the run file says again what it said before this call
+                if before and "redis" not in self.spawned:
+                    self._write_env(before)
+                else:
+                    self.env_file.unlink(missing_ok=True)
             raise
 
     def _up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
-            time_scale: float) -> int:
+            time_scale: float, budget_port: int) -> int:
         cfg = load_config(config)
         saved = self._read_env()
+        serving = self._alive("budget") and saved.get("BUDGET_URL")
+        if not serving and not _port_free("127.0.0.1", budget_port):
+            raise TokencapError(f"port {budget_port} is taken (another budget service?): "
+                                "give the budget service another one with --budget-port or "
+                                "BUDGET_PORT")
+        budget_url = saved["BUDGET_URL"] if serving else f"http://127.0.0.1:{budget_port}"
+        token = (saved.get("TOKENCAP_TOKEN") or os.environ.get("TOKENCAP_TOKEN")
+                 or secrets.token_urlsafe(24))
         rurl = self._redis(redis_url, saved)
         eurl = self._engine(sglang_url, saved, time_scale, cfg.tokenizer)
         env = {"REDIS_URL": rurl, "SGLANG_URL": eurl, "TOKENCAP_RUN": cfg.run,
                "TOKENCAP_PREFIX": cfg.key_prefix}
-        self._write_env(env)
+        self._write_env({**env, "BUDGET_URL": budget_url, "TOKENCAP_TOKEN": token})
         redis = connect(rurl)
 
         budget = Budget(redis, Keys(cfg.key_prefix, cfg.run))
@@ -194,10 +230,10 @@ class Stack:
                 self._spawn("writer", self._tokencap("writer", "--supervise"),
                             self._child_env(env))
             if not self._alive("budget"):
-                port = str(free_port())
-                self._spawn("budget", self._tokencap("serve", "--port", port),
-                            self._child_env(env))
-                print(f"[up] budget service on http://127.0.0.1:{port}/status", flush=True)
+                self._spawn("budget", self._tokencap("serve", "--port", str(budget_port)),
+                            self._child_env({**env, "TOKENCAP_TOKEN": token}))
+                print(f"[up] budget service on {budget_url}/status (POST /cap takes the "
+                      "token `tokencap token` prints)", flush=True)
             registered = worker_count(budget)
             if registered:
                 print(f"[up] {registered} worker(s) already on run {cfg.run}; "
@@ -208,7 +244,8 @@ class Stack:
         status = run_to_end(cfg, redis, parse_urls(eurl), on_progress=ProgressPrinter(),
                             before_feed=start_processes)
         print(summary_table(status), flush=True)
-        print(f"[up] results in {cfg.output_dir}; `make down` stops the stack", flush=True)
+        print(f"[up] results in {cfg.output_dir}; {stop_hint(self.dir)} stops the stack",
+              flush=True)
         states = {st["state"] for st in status["categories"].values()}
         return 0 if states <= {"closed", "exhausted"} else 1
 
