@@ -314,7 +314,11 @@ def serve(run_name: str | None, redis_url: str, prefix: str, host: str, port: in
     """Serve GET /status (JSON), GET /metrics (Prometheus) and POST /cap (token)."""
     from budget_service.server import make_server
 
-    server = make_server(_budget(redis_url, prefix, run_name), host, port, token)
+    try:
+        server = make_server(_budget(redis_url, prefix, run_name), host, port, token)
+    except OSError as exc:
+        raise TokencapError(f"cannot serve on {host}:{port}: {exc.strerror} (another budget "
+                            "service? --port / TOKENCAP_PORT picks another)") from None
     log.info("budget service on http://%s:%d", host, server.server_address[1])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server.serve_forever()

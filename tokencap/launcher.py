@@ -46,6 +46,8 @@ DEFAULT_BUDGET_PORT = 8321
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as sock:
+        # as the server will (http.server sets it): a closed connection's TIME_WAIT is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
