@@ -24,6 +24,7 @@ from msgspec import Meta, Struct
 
 from foundation.engine import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
+from foundation.sources import SourceMissing, expand_source, resolve_tokenizer
 
 DEFAULT_CAP_TOKENS = 10_000_000
 # Every Redis key and RQ queue of a run starts with this (budget_service/keys.py).
@@ -215,10 +216,14 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
         seen.add(cat.name)
         if not cat.paths:
             raise ConfigError(str(path), f"{where}: needs `source` or `sources`")
-        paths = [rel(p) for p in cat.paths]
-        for p in paths:
-            if not Path(p).is_file():
-                raise ConfigError(str(path), f"{where}.source: no such file: {p}")
+        paths = []
+        for j, item in enumerate(cat.paths):
+            field = f"{where}.source" if cat.source and j == 0 else \
+                f"{where}.sources[{j - (1 if cat.source else 0)}]"
+            try:
+                paths += expand_source(item, base)
+            except SourceMissing as exc:
+                raise ConfigError(str(path), f"{field}: {exc}") from None
         if cat.field_map:
             unknown = sorted(set(cat.field_map) - set(FIELD_MAP_KEYS))
             if unknown or not {"prompt", "messages"} & set(cat.field_map):
@@ -237,9 +242,10 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
         cats.append(msgspec.structs.replace(cat, source=None, sources=paths))
     tok = cfg.tokenizer
     if tok is not None:
-        tok = rel(tok)
-        if not Path(tok).is_dir():
-            raise ConfigError(str(path), f"$.tokenizer: not a directory: {tok}")
+        try:
+            tok = resolve_tokenizer(tok, base)
+        except SourceMissing as exc:
+            raise ConfigError(str(path), f"$.tokenizer: {exc}") from None
     gen = rel(cfg.generation_config) if cfg.generation_config else None
     if gen is not None and not Path(gen).is_file():
         raise ConfigError(str(path), f"$.generation_config: no such file: {gen}")

@@ -8,15 +8,22 @@ seeded `shuffled_order` can visit them in any order.
 
 Containers, by extension: ``.jsonl`` is one JSON object per non-blank line; ``.json`` is
 a JSON array when its first non-space byte is ``[`` and JSONL when it is ``{``;
-``.parquet`` is read through pyarrow. An index is not thread-safe: give each thread its own.
+``.parquet`` is read through pyarrow. A ``.gz`` or ``.zst`` JSON file is decompressed once,
+streaming, into the source cache (`source_cache`; reused while the file is unchanged) and
+indexed there; its records keep the compressed file's name in `where` and ids. An index is
+not thread-safe: give each thread its own.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import logging
+import os
 import random
 import re
+import shutil
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import Counter
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, Self
 
 from foundation.errors import SourceError
+from foundation.sources import SUPPORTED, logical_stem, source_type
 from producer.formats import Conversation, Rejected, to_conversation
 
 log = logging.getLogger(__name__)
@@ -34,8 +42,7 @@ SCAN_CHUNK_BYTES = 1024 * 1024  # read size of the build-time scan
 MAX_OPEN_FILES = 16  # file handles kept open for random reads
 UTF8_BOM = b"\xef\xbb\xbf"
 WHITESPACE = b" \t\r\n"
-JSON_EXTENSIONS = (".json", ".jsonl")
-PARQUET_EXTENSIONS = (".parquet",)
+SOURCE_CACHE_ENV = "TOKENCAP_SOURCE_CACHE"
 
 # A whole string when it ends inside the chunk, else its opening quote alone.
 _STRING = rb'"(?:[^"\\]++|\\.)*+"|"'
@@ -91,10 +98,11 @@ class _Span:
 
 
 class _Segment(NamedTuple):
-    path: Path
+    path: Path  # the file read (a compressed source's decompressed copy)
     start: int  # global index of the file's first record
     span: _Span | None  # json only
     row_group_starts: list[int] | None  # parquet only: first row of each row group
+    name: Path  # the source file as configured
 
 
 def _rows(seg: _Segment) -> list[int]:
@@ -110,7 +118,7 @@ class SourceIndex:
         self._segments = segments
         self._starts = [seg.start for seg in segments]
         self._total = total
-        stems = [seg.path.stem for seg in segments]
+        stems = [logical_stem(seg.name) for seg in segments]
         counts = Counter(stems)
         self._id_prefixes = [
             stem if counts[stem] == 1 else f"{stem}.{no}" for no, stem in enumerate(stems)
@@ -145,8 +153,8 @@ class SourceIndex:
 
     @property
     def paths(self) -> list[Path]:
-        """The indexed files, in file_no order."""
-        return [seg.path for seg in self._segments]
+        """The indexed files as configured, in file_no order."""
+        return [seg.name for seg in self._segments]
 
     def ref(self, i: int) -> SourceRef:
         """Location of record `i` (0 <= i < len)."""
@@ -161,7 +169,7 @@ class SourceIndex:
     def where(self, i: int) -> str:
         """``path:line`` of record `i` (for Parquet the line is the row number + 1)."""
         ref = self.ref(i)
-        return f"{self._segments[ref.file_no].path}:{ref.line}"
+        return f"{self._segments[ref.file_no].name}:{ref.line}"
 
     def id_prefix(self, file_no: int) -> str:
         """The sample-id prefix of a file: its stem, plus ``.file_no`` if stems clash."""
@@ -298,20 +306,60 @@ def read_sample(
     return Sample(sid, i, index.where(i), source_id, conv.prompt(), conv)
 
 
+def source_cache() -> Path:
+    """Where compressed sources are decompressed: TOKENCAP_SOURCE_CACHE, else
+    ``$XDG_CACHE_HOME/tokencap/sources`` (``~/.cache/tokencap/sources``)."""
+    given = os.environ.get(SOURCE_CACHE_ENV)
+    if given:
+        return Path(given)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "tokencap" / "sources"
+
+
+def _decompressed(path: Path, compression: str) -> Path:
+    """`path` decompressed into the source cache (streaming; reused while unchanged)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    name = path.name[: -len(compression)]
+    out = source_cache() / f"{key.hexdigest()[:16]}-{name}"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(path, "rb") as raw, open(tmp, "wb") as dst:
+            if compression == ".gz":
+                with gzip.GzipFile(fileobj=raw) as src:
+                    shutil.copyfileobj(src, dst, SCAN_CHUNK_BYTES)
+            else:
+                import zstandard
+
+                zstandard.ZstdDecompressor().copy_stream(raw, dst, SCAN_CHUNK_BYTES)
+        os.replace(tmp, out)
+    except Exception as exc:  # OSError, EOFError, zstandard.ZstdError: a corrupt file
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"{path}: cannot decompress: {exc}") from None
+    log.info("decompressed %s into %s", path, out)
+    return out
+
+
 def _index_file(path: Path, start: int) -> _Segment:
-    suffix = path.suffix.lower()
-    if suffix in PARQUET_EXTENSIONS:
-        return _Segment(path, start, None, _parquet_row_groups(path))
-    if suffix not in JSON_EXTENSIONS:
-        raise SourceError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)")
+    kind = source_type(path)
+    if kind is None:
+        raise SourceError(f"{path}: unsupported file type {''.join(path.suffixes[-2:])!r} "
+                          f"(use {SUPPORTED})")
+    container, compression = kind
+    if container == ".parquet":
+        return _Segment(path, start, None, _parquet_row_groups(path), path)
+    readable = _decompressed(path, compression) if compression else path
     span = _Span()
-    with open(path, "rb") as f:
+    with open(readable, "rb") as f:
         first = _first_byte(f)
-        if suffix == ".json" and first == b"[":
+        if container == ".json" and first == b"[":
             _scan_json_array(f, span, path)
         else:
             _scan_jsonl(f, span)
-    return _Segment(path, start, span, None)
+    return _Segment(readable, start, span, None, path)
 
 
 def _first_byte(f: IO[bytes]) -> bytes:

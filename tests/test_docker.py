@@ -265,6 +265,20 @@ def test_producer_reads_the_results_the_writer_writes(
     assert _default(services["writer"]["environment"]["TOKENCAP_OUT"]) == ""
 
 
+def test_producer_reads_tokenizers_and_datasets_from_the_cache_sglang_fills(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    sglang_cache = [v for v in services["sglang"]["volumes"]
+                    if v.endswith(":/root/.cache/huggingface")]
+    assert len(sglang_cache) == 1
+    volume = sglang_cache[0].split(":")[0]
+    env = services["producer"]["environment"]
+    mounts = [v for v in services["producer"]["volumes"] if v.startswith(f"{volume}:")]
+    assert len(mounts) == 1 and mounts[0].endswith(":ro")
+    assert _default(mounts[0].split(":", 1)[1].rsplit(":", 1)[0]) == _default(env["HF_HOME"])
+    assert _default(env["HF_HUB_OFFLINE"]) == "1"
+
+
 # -- Dockerfile ----------------------------------------------------------------------------
 
 
