@@ -302,11 +302,28 @@ class Budget:
         closed, exhausted, old = self.scripts.close(keys=self._ck(category), args=list(args))
         return _s(closed) == "1", _s(exhausted) == "1", cap_value(old)
 
-    def set_cap(self, category: str, cap: int | None) -> tuple[bool, int | None]:
+    def set_cap(self, category: str, cap: int | None, by: str = "") -> tuple[bool, int | None]:
         """Change the cap (None: uncapped): a category below it (re)opens, and what it held
-        back is sent; one at or above it closes. Returns (closed, old cap)."""
-        closed, _exhausted, old = self._close(category, "cap", cap_arg(cap))
+        back is sent; one at or above it closes. The change goes to the category's event
+        log with `by` (who asked). Returns (closed, old cap)."""
+        closed, _exhausted, old = self._close(category, "cap", cap_arg(cap), now_ms(), by)
         return closed, old
+
+    def events(self, categories: Sequence[str], after: Mapping[str, str] | None = None
+               ) -> list[dict[str, Any]]:
+        """The event log of `categories` (cap changes), oldest first, each with its
+        `category` and stream `id`; with `after` (category -> id), only later entries."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in categories:
+            last = (after or {}).get(name)
+            pipe.xrange(self._ck(name).events, min=f"({last}" if last else "-")
+        out = []
+        for name, entries in zip(categories, pipe.execute(), strict=True):
+            for entry_id, fields in entries:
+                ev: dict[str, Any] = {_s(k): _s(v) for k, v in fields.items()}
+                ev.update(category=name, id=_s(entry_id), at=int(ev.get("at") or 0))
+                out.append(ev)
+        return sorted(out, key=lambda e: (e["at"], e["id"]))
 
     def close(self, category: str) -> None:
         self._close(category, "close")

@@ -34,6 +34,8 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:history`    | hash   | acknowledge, restore_followups  | producer           | to conv.  |
 |                      |        | (turn id -> its output ids)     |                    | end       |
 | `P:{cat}:cut`        | hash   | cut (turns reported held back)  | cut                | run       |
+| `P:{cat}:events`     | stream | close ("cap": cap changes, the  | status --events,   | last 1000 |
+|                      |        | last 1,000)                     | producer's log     |           |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -86,6 +88,7 @@ class CategoryKeys(NamedTuple):
     follow: str
     history: str
     cut: str
+    events: str
 
 
 class Keys:

@@ -240,7 +240,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             if cat not in budget.status()["categories"]:
                 self._json(404, {"error": f"no category {cat!r}"})
                 return
-            closed, old = budget.set_cap(cat, cap)
+            closed, old = budget.set_cap(cat, cap, by=f"POST /cap from {self.client_address[0]}")
             log.warning("cap of %s changed from %s to %s over HTTP", cat, cap_text(old),
                         cap_text(cap))
             self._json(200, {"category": cat, "old_cap": old, "cap": cap, "closed": closed})

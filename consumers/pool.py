@@ -18,6 +18,7 @@ import time
 
 from foundation.errors import (
     ConfigError,
+    EngineUnusable,
     ProducerBusy,
     RedisRefused,
     RedisUnavailable,
@@ -40,6 +41,7 @@ MEANING = {
     ProducerBusy.exit_code: "another producer",
     RunNotFound.exit_code: "no such run",
     WriterBusy.exit_code: "another writer holds the run",
+    EngineUnusable.exit_code: "engine unusable (down, too old, or another model)",
 }
 
 

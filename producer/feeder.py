@@ -133,6 +133,7 @@ class Producer:
         self._unpark_mark: dict[str, tuple[int, ...]] = {}
         self._run_id_at = 0.0
         self._reaped_at = float("-inf")
+        self._events_after: dict[str, str] | None = None  # the event log read so far
         self.reap_every_s = min(REAP_EVERY_S, cfg.lease_s / 4)
         self._replies: ReplyParser | None = None
 
@@ -218,6 +219,7 @@ class Producer:
                 if self.on_progress and now - last >= progress_s:
                     last = now
                     self.on_progress(self.budget.status(list(self.feeds)))
+                    self.log_events()
                 if work == 0:
                     if self.finished():
                         self.finalize()
@@ -230,6 +232,19 @@ class Producer:
                 backoff.wait()
                 self._run_id_at = float("-inf")  # look for a restart as soon as it answers
         return self.budget.status(list(self.feeds))
+
+    def log_events(self) -> None:
+        """Log the event log's entries (cap changes) written since the last call, so the
+        shell running the run sees a cap another shell changed (none on the first call)."""
+        events = self.budget.events(list(self.feeds), self._events_after)
+        if self._events_after is not None:
+            for ev in events:
+                log.warning("%s: cap changed from %s to %s by %s (%s tokens used)",
+                            ev["category"], ev.get("old"), ev.get("new"), ev.get("by"),
+                            ev.get("used"))
+        after = dict(self._events_after or {})
+        after.update({ev["category"]: ev["id"] for ev in events})
+        self._events_after = after
 
     def ensure_run(self) -> None:
         """Rebuild from the output files what a Redis restart lost.

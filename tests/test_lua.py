@@ -448,6 +448,24 @@ def test_close_cap_reopens_and_closes(budget: Budget) -> None:
     assert budget.status()["categories"]["code"]["state"] == "exhausted"
 
 
+def test_close_cap_records_each_change_in_the_categorys_event_log(budget: Budget) -> None:
+    feed(budget, "a")
+    budget.admit("code", "a", 10, LEASE_MS)
+    budget.commit(result("a", 1500), 0, 0.0)
+    budget.set_cap("code", 5000, by="tokencap cap set (ann)")
+    budget.set_cap("code", None, by="POST /cap from 127.0.0.1")
+    budget.close("code")  # not a cap change: no event
+    first, second = budget.events(["code"])
+    assert {k: first[k] for k in ("category", "kind", "old", "new", "by", "used")} == {
+        "category": "code", "kind": "cap", "old": "1000", "new": "5000",
+        "by": "tokencap cap set (ann)", "used": "1500"}
+    assert (second["old"], second["new"]) == ("5000", "none")
+    assert first["at"] <= second["at"] and first["at"] > 0
+    # only what came after a given entry
+    assert budget.events(["code"], {"code": first["id"]}) == [second]
+    assert budget.events(["code"], {"code": second["id"]}) == []
+
+
 def test_close_exhausted_waits_for_pending_followups_and_the_writer(budget: Budget) -> None:
     budget.redis.zadd(ck(budget).follow, {"c#t2": 0})
     assert budget.mark_exhausted("code", 0) is False  # a conversation waits for its turn

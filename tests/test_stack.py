@@ -68,6 +68,12 @@ sampling = {{ max_new_tokens = 256 }}
         assert r.status_code == 200, r.text
         st = requests.get(f"http://127.0.0.1:{port}/status", timeout=10).json()
         assert st["categories"]["a"]["cap"] == 25000
+        # both changes are in the run's event log, with who made them
+        events = _tokencap(tmp_path, "status", "--events")
+        assert events.returncode == 0, events.stderr
+        lines = events.stdout.splitlines()
+        assert len(lines) == 2 and "a  cap 3000 -> 20000  by tokencap cap set" in lines[0]
+        assert "cap 20000 -> 25000  by POST /cap from 127.0.0.1" in lines[1]
         # a second `up` of the same stack while its budget service holds the port: joins it
         before = run_file.read_text()
         again = _tokencap(tmp_path, "up", "run.toml", "--workers", "1",

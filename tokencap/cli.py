@@ -1,8 +1,9 @@
 """The `tokencap` command: wiring only. Every option has an environment twin.
 
 Exit codes: 0 done; 1 error; 2 bad config or source; 3 Redis unreachable; 4 Redis refused
-(evicting policy); 5 run mismatch; 6 another producer holds the run; 7 no such run; 130
-stopped by a signal before the end (see `foundation.errors`).
+(evicting policy); 5 run mismatch; 6 another producer holds the run; 7 no such run; 8
+another writer holds the run; 9 an engine unusable; 130 stopped by a signal before the end
+(see `foundation.errors`).
 """
 
 from __future__ import annotations
@@ -280,12 +281,20 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
               help="Live board (redrawn in place on a terminal, plain lines otherwise), with "
               "tok/s over the last minute, ETA, engine load from SGLANG_URL and workers.")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between redraws.")
+@click.option("--events", "events_flag", is_flag=True,
+              help="Print the run's event log instead (cap changes: when, old and new cap, "
+              "who, tokens used then; the last 1,000 per category).")
 def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str, prefix: str,
-           as_json: bool, watch_flag: bool, interval: float) -> None:
+           as_json: bool, watch_flag: bool, interval: float, events_flag: bool) -> None:
     """Show each category's cap, used, reserved, samples and state."""
     from tokencap.progress import summary_table
 
     budget = _budget(redis_url, prefix, run_name)
+    if events_flag:
+        events = budget.events(list(budget.status()["categories"]))
+        click.echo(json.dumps(events, indent=2) if as_json else "\n".join(
+            _event_line(e) for e in events) or "no events")
+        return
     if watch_flag:
         from budget_service.server import worker_count
         from foundation.engine import parse_urls
@@ -296,6 +305,14 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
         return
     st = budget.status()
     click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
+
+
+def _event_line(ev: dict[str, Any]) -> str:
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev["at"] / 1000))
+    return (f"{when}  {ev['category']}  {ev.get('kind')} {ev.get('old')} -> {ev.get('new')}  "
+            f"by {ev.get('by') or '?'}  ({ev.get('used')} tokens used)")
 
 
 @main.command()
@@ -363,7 +380,8 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
     budget = _budget(redis_url, prefix, run_name)
     if category not in budget.status()["categories"]:
         raise UnknownCategory(budget.keys.run, category)
-    closed, old = budget.set_cap(category, tokens)
+    who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
+    closed, old = budget.set_cap(category, tokens, by=f"tokencap cap set ({who})")
     log.warning("cap of %s changed from %s to %s", category, cap_text(old), cap_text(tokens))
     click.echo(f"{category}: cap {cap_text(old)} -> {cap_text(tokens)} "
                f"({'closed' if closed else 'open'})")

@@ -1,6 +1,7 @@
 -- close.lua: change a category's cap or state, and recompute `closed` from the cap.
 -- KEYS: the category's keys (_lib.lua)
--- ARGV[1] action: 'cap' (ARGV[2] = new cap, or 'none'; reopens if used < cap), 'close',
+-- ARGV[1] action: 'cap' (ARGV[2] = new cap, or 'none'; reopens if used < cap; ARGV[3] = the
+-- time in ms and ARGV[4] who changed it, recorded in the category's event log), 'close',
 -- 'exhausted' (ARGV[2] = the producer's cursor: marked only if Redis's cursor is the same,
 -- else Redis lost feeds and the source is not used up after all; and only once nothing is
 -- pending, no conversation waits for its next turn and the writer has written everything,
@@ -15,6 +16,9 @@ if ARGV[1] == 'cap' then
   else
     redis.call('HSET', K.state, 'closed', '0', 'exhausted', '0')
   end
+  redis.call('XADD', K.events, 'MAXLEN', '~', EVENTS_MAXLEN, '*', 'at', ARGV[3] or '0',
+             'kind', 'cap', 'old', old, 'new', ARGV[2], 'by', ARGV[4] or '',
+             'used', tostring(used))
 elseif ARGV[1] == 'close' then
   redis.call('HSET', K.state, 'closed', '1')
 elseif ARGV[1] == 'exhausted' then
