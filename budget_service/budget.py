@@ -309,6 +309,27 @@ class Budget:
         closed, _exhausted, old = self._close(category, "cap", cap_arg(cap), now_ms(), by)
         return closed, old
 
+    def dead_samples(self, category: str, reason: str = "") -> list[str]:
+        """Ids of the category's dead-lettered samples (with `reason`, or any), read with
+        HSCAN (Redis is not blocked however many there are)."""
+        want = f"d:{reason}" if reason else None
+        return sorted(_s(k) for k, v in self.redis.hscan_iter(self._ck(category).final)
+                      if _s(v).startswith("d:") and (want is None or _s(v) == want))
+
+    def retried(self, category: str) -> set[str]:
+        """Samples sent again by `retry` (their dead letters on disk are history)."""
+        return {_s(v) for v in self.redis.smembers(self._ck(category).retried)}
+
+    def retry(self, category: str, ids: Sequence[str], reason: str = "",
+              batch: int = 500) -> int:
+        """Send dead samples again (`lua/retry.lua`): each one still dead stops being final
+        and waits to be fed by the producer. Returns how many moved."""
+        moved = 0
+        for k in range(0, len(ids), batch):
+            moved += int(self.scripts.retry(keys=self._ck(category),
+                                            args=[reason, *ids[k:k + batch]]))
+        return moved
+
     def events(self, categories: Sequence[str], after: Mapping[str, str] | None = None
                ) -> list[dict[str, Any]]:
         """The event log of `categories` (cap changes), oldest first, each with its

@@ -29,13 +29,18 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:written`    | hash   | acknowledge, mark_written       | the writer         | run       |
 |                      |        | (sample -> counted tokens, or d)|                    |           |
 | `P:{cat}:follow`     | zset   | acknowledge (a turn written),   | producer           | to fed    |
-|                      |        | restore_followups; feed_follow  |                    |           |
-|                      |        | takes (next turn id -> ordinal) |                    |           |
+|                      |        | restore_followups, retry (a     |                    |           |
+|                      |        | dead sample, score -1);         |                    |           |
+|                      |        | feed_follow takes (next turn id |                    |           |
+|                      |        | -> ordinal)                     |                    |           |
 | `P:{cat}:history`    | hash   | acknowledge, restore_followups  | producer           | to conv.  |
 |                      |        | (turn id -> its output ids)     |                    | end       |
 | `P:{cat}:cut`        | hash   | cut (turns reported held back)  | cut                | run       |
 | `P:{cat}:events`     | stream | close ("cap": cap changes, the  | status --events,   | last 1000 |
 |                      |        | last 1,000)                     | producer's log     |           |
+| `P:{cat}:retried`    | set    | retry (dead samples sent again: | reconcile (their   | run       |
+|                      |        | their dead letter on disk is    | dead letter is not |           |
+|                      |        | history, not their end)         | final)             |           |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -89,6 +94,7 @@ class CategoryKeys(NamedTuple):
     history: str
     cut: str
     events: str
+    retried: str
 
 
 class Keys:

@@ -17,7 +17,7 @@ from redis.commands.core import Script
 LUA_DIR = Path(__file__).with_name("lua")
 CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
-    "lease", "unpark", "close", "reconcile", "acknowledge", "feed_follow", "cut",
+    "lease", "unpark", "close", "reconcile", "acknowledge", "feed_follow", "cut", "retry",
 )  # fmt: skip
 OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info")
 PRELUDE = "_lib.lua"
@@ -50,6 +50,7 @@ class Scripts:
     acknowledge: Script
     feed_follow: Script
     cut: Script
+    retry: Script
     init_run: Script
     engine_counts: Script
     engine_info: Script

@@ -256,8 +256,11 @@ class CategorySink:
         return turn_event(rec)
 
     def unmarked(self, budget: Budget) -> dict[str, int | str]:
-        """Ids in the files that Redis has no written mark for (it lost them)."""
-        ids = [*self.on_disk, *self.dead_on_disk]
+        """Ids in the files that Redis has no written mark for (it lost them). A dead
+        letter of a sample sent again (`tokencap retry`) is history: its mark was dropped on
+        purpose, for the result to come."""
+        retried = budget.retried(self.category)
+        ids = [*self.on_disk, *(self.dead_on_disk - retried)]
         missing: dict[str, int | str] = {}
         for i in range(0, len(ids), MARK_BATCH):
             chunk = ids[i : i + MARK_BATCH]

@@ -167,10 +167,10 @@ class Producer:
                 self._reaped_at = float("-inf")  # more may have expired: look again next tick
             done = reaped + self.unpark(feed, st)
             if st["state"] == "open":
-                if feed.turns:
-                    followed = self.follow(feed, st)
-                    st = {**st, "pending": st["pending"] + followed}
-                    done += followed
+                # next turns of conversations; in other categories, samples sent again
+                followed = self.follow(feed, st)
+                st = {**st, "pending": st["pending"] + followed}
+                done += followed
                 done += self.feed(feed, st)
                 if (feed.exhausted and st["pending"] == 0 and st["followups"] == 0
                         and st["unwritten"] == 0 and done == 0):
@@ -427,12 +427,15 @@ class Producer:
     def follow(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
         """Feed the next turns of conversations whose last turn the writer wrote: each
         prompt is the source up to that turn with the model's own earlier turns (decoded
-        from their output ids into assistant messages, `producer.replies`)."""
+        from their output ids into assistant messages, `producer.replies`). In a category
+        of single samples, what waits there are dead samples sent again (`tokencap retry`)."""
         room = self._room(st)
         if room <= 0 or not st["followups"]:
             return 0
         name = feed.cat.name
         waiting = self.budget.followups(name, room)
+        if not feed.turns:
+            return self._feed_retried(feed, [f.sample_id for f in waiting])
         samples: list[Sample] = []
         turns: list[tuple[list[dict], int]] = []
         rejected: list[DeadLetter] = []
@@ -465,6 +468,30 @@ class Producer:
         self._enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
                              if p.sample_id in recorded])
         return len(waiting)
+
+    def _feed_retried(self, feed: CategoryFeed, ids: list[str]) -> int:
+        """Feed again the dead samples `tokencap retry` sent back, found by their ids."""
+        name = feed.cat.name
+        samples: list[Sample] = []
+        rejected: list[DeadLetter] = []
+        for sid in ids:
+            pos = feed.index.locate(sid)
+            try:
+                if pos is None:
+                    raise Rejected("source_changed", "no record has this id any more")
+                samples.append(feed.read(pos))
+            except Rejected as exc:
+                log.error("%s/%s: cannot be sent again: %s", name, sid, exc)
+                rejected.append(DeadLetter(id=sid, category=name, outcome="rejected",
+                                           reason=exc.reason, message=str(exc)))
+        prepared, bad = self._render(feed, samples)
+        ids_fed = set(self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared,
+                                              rejected + bad))
+        self._enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
+                             if p.sample_id in ids_fed])
+        if ids_fed:
+            log.info("%s: %d dead sample(s) sent again", name, len(ids_fed))
+        return len(ids)
 
     def report_cut(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
         """A closed category holds back conversations' next turns: write one cut record for

@@ -187,6 +187,23 @@ class SourceIndex:
             return None
         return j - first
 
+    def locate(self, sid: str) -> int | None:
+        """The record whose `sample_id` is `sid`, or None (no such record any more)."""
+        prefix, _, at = sid.rpartition(":")
+        line_text, _, rank_text = at.partition(".")
+        if prefix not in self._id_prefixes or not line_text.isdigit() or (
+                rank_text and not rank_text.isdigit()):
+            return None
+        file_no, line = self._id_prefixes.index(prefix), int(line_text)
+        seg = self._segments[file_no]
+        count = len(seg.span) if seg.span is not None else _rows(seg)[-1]
+        j = line - 1 if seg.span is None else bisect_left(seg.span.lines, line) + int(
+            rank_text or 0)
+        if not 0 <= j < count:
+            return None
+        i = seg.start + j
+        return i if sample_id(self, i) == sid else None
+
     def read(self, i: int) -> dict:
         """Decode record `i`; raises `Rejected` for bytes that are not a JSON object."""
         ref = self.ref(i)

@@ -466,6 +466,31 @@ def test_close_cap_records_each_change_in_the_categorys_event_log(budget: Budget
     assert budget.events(["code"], {"code": second["id"]}) == []
 
 
+def test_retry_sends_a_dead_sample_again_once_and_keeps_its_dead_letter_history(
+        budget: Budget) -> None:
+    for sid in ("a", "b", "c"):
+        feed(budget, sid)
+        budget.admit("code", sid, 10, LEASE_MS)
+    budget.fail(DeadLetter("a", "code", "dead", "server_error"))
+    budget.fail(DeadLetter("b", "code", "dead", "timeout"))
+    budget.fail(DeadLetter("c", "code", "rejected", "bad_request"))
+    budget.redis.hset(ck(budget).written, mapping={"a": "d", "b": "d", "c": "d"})
+    assert budget.dead_samples("code") == ["a", "b"]  # rejected samples are not dead
+    assert budget.dead_samples("code", "timeout") == ["b"]
+    # only the reason asked for, and each sample once
+    assert budget.retry("code", ["a", "b", "c"], "server_error") == 1
+    assert budget.retry("code", ["a"]) == 0
+    st = budget.status()["categories"]["code"]
+    assert (st["failed"], st["reasons"], st["followups"]) == (1, {"timeout": 1,
+                                                                  "bad_request": 1}, 1)
+    assert budget.final_marks("code").get("a") is None
+    assert budget.redis.hget(ck(budget).written, "a") is None  # its result will be written
+    assert budget.redis.zscore(ck(budget).follow, "a") == -1
+    # its dead letter on disk no longer makes it final when Redis is rebuilt from the files
+    assert budget.reconcile("code", [("a", "d:server_error", 0, 0, "")]) == 0
+    assert budget.final_marks("code").get("a") is None
+
+
 def test_close_exhausted_waits_for_pending_followups_and_the_writer(budget: Budget) -> None:
     budget.redis.zadd(ck(budget).follow, {"c#t2": 0})
     assert budget.mark_exhausted("code", 0) is False  # a conversation waits for its turn

@@ -387,6 +387,43 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
                f"({'closed' if closed else 'open'})")
 
 
+@main.command()
+@STATE_OPT
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+@click.option("--category", "categories", multiple=True,
+              help="Only this category (repeat for several; default: all).")
+@click.option("--reason", default="",
+              help="Only samples dead for this reason (e.g. server_error, timeout; default: "
+              "any). Rejected samples (bad records) are never sent again.")
+def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
+          categories: tuple[str, ...], reason: str) -> None:
+    """Send dead-lettered samples again, e.g. after an engine outage: each stops being dead
+    (counted once whatever happens next) and waits for the producer, which feeds it again;
+    with no producer running, `tokencap up CONFIG` (or `run`) again finishes them. Their
+    lines in dead-letter.jsonl stay, as history. Conversation turns are not sent again (a
+    turn needs the turns before it)."""
+    from foundation.wire import split_turn_id
+
+    budget = _budget(redis_url, prefix, run_name)
+    known = list(budget.status()["categories"])
+    for name in categories:
+        if name not in known:
+            raise UnknownCategory(budget.keys.run, name)
+    total = 0
+    for name in categories or known:
+        dead = budget.dead_samples(name, reason)
+        turns = [i for i in dead if split_turn_id(i)]
+        moved = budget.retry(name, [i for i in dead if not split_turn_id(i)], reason)
+        total += moved
+        left = f"; {len(turns)} conversation turn(s) stay dead" if turns else ""
+        click.echo(f"{name}: {moved} dead sample(s) sent again{left}")
+    if total and not budget.redis.exists(budget.keys.producer_lock):
+        click.echo("no producer runs this run: `tokencap up CONFIG` (or `tokencap run CONFIG`) "
+                   "feeds them again")
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def sim(ctx: click.Context) -> None:

@@ -6,7 +6,7 @@ local K = {
   reserved = KEYS[5], final = KEYS[6], hist = KEYS[7], results = KEYS[8], dead = KEYS[9],
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
   written = KEYS[15], follow = KEYS[16], history = KEYS[17], cut = KEYS[18],
-  events = KEYS[19],
+  events = KEYS[19], retried = KEYS[20],
 }
 -- entries kept in a category's event log (`events`, a stream)
 local EVENTS_MAXLEN = 1000

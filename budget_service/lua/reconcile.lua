@@ -4,11 +4,13 @@
 --       counted tokens, waste tokens, hist bucket ('' for non-committed)
 -- A sample new to the done-marks is also forgotten by the ledger (it may have been pending
 -- or in flight when Redis lost its commit): it is final on disk, it is never sent again.
+-- A dead letter of a sample sent again (`retry`, in `retried`) is history, not its end.
 -- Returns how many records were new to Redis.
 local n = 0
 for i = 1, #ARGV, 5 do
   local s, v = ARGV[i], ARGV[i + 1]
-  if redis.call('HSETNX', K.final, s, v) == 1 then
+  local retried = string.sub(v, 1, 2) == 'd:' and redis.call('SISMEMBER', K.retried, s) == 1
+  if not retried and redis.call('HSETNX', K.final, s, v) == 1 then
     n = n + 1
     forget(s)
     local kind = string.sub(v, 1, 1)

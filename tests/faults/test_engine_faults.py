@@ -1,15 +1,18 @@
 """SGLang faults through the whole pipeline: 503/429 storms, one poisoned sample that
-always gets 500, stalls past the read timeout, connection resets, token counts that
-disagree with output_ids."""
+always gets 500, a 500 storm's dead samples sent again (`tokencap retry`), stalls past the
+read timeout, connection resets, token counts that disagree with output_ids."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from sglang_sim.testing import SimServer
-from tests.conftest import write_config
+from tests.conftest import ROOT, write_config
 from tests.faults.common import Background, two_category_config
 from tokencap.harness import started, wait_until
 
@@ -78,6 +81,54 @@ sampling = {{ max_new_tokens = 64 }}
     (dead,) = pipe.dead_letters("p")
     assert dead["id"] == "p:8" and dead["reason"] == "server_error"
     assert dead["attempts"] == 3 and dead["outcome"] == "dead"
+
+
+def test_dead_samples_of_a_500_storm_are_retried_and_committed_once(tmp_path,
+                                                                   redis_url) -> None:
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [400 + i, 5, 6]}) + "\n" for i in range(60)))
+    cfg = write_config(tmp_path, f"""
+run = "storm"
+sampling_defaults = "engine"
+output_dir = "{tmp_path / 'out'}"
+lease_s = 1.0
+max_attempts = 1
+http_retries = 0
+[[category]]
+name = "p"
+source = "{src}"
+format = "input_ids"
+cap_tokens = "none"
+sampling = {{ max_new_tokens = 64 }}
+""")
+    with SimServer(time_scale=1000.0) as sim:
+        # Given a run through an engine answering 500 to 40% of the requests
+        sim.set_faults(error_rates={500: 0.4})
+        with started(cfg, redis_url, [sim.url], 3) as first:
+            storm = first.run()
+        first.check_invariants(storm)
+        dead = {d["id"] for d in first.dead_letters("p")}
+        assert storm["categories"]["p"]["failed"] == len(dead) > 0
+        assert storm["categories"]["p"]["state"] == "exhausted"
+        # When the engine is well again and its dead samples are sent again
+        sim.set_faults(error_rates={})
+        env = {**os.environ, "REDIS_URL": redis_url, "TOKENCAP_RUN": "storm"}
+        done = subprocess.run([sys.executable, "-m", "tokencap.cli", "retry", "--reason",
+                               "server_error"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert f"p: {len(dead)} dead sample(s) sent again" in done.stdout
+        assert "no producer runs this run" in done.stdout
+        # and the run is started again
+        with started(cfg, redis_url, [sim.url], 3) as second:
+            status = second.run()
+    # Then every sample is committed once, the dead letters stay as history
+    second.check_invariants(status)
+    st = status["categories"]["p"]
+    assert (st["samples"], st["failed"], st["state"]) == (60, 0, "exhausted")
+    rows = second.records("p")
+    assert len(rows) == len({r["id"] for r in rows}) == 60 and dead <= {r["id"] for r in rows}
+    assert {d["id"] for d in second.dead_letters("p")} == dead
 
 
 def test_stall_past_read_timeout_then_recovery(tmp_path, redis_url) -> None:
