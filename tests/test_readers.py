@@ -380,3 +380,19 @@ def test_field_map_shapes() -> None:
     assert (info.value.reason, info.value.field) == ("wrong_type", "prompt")
     with pytest.raises(ValueError):
         to_prompt(record, "auto", turns="middle")
+
+
+def test_locate_finds_every_record_by_its_id(tmp_path: Path) -> None:
+    # a minified array (ranks on one line), a JSONL with blank lines, Parquet, a shared stem
+    (tmp_path / "m.json").write_text(json.dumps([{"prompt": str(i)} for i in range(5)]))
+    (tmp_path / "l.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    pq.write_table(pa.table({"prompt": ["x", "y", "z"]}), tmp_path / "p.parquet")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "l.jsonl").write_text('{"prompt": "c"}\n')
+    index = SourceIndex.build([tmp_path / "m.json", tmp_path / "l.jsonl",
+                               tmp_path / "p.parquet", sub / "l.jsonl"])
+    for i in range(len(index)):
+        assert index.locate(sample_id(index, i)) == i
+    for gone in ("m:2", "m:1.9", "l.1:2", "p:4", "nope:1", "l.1:x", "p:1.0.1"):
+        assert index.locate(gone) is None, gone
