@@ -30,6 +30,7 @@ from foundation.wire import DeadLetter, Pending, Result, encode, split_turn_id, 
 
 RATE_EWMA_WEIGHT = 0.1
 REFUSED_STREAM_MAXLEN = 10_000
+SERIES_POINTS = 8640  # the time series' points kept: a day at one every 10 s
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "failed", "rejected", "waste",
     "closed", "exhausted", "rate", "dup_prompts", "worst", "var",
@@ -410,6 +411,20 @@ class Budget:
             args += [field, delta]
         if args:
             self.scripts.engine_counts(keys=[self.keys.engines], args=args)
+
+    def record_point(self, point: Mapping[str, Any], keep: int = SERIES_POINTS) -> None:
+        """Append one point of the run's time series (the budget service records them)."""
+        self.scripts.series(keys=[self.keys.series], args=[keep, encode(point)])
+
+    def series(self, after: str = "", count: int | None = None) -> list[dict[str, Any]]:
+        """The time series' points, oldest first, each with its stream `id`: those after
+        the point `after` (an id), or with `count` the last ones only."""
+        key = self.keys.series
+        if count is not None:
+            entries = cast(list[Any], self.redis.xrevrange(key, count=count))[::-1]
+        else:
+            entries = cast(list[Any], self.redis.xrange(key, min=f"({after}" if after else "-"))
+        return [{**msgspec.json.decode(fields[b"p"]), "id": _s(eid)} for eid, fields in entries]
 
     def record_engines(self, infos: Sequence[EngineInfo]) -> None:
         """What the run's engines serve (the producer's preflight), for status and workers."""

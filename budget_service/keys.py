@@ -47,6 +47,8 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:engines`          | hash   | add_engine_counts               | `/metrics`         | run       |
 | `P:engines:info`     | hash   | record_engines (preflight:      | status, workers'   | run       |
 |                      |        | url -> what it serves)          | preflight          |           |
+| `P:series`           | stream | record_point (the budget        | `/series`, the web | last 8640 |
+|                      |        | service, every few seconds)     | page, the report   |           |
 | `prefix:refused`     | stream | refuse                          | operators          | capped    |
 
 A script that ends a sample (commit, fail, a skip, reconcile) also drops what the ledger kept
@@ -124,6 +126,10 @@ class Keys:
     @property
     def engines(self) -> str:
         return f"{self.base}:engines"
+
+    @property
+    def series(self) -> str:
+        return f"{self.base}:series"
 
     @property
     def engine_info(self) -> str:

@@ -19,7 +19,7 @@ CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
     "lease", "unpark", "close", "reconcile", "acknowledge", "feed_follow", "cut", "retry",
 )  # fmt: skip
-OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info")
+OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "series")
 PRELUDE = "_lib.lua"
 
 
@@ -54,6 +54,7 @@ class Scripts:
     init_run: Script
     engine_counts: Script
     engine_info: Script
+    series: Script
 
     def __init__(self, redis: Redis) -> None:
         for name in CATEGORY_SCRIPTS + OTHER_SCRIPTS:

@@ -1,5 +1,12 @@
-"""HTTP face of the budget: `GET /status` (JSON), `GET /metrics` (Prometheus text, made by
-`prometheus_client`), `POST /cap` (change a cap while the run goes on; needs the bearer token).
+"""HTTP face of the budget: `GET /` (a live page of the run: `web/index.html`, no external
+asset), `GET /status` (JSON), `GET /series?after=ID&count=N` (the run's time series, JSON),
+`GET /metrics` (Prometheus text, made by `prometheus_client`), `POST /cap` (change a cap
+while the run goes on; needs the bearer token).
+
+With `record_s`, a recorder thread appends a point of the run's time series every `record_s`
+seconds (`Budget.record_point`, the last 8,640 kept): per category used, samples, cap and
+state; per engine running and queued requests (its `/v1/loads` or `/metrics`); workers;
+results not yet written. The page's rates and ETAs, and the report's charts, come from it.
 
 Binds 127.0.0.1 unless told otherwise. Without a token configured, state-changing calls
 are refused outright.
@@ -34,12 +41,16 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
+import requests
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -48,10 +59,14 @@ from prometheus_client.core import (
     Metric,
 )
 
-from budget_service.budget import Budget, cap_text, parse_cap
+from budget_service.budget import Budget, cap_text, now_ms, parse_cap
+from foundation.engine import engine_specs, read_load
 
 log = logging.getLogger(__name__)
 
+PAGE = Path(__file__).with_name("web") / "index.html"
+LOAD_TIMEOUT_S = (1.0, 2.0)
+SERIES_MAX_COUNT = 8640
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8321
 MAX_BODY_BYTES = 4096
@@ -191,6 +206,44 @@ def render_metrics(budget: Budget) -> bytes:
     return bytes(generate_latest(registry))
 
 
+def take_point(budget: Budget) -> dict[str, Any]:
+    """One point of the run's time series, as the recorder appends it."""
+    st = budget.status()
+    cats = {name: {k: c[k] for k in ("used", "samples", "cap", "state")}
+            for name, c in st["categories"].items()}
+    keyed = {s.url: s for s in engine_specs(os.environ.get("SGLANG_URL"))}
+    engines: dict[str, Any] = {}
+    for url in st["engines"]:
+        spec = keyed.get(url) or engine_specs([url])[0]
+        try:
+            load, _ = read_load(requests.get, url, spec.headers(), LOAD_TIMEOUT_S)
+        except requests.RequestException:
+            load = None
+        engines[url] = {"running": load["running"], "queued": load["queued"]} if load else {}
+    return {"at": now_ms(), "categories": cats, "engines": engines,
+            "workers": worker_count(budget), "unwritten": st["writer"]["unwritten"]}
+
+
+class Recorder(threading.Thread):
+    """Appends a point of the run's time series every `every_s` seconds until `stop`."""
+
+    def __init__(self, budget: Budget, every_s: float) -> None:
+        super().__init__(daemon=True, name="series-recorder")
+        self.budget, self.every_s = budget, every_s
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.budget.record_point(take_point(self.budget))
+            except Exception as exc:  # Redis away, an engine odd: the next point will do
+                log.debug("time series point not recorded: %s", exc)
+            self.stop_event.wait(self.every_s)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
 def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                 token: str | None = None) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
@@ -210,11 +263,20 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             self._send(code, json.dumps(obj).encode())
 
         def do_GET(self) -> None:  # noqa: N802
-            if self.path == "/status":
+            url = urlsplit(self.path)
+            if url.path == "/":
+                self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
+            elif url.path == "/status":
                 self._json(200, budget.status())
-            elif self.path == "/metrics":
+            elif url.path == "/series":
+                query = parse_qs(url.query)
+                count = query.get("count", [""])[0]
+                points = budget.series(query.get("after", [""])[0], min(
+                    int(count), SERIES_MAX_COUNT) if count.isdigit() else None)
+                self._json(200, points)
+            elif url.path == "/metrics":
                 self._send(200, render_metrics(budget), CONTENT_TYPE_METRICS)
-            elif self.path == "/health":
+            elif url.path == "/health":
                 self._json(200, {"ok": True})
             else:
                 self._json(404, {"error": f"no route {self.path}"})

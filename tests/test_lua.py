@@ -636,3 +636,20 @@ def test_engine_info_replaces_what_the_preflight_found(budget: Budget) -> None:
     budget.record_engines([sim])  # a later preflight: engines no longer used are dropped
     assert budget.engines_seen() == {sim.url: sim}
     assert budget.status()["simulated"] is True
+
+
+def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budget) -> None:
+    from budget_service.server import take_point
+
+    for _ in range(3):
+        budget.record_point(take_point(budget))
+    points = budget.series()
+    assert len(points) == 3 and points[0]["categories"]["code"]["used"] == 0
+    assert points[0]["at"] <= points[-1]["at"] and points[-1]["workers"] == 0
+    assert budget.series(points[0]["id"]) == points[1:]
+    assert budget.series(count=1) == points[-1:]
+    # bounded: the last `keep` stay, and at most one stream node (100 entries) more
+    point = take_point(budget)
+    for _ in range(400):
+        budget.record_point(point, keep=10)
+    assert 10 <= len(budget.series()) <= 110

@@ -326,16 +326,23 @@ def _event_line(ev: dict[str, Any]) -> str:
 @click.option("--token", envvar="TOKENCAP_TOKEN", default=None,
               help="Bearer token for POST /cap; without one caps cannot change over HTTP. "
               "Env: TOKENCAP_TOKEN.")
+@click.option("--record-s", default=5.0, show_default=True,
+              help="Seconds between two points of the run's time series (rates, ETAs, the "
+              "report's charts); 0: record none.")
 def serve(run_name: str | None, redis_url: str, prefix: str, host: str, port: int,
-          token: str | None) -> None:
-    """Serve GET /status (JSON), GET /metrics (Prometheus) and POST /cap (token)."""
-    from budget_service.server import make_server
+          token: str | None, record_s: float) -> None:
+    """Serve the live page (GET /), GET /status (JSON), GET /series (the run's time series),
+    GET /metrics (Prometheus) and POST /cap (token); record the time series."""
+    from budget_service.server import Recorder, make_server
 
+    budget = _budget(redis_url, prefix, run_name)
     try:
-        server = make_server(_budget(redis_url, prefix, run_name), host, port, token)
+        server = make_server(budget, host, port, token)
     except OSError as exc:
         raise TokencapError(f"cannot serve on {host}:{port}: {exc.strerror} (another budget "
                             "service? --port / TOKENCAP_PORT picks another)") from None
+    if record_s > 0:
+        Recorder(budget, record_s).start()
     log.info("budget service on http://%s:%d", host, server.server_address[1])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server.serve_forever()

@@ -234,8 +234,8 @@ class Stack:
             if not self._alive("budget"):
                 self._spawn("budget", self._tokencap("serve", "--port", str(budget_port)),
                             self._child_env({**env, "TOKENCAP_TOKEN": token}))
-                print(f"[up] budget service on {budget_url}/status (POST /cap takes the "
-                      "token `tokencap token` prints)", flush=True)
+                print(f"[up] live page on {budget_url}/ (also /status, /metrics; POST /cap "
+                      "takes the token `tokencap token` prints)", flush=True)
             registered = worker_count(budget)
             if registered:
                 print(f"[up] {registered} worker(s) already on run {cfg.run}; "

@@ -1,0 +1,85 @@
+"""The budget service's live page (`GET /`) in a real headless Chromium (Debian's package),
+during a running pipeline: every category is shown, and its progress grows between two
+reads; the run's time series (`GET /series`) it computes rates from (its Lua: test_lua)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from budget_service.server import Recorder, make_server, serve_in_thread
+from sglang_sim.testing import SimServer
+from tests.faults.common import two_category_config
+from tokencap.harness import started, wait_until
+
+CHROMIUM = next((b for b in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(b)), None)
+CATEGORY_RE = re.compile(r'data-category="([^"]+)"\s+data-used="(\d+)"')
+
+
+def _chromium(*args: str) -> str:
+    assert CHROMIUM is not None
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                           "--no-first-run", "--disable-dev-shm-usage", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _page(url: str) -> dict[str, int]:
+    """What the page shows once its script has run: category -> used."""
+    dom = _chromium("--virtual-time-budget=4000", "--dump-dom", url)
+    return {name: int(used) for name, used in CATEGORY_RE.findall(dom)}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian: apt install chromium)")
+def test_the_live_page_shows_every_category_and_its_progress(tmp_path, redis_url) -> None:
+    cfg = two_category_config(tmp_path, cap_a=40_000, cap_b=30_000)
+    with SimServer(time_scale=20.0) as sim, started(cfg, redis_url, [sim.url], 4) as pipe:
+        server = make_server(pipe.budget, port=0)
+        serve_in_thread(server)
+        recorder = Recorder(pipe.budget, 0.2)
+        recorder.start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        stop = threading.Event()
+        run = threading.Thread(target=pipe.run, kwargs={"should_stop": stop.is_set},
+                               daemon=True)
+        run.start()
+        try:
+            wait_until(lambda: pipe.budget.status()["categories"]["a"]["used"] > 0,
+                       what="a first commit")
+            first = _page(url)
+            seen = first["a"] + first["b"]
+            wait_until(lambda: sum(c["used"] for c in pipe.budget.status()[
+                "categories"].values()) > seen, what="more tokens")
+            second = _page(url)
+            shot = tmp_path / "page.png"
+            _chromium("--window-size=1000,700", "--virtual-time-budget=4000",
+                      f"--screenshot={shot}", url)
+            page = requests.get(url, timeout=10)
+            series = requests.get(url + "series?count=5", timeout=10).json()
+        finally:
+            stop.set()
+            run.join(60)
+            recorder.stop()
+            server.shutdown()
+            server.server_close()
+    assert set(first) == set(second) == {"a", "b"}
+    assert second["a"] + second["b"] > first["a"] + first["b"]
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:4] == b"\x89PNG"
+    # served from the package, with no external asset
+    assert page.headers["Content-Type"].startswith("text/html")
+    assert not re.search(r'(src|href)="(https?:)?//', page.text)
+    assert 1 <= len(series) <= 5 and set(series[-1]["categories"]) == {"a", "b"}
+
+
+def test_the_page_is_the_packaged_file() -> None:
+    from budget_service import server
+
+    assert server.PAGE.is_file() and server.PAGE.parent == Path(server.__file__).parent / "web"
