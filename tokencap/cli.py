@@ -399,6 +399,27 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
 @RUN_OPT
 @REDIS_OPT
 @PREFIX_OPT
+@click.option("--out", "out_dir", default=None,
+              help="The run's output folder (default: the run config's output_dir).")
+@click.option("--dest", default=None, help="Where to write the report (default: --out).")
+def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
+           out_dir: str | None, dest: str | None) -> None:
+    """Write <dest>/<run>-report.html (self-contained) and its PNG figures: output lengths,
+    finish reasons, tokens against caps, throughput and engine batch over time, the tail,
+    rejected/dead by reason, cap changes. `up` writes one at the end of a run."""
+    from tokencap.report import build_report
+
+    budget = _budget(redis_url, prefix, run_name)
+    out = Path(out_dir or _stored_config(budget).output_dir)
+    path = build_report(budget, out, Path(dest) if dest else out)
+    click.echo(f"report: {path}")
+
+
+@main.command()
+@STATE_OPT
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
 @click.option("--category", "categories", multiple=True,
               help="Only this category (repeat for several; default: all).")
 @click.option("--reason", default="",

@@ -246,6 +246,13 @@ class Stack:
         status = run_to_end(cfg, redis, parse_urls(eurl), on_progress=ProgressPrinter(),
                             before_feed=start_processes)
         print(summary_table(status), flush=True)
+        try:
+            from tokencap.report import build_report
+
+            out = Path(cfg.output_dir)
+            print(f"[up] report: {build_report(budget, out, out)}", flush=True)
+        except Exception as exc:  # a report that cannot be drawn never fails the run
+            log.warning("the run's report was not written: %s", exc)
         print(f"[up] results in {cfg.output_dir}; {stop_hint(self.dir)} stops the stack",
               flush=True)
         states = {st["state"] for st in status["categories"].values()}

@@ -1,0 +1,59 @@
+"""`tokencap report` on a finished run: one self-contained HTML file with every figure, whose
+numbers are the run's (status, files, time series, event log), and the PNGs beside it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from budget_service.server import Recorder
+from sglang_sim.testing import SimServer
+from tests.conftest import ROOT
+from tests.faults.common import two_category_config
+from tokencap.harness import started
+from tokencap.report import FIGURES
+
+
+def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
+        tmp_path, redis_url) -> None:
+    cfg = two_category_config(tmp_path, cap_a=6000, cap_b=4000)
+    with SimServer(time_scale=200.0) as sim, started(cfg, redis_url, [sim.url], 4) as pipe:
+        recorder = Recorder(pipe.budget, 0.1)
+        recorder.start()
+        pipe.budget.set_cap("b", 5000, by="test")
+        try:
+            status = pipe.run()
+        finally:
+            recorder.stop()
+            recorder.join(10)
+    pipe.check_invariants(status)
+    dest = tmp_path / "report"
+    env = {"REDIS_URL": redis_url, "TOKENCAP_RUN": cfg.run, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "tokencap.cli", "report", "--dest", str(dest)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    page = Path(done.stdout.split("report: ", 1)[1].strip())
+    assert page == dest / f"{cfg.run}-report.html"
+    text = page.read_text()
+    # every figure is in the page, inlined, and beside it as a PNG
+    for key in FIGURES:
+        assert re.search(rf'<figure id="fig-{key}"[^>]*><img alt="{key}" '
+                         r'src="data:image/png;base64,[A-Za-z0-9+/=]{1000,}">', text), key
+        assert (dest / f"{cfg.run}-{key}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "src=\"http" not in text and "href=\"http" not in text  # self-contained
+    # its numbers are the run's
+    for name, st in status["categories"].items():
+        rows = pipe.records(name)
+        assert f'data-category="{name}" data-samples="{st["samples"]}" ' \
+               f'data-used="{st["used"]}"' in text
+        assert f'data-rows-{name}="{len(rows)}"' in text and len(rows) == st["samples"]
+        for reason, n in Counter(r["finish_reason"] for r in rows).items():
+            assert f'data-{reason}-{name}="{n}"' in text
+        assert f'data-used-{name}="{st["used"]}"' in text
+        assert f'data-failed-{name}="{st["failed"] + st["rejected"]}"' in text
+    points = int(re.search(r'id="fig-throughput" data-points="(\d+)"', text)[1])
+    assert points >= 2
+    assert "b</td><td>4000 → 5000</td><td>test</td>" in text  # the cap change

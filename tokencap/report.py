@@ -1,0 +1,250 @@
+"""`tokencap report`: one self-contained HTML file of a run (its figures inlined as PNG), and
+the PNG figures beside it.
+
+What it shows, and where each number comes from:
+
+- a summary table per category (`Budget.status`: cap, used, samples, overshoot, state,
+  skipped/failed/rejected);
+- output lengths: a histogram per category of the rows' `completion_tokens` (the part files),
+  `max_new_tokens` marked;
+- finish reasons per category (the rows' `finish_reason`);
+- tokens per category against its cap (status);
+- throughput and the engines' batch over time (the run's time series, recorded by the budget
+  service: tok/s between two points, running requests summed over the engines);
+- the tail: each category's used/cap over time (the series), where the run slows as caps near;
+- rejected and dead samples by reason (the dead-letter files, history of retried ones
+  included);
+- the run's event log (cap changes).
+
+Figures are drawn with matplotlib (Agg, no display). Each `<figure>` has an id
+(`fig-lengths`, ...) and the numbers it was drawn from in `data-` attributes, which the
+tests compare with the run's status.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from budget_service.budget import Budget, cap_text
+from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+
+FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
+DPI = 110
+
+
+def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per category: output lengths, finish reasons, failure reasons (from the files)."""
+    data: dict[str, dict[str, Any]] = {}
+    for name in names:
+        cat_dir = category_dir(out_dir, name)
+        lengths: list[int] = []
+        finish: Counter[str] = Counter()
+        for r in read_results(cat_dir):
+            if not isinstance(r, BadLine):
+                lengths.append(r.completion_tokens)
+                finish[r.finish_reason] += 1
+        failures: Counter[str] = Counter()
+        for d in read_dead_letters(cat_dir):
+            if not isinstance(d, BadLine) and d.outcome != "cut":
+                failures[f"{d.outcome}: {d.reason}"] += 1
+        data[name] = {"lengths": lengths, "finish": finish, "failures": failures}
+    return data
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
+             max_new: dict[str, int], series: list[dict[str, Any]]) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(status["categories"])
+    out: dict[str, bytes] = {}
+    cols = min(3, len(names)) or 1
+    rows = (len(names) + cols - 1) // cols or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
+    for k, ax in enumerate(axes.flat):
+        if k >= len(names):
+            ax.axis("off")
+            continue
+        name = names[k]
+        ax.hist(data[name]["lengths"] or [0], bins=40, color="#2f6fdf")
+        ax.axvline(max_new[name], color="#b54708", linestyle="--", label="max_new_tokens")
+        ax.set_title(f"{name} ({len(data[name]['lengths'])} rows)", fontsize=10)
+        ax.set_xlabel("output tokens", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle("Output lengths")
+    fig.tight_layout()
+    out["lengths"] = _png(fig)
+
+    reasons = sorted({r for d in data.values() for r in d["finish"]})
+    fig, ax = plt.subplots(figsize=(7, 3))
+    bottom = [0] * len(names)
+    for reason in reasons:
+        counts = [data[n]["finish"][reason] for n in names]
+        ax.bar(names, counts, bottom=bottom, label=reason)
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    ax.set_ylabel("rows")
+    ax.set_title("Finish reasons")
+    if reasons:
+        ax.legend(fontsize=8)
+    out["finish"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    used = [status["categories"][n]["used"] for n in names]
+    ax.bar(names, used, color="#2e9d5b", label="used")
+    capped = [(i, c) for i, n in enumerate(names)
+              if (c := status["categories"][n]["cap"]) is not None]
+    for k, (i, cap) in enumerate(capped):
+        ax.hlines(cap, i - 0.4, i + 0.4, colors="#b54708", label="cap" if k == 0 else "_cap")
+    ax.set_ylabel("tokens")
+    ax.set_title("Tokens per category against its cap")
+    ax.legend(fontsize=8)
+    out["budget"] = _png(fig)
+
+    t0 = series[0]["at"] if series else 0
+    times = [(p["at"] - t0) / 1000 for p in series]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    if len(series) >= 2:
+        total = [sum(c["used"] for c in p["categories"].values()) for p in series]
+        rate = [max(0.0, (total[i] - total[i - 1]) * 1000 / max(1, series[i]["at"] -
+                                                                 series[i - 1]["at"]))
+                for i in range(1, len(series))]
+        ax.plot(times[1:], rate, color="#2f6fdf", label="tok/s counted")
+        ax.set_ylim(bottom=0)
+        ax2 = ax.twinx()
+        batch = [sum((e.get("running") or 0) for e in p.get("engines", {}).values())
+                 for p in series]
+        ax2.plot(times, batch, color="#b54708", label="running requests", alpha=0.7)
+        ax2.set_ylim(bottom=0)
+        ax2.set_ylabel("running requests")
+        ax.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="upper right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no time series recorded (the budget service records it)",
+                ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("tok/s")
+    ax.set_title("Throughput and engine batch over time")
+    out["throughput"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    for name in names:
+        pts = [(t, p["categories"][name]) for t, p in zip(times, series, strict=True)
+               if name in p["categories"]]
+        capped = [(t, c["used"] / c["cap"] * 100) for t, c in pts if c.get("cap")]
+        if capped:
+            ax.plot([t for t, _ in capped], [v for _, v in capped], label=name)
+    ax.axhline(100, color="#667085", linestyle=":")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("used / cap (%)")
+    ax.set_title("The tail: each category nearing its cap")
+    if any(ax.get_lines()[:-1]):
+        ax.legend(fontsize=8)
+    out["tail"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    kinds = sorted({r for d in data.values() for r in d["failures"]})
+    bottom = [0] * len(names)
+    for kind in kinds:
+        counts = [data[n]["failures"][kind] for n in names]
+        ax.bar(names, counts, bottom=bottom, label=kind)
+        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    if kinds:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("samples")
+    ax.set_title("Rejected and dead samples by reason")
+    out["failures"] = _png(fig)
+    return out
+
+
+def _esc(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
+    """Write `<dest>/<run>-report.html` and `<dest>/<run>-<figure>.png`; return the HTML
+    file's path."""
+    status = budget.status()
+    cfg = budget.load_config()
+    names = list(status["categories"])
+    max_new = {c.name: c.sampling.max_new_tokens for c in cfg.category} if cfg else {}
+    max_new = {n: max_new.get(n, 0) for n in names}
+    data = _collect(budget, out_dir, names)
+    series = budget.series()
+    events = budget.events(names)
+    pngs = _figures(status, data, max_new, series)
+    dest.mkdir(parents=True, exist_ok=True)
+    run = status["run"]
+    for key, png in pngs.items():
+        (dest / f"{run}-{key}.png").write_bytes(png)
+
+    rows = "".join(
+        f'<tr data-category="{_esc(n)}" data-samples="{c["samples"]}" data-used="{c["used"]}">'
+        f"<td>{_esc(n)}</td><td>{_esc(cap_text(c['cap']))}</td><td>{c['used']:,}</td>"
+        f"<td>{c['samples']:,}</td><td>{c['overshoot']:,}</td><td>{_esc(c['state'])}</td>"
+        f"<td>{c['skipped']}/{c['failed']}/{c['rejected']}</td></tr>"
+        for n, c in status["categories"].items())
+    attrs = {
+        "lengths": " ".join(f'data-rows-{_esc(n)}="{len(data[n]["lengths"])}"' for n in names),
+        "finish": " ".join(f'data-{_esc(k)}-{_esc(n)}="{v}"' for n in names
+                           for k, v in data[n]["finish"].items()),
+        "budget": " ".join(f'data-used-{_esc(n)}="{status["categories"][n]["used"]}"'
+                           for n in names),
+        "throughput": f'data-points="{len(series)}"',
+        "tail": f'data-points="{len(series)}"',
+        "failures": " ".join(f'data-failed-{_esc(n)}="{sum(data[n]["failures"].values())}"'
+                             for n in names),
+    }
+    figures = "".join(
+        f'<figure id="fig-{key}" {attrs[key]}><img alt="{key}" '
+        f'src="data:image/png;base64,{base64.b64encode(pngs[key]).decode()}"></figure>'
+        for key in FIGURES)
+    event_rows = "".join(
+        f"<tr><td>{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['at'] / 1000))}</td>"
+        f"<td>{_esc(e['category'])}</td><td>{_esc(e.get('old'))} → {_esc(e.get('new'))}</td>"
+        f"<td>{_esc(e.get('by'))}</td></tr>" for e in events) or \
+        '<tr><td colspan="4">no cap change</td></tr>'
+    engines = "".join(f"<li>{_esc(u)}: {_esc(e.get('model'))} ({_esc(e.get('api'))} "
+                      f"{_esc(e.get('version'))})</li>"
+                      for u, e in status.get("engines", {}).items()) or "<li>none recorded</li>"
+    simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
+                 "outputs are synthetic.</p>") if status.get("simulated") else ""
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>tokencap report: {_esc(run)}</title>
+<style>body{{font:15px/1.4 system-ui,sans-serif;margin:16px;max-width:1100px;color:#1d2330}}
+table{{border-collapse:collapse}}td,th{{padding:3px 12px 3px 0;text-align:left}}
+figure{{margin:16px 0}}img{{max-width:100%}}.warn{{color:#b54708;font-weight:600}}</style>
+</head><body>
+<h1>tokencap report: {_esc(run)}</h1>
+<p>written {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from Redis and {_esc(out_dir)}</p>
+{simulated}
+<table id="summary"><tr><th>category</th><th>cap</th><th>used</th><th>samples</th>
+<th>overshoot</th><th>state</th><th>skipped/failed/rejected</th></tr>{rows}</table>
+<h2>Engines</h2><ul>{engines}</ul>
+{figures}
+<h2>Cap changes</h2><table id="events">{event_rows}</table>
+</body></html>
+"""
+    path = dest / f"{run}-report.html"
+    path.write_text(page, encoding="utf-8")
+    return path
