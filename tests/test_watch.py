@@ -266,6 +266,43 @@ def test_board_shows_every_category_and_a_down_engine() -> None:
     assert plain_lines(status, rates, engines, 8)[-2].endswith("; workers=8")
 
 
+@pytest.mark.parametrize("width", [80, 90, 100, 120, 160])
+def test_the_board_fits_the_terminal_dropping_the_least_needed_columns(width: int) -> None:
+    status = {"run": "demo", "categories": {
+        "math_proofs": cat(12_345_678, cap=20_000_000, samples=98_765, skipped=12, failed=3),
+        "chat": cat(15_068, cap=15_000, state="closed", overshoot=68),
+        "instruct": cat(9_999_999, cap=10_000_000)}}
+    rates = {"math_proofs": CategoryRate(12_345.6, 3_600.0 * 12),
+             "chat": CategoryRate(0.0, None), "instruct": CategoryRate(1.0, 1.0)}
+    buf = io.StringIO()
+    Console(file=buf, width=width).print(render_board(status, rates, [], 8, width=width))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= width and "…" not in buf.getvalue()
+    text = buf.getvalue()
+    # what is never dropped: the bar's numbers, tok/s, ETA and state
+    assert "12.3M / 20M (62%)" in text and "12,346" in text and "12:00:00" in text
+    assert "closed" in text and "open" in text
+    # the least needed go first: overshoot, then skipped/failed/rejected, then samples
+    shown = [c in text for c in ("samples", "skip/fail/rej", "overshoot")]
+    assert shown == sorted(shown, reverse=True)
+    if width >= 160:
+        assert all(shown)
+
+
+def test_board_rates_come_from_the_runs_time_series_from_the_first_board() -> None:
+    from tokencap.watch import series_rates
+
+    # the budget service recorded a point every 5 s: 100 tok/s for the last two minutes
+    now = 1_800_000_000.0
+    points = [{"at": int((now - 120 + 5 * k) * 1000),
+               "categories": {"code": {"used": 500 * k}}} for k in range(24)]
+    status = {"categories": {"code": cat(12_000, cap=42_000)}}
+    rates = series_rates(points, status, now)  # a board started this very moment
+    assert rates["code"].tok_s == pytest.approx(100.0, rel=0.05)
+    assert rates["code"].eta_s == pytest.approx(300.0, rel=0.05)
+    assert series_rates([], status, now)["code"].tok_s == 0.0  # nothing recorded yet
+
+
 CHILD = """
 import itertools, sys
 from tokencap.watch import watch

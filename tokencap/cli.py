@@ -26,6 +26,7 @@ from tokencap import logs
 log = logging.getLogger("tokencap")
 
 STATE_META = "tokencap.state_dir"
+SERIES_FOR_RATES = 30  # the series' last points a board reads (a minute at one every 2-5 s)
 
 
 def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -301,7 +302,8 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
         from tokencap.watch import watch
 
         watch(budget.status, parse_urls(sglang_url), lambda: worker_count(budget),
-              interval_s=interval)
+              interval_s=interval,
+              fetch_series=lambda: budget.series(count=SERIES_FOR_RATES))
         return
     st = budget.status()
     click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))

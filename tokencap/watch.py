@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -226,42 +226,72 @@ def writer_text(status: Mapping[str, Any]) -> str:
 _STATE_STYLE = {"open": "green", "exhausted": "yellow", "closed": "bold"}
 
 
+# Columns in the order they drop when the terminal is too narrow for the table (the bar
+# narrows first): overshoot, then skipped/failed/rejected, then samples. At 80 columns the
+# board keeps the bar, used / cap, tok/s, ETA and state.
+LEVELS: tuple[tuple[frozenset[str], int], ...] = (
+    (frozenset({"samples", "skip/fail/rej", "overshoot"}), BAR_WIDTH_CHARS),
+    (frozenset({"samples", "skip/fail/rej", "overshoot"}), 16),
+    (frozenset({"samples", "skip/fail/rej"}), 16),
+    (frozenset({"samples"}), 12),
+    (frozenset(), 10),
+    (frozenset(), 6),
+)
+
+
 def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
-                 engines: list[EngineLoad], workers: int) -> Group:
-    """The board for a terminal: a table with one row per category, then an engines footer."""
+                 engines: list[EngineLoad], workers: int, width: int = 120) -> Group:
+    """The board for a terminal of `width` columns: a table with one row per category (the
+    richest of `LEVELS` that fits), then a footer with engines, workers and the writer."""
+    measure = Console(width=10_000)
+    for shown, bar_width in LEVELS:
+        table = _table(status, rates, shown, bar_width)
+        if measure.measure(table).maximum <= width:
+            break
+    return Group(table, _footer(status, engines, workers))
+
+
+def _table(status: Mapping[str, Any], rates: Mapping[str, CategoryRate], shown: frozenset[str],
+           bar_width: int) -> Table:
     table = Table(title=f"tokencap run {status['run']}", title_justify="left", expand=False)
     table.add_column("category", no_wrap=True)
     table.add_column("budget", no_wrap=True)
     table.add_column("used / cap", justify="right", no_wrap=True)
-    table.add_column("samples", justify="right")
-    table.add_column("tok/s (1m)", justify="right")
-    table.add_column("ETA", justify="right")
-    table.add_column("state")
-    table.add_column("skip/fail/rej", justify="right")
-    table.add_column("overshoot", justify="right")
+    if "samples" in shown:
+        table.add_column("samples", justify="right", no_wrap=True)
+    table.add_column("tok/s (1m)", justify="right", no_wrap=True)
+    table.add_column("ETA", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    if "skip/fail/rej" in shown:
+        table.add_column("skip/fail/rej", justify="right", no_wrap=True)
+    if "overshoot" in shown:
+        table.add_column("overshoot", justify="right", no_wrap=True)
     for name, st in status["categories"].items():
         r = rates.get(name) or _no_rate()
         cap, used = st["cap"], int(st["used"])
         over = int(st["overshoot"])
         if cap is None:  # uncapped: the bar shows only whether it still grows
             bar = ProgressBar(total=None if st["state"] == "open" else 1, completed=1,
-                              width=BAR_WIDTH_CHARS, complete_style="cyan")
+                              width=bar_width, complete_style="cyan")
         else:
             bar = ProgressBar(total=max(int(cap), 1),
                               completed=min(used, int(cap)) if cap else 1,
-                              width=BAR_WIDTH_CHARS, complete_style="cyan",
+                              width=bar_width, complete_style="cyan",
                               finished_style="red" if over else "green")
-        table.add_row(
-            name,
-            bar,
-            _used_of(st, exact=False),
-            _si(int(st["samples"])),
-            f"{r.tok_s:,.0f}",
-            format_eta(r.eta_s),
-            Text(str(st["state"]), style=_STATE_STYLE.get(str(st["state"]), "")),
-            f"{st['skipped']}/{st['failed']}/{st['rejected']}",
-            Text(_si(over), style="red" if over else ""),
-        )
+        cells: list[Any] = [name, bar, _used_of(st, exact=False)]
+        if "samples" in shown:
+            cells.append(_si(int(st["samples"])))
+        cells += [f"{r.tok_s:,.0f}", format_eta(r.eta_s),
+                  Text(str(st["state"]), style=_STATE_STYLE.get(str(st["state"]), ""))]
+        if "skip/fail/rej" in shown:
+            cells.append(f"{st['skipped']}/{st['failed']}/{st['rejected']}")
+        if "overshoot" in shown:
+            cells.append(Text(_si(over), style="red" if over else ""))
+        table.add_row(*cells)
+    return table
+
+
+def _footer(status: Mapping[str, Any], engines: list[EngineLoad], workers: int) -> Text:
     footer = Text()
     for e in engines:
         footer.append("engine ")
@@ -278,13 +308,30 @@ def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
         w.get("unwritten") and not w.get("holder")) else "")
     if status.get("simulated"):
         footer.append("\n" + SIMULATED_TEXT, style="bold yellow")
-    return Group(table, footer)
+    return footer
+
+
+def series_rates(points: Sequence[Mapping[str, Any]], status: Mapping[str, Any],
+                 now_s: float, window_s: float = RATE_WINDOW_S) -> dict[str, CategoryRate]:
+    """Rates over the last `window_s` of the run's time series (the budget service's points,
+    `at` in ms) ending with `status` at `now_s`: the same from any shell, however long it
+    has been watching."""
+    tracker = RateTracker(window_s, clock=lambda: now_s)
+    for p in points:
+        if p["at"] / 1000 < now_s:
+            for name, c in p["categories"].items():
+                tracker.observe(name, int(c["used"]), p["at"] / 1000)
+    return tracker.update(status)
 
 
 def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
           count_workers: Callable[[], int], *, interval_s: float = 2.0,
-          console: Console | None = None, iterations: int | None = None) -> None:
+          console: Console | None = None, iterations: int | None = None,
+          fetch_series: Callable[[], list[dict]] | None = None) -> None:
     """Show the board every `interval_s` until Ctrl-C (or after `iterations` boards).
+
+    Rates come from the run's time series (`fetch_series`: the budget service records it)
+    when there is one, else from what this watcher has seen since it started.
 
     On a terminal the board is redrawn in place (`rich.live.Live`, no alternate screen, so
     the last board stays on screen afterwards); elsewhere plain lines are printed each time.
@@ -300,8 +347,13 @@ def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
 
     def frame() -> tuple[dict, dict[str, CategoryRate], list[EngineLoad], int]:
         status = fetch_status()
-        rates = tracker.update(status)
+        points = fetch_series() if fetch_series else []
+        rates = series_rates(points, status, time.time()) if points else \
+            tracker.update(status)
         return status, rates, engine_load(engine_urls, engine_timeout_s), count_workers()
+
+    def board() -> Group:
+        return render_board(*frame(), width=console.width)
 
     def done(n: int) -> bool:
         return iterations is not None and n >= iterations
@@ -309,12 +361,12 @@ def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
     n = 0
     try:
         if console.is_terminal and not console.is_dumb_terminal:
-            with Live(render_board(*frame()), console=console, screen=False,
+            with Live(board(), console=console, screen=False,
                       auto_refresh=False, transient=False) as live:
                 n = 1
                 while not done(n):
                     stop.wait(interval_s)
-                    live.update(render_board(*frame()), refresh=True)
+                    live.update(board(), refresh=True)
                     n += 1
         else:
             while not done(n):
