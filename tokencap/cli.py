@@ -68,6 +68,14 @@ PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default=DEFAULT_
                           show_default=True, help="Redis key prefix. Env: TOKENCAP_PREFIX.")
 
 
+def stack_run_options(command: Any) -> Any:
+    """--state-dir, --run, --redis-url and --prefix: the run of the stack `up` started here,
+    for the commands that act on a running or finished run."""
+    for option in (PREFIX_OPT, REDIS_OPT, RUN_OPT, STATE_OPT):
+        command = option(command)
+    return command
+
+
 def _fail(exc: TokencapError) -> None:
     click.echo(f"tokencap: error: {exc}", err=True)
     sys.exit(exc.exit_code)
@@ -375,10 +383,7 @@ class CapType(click.ParamType):
 @cap.command("set")
 @click.argument("category")
 @click.argument("tokens", type=CapType())
-@STATE_OPT
-@RUN_OPT
-@REDIS_OPT
-@PREFIX_OPT
+@stack_run_options
 def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | None,
             redis_url: str, prefix: str) -> None:
     """Set CATEGORY's cap to TOKENS ("none": uncapped, the whole source): raising it
@@ -397,10 +402,7 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
 
 
 @main.command()
-@STATE_OPT
-@RUN_OPT
-@REDIS_OPT
-@PREFIX_OPT
+@stack_run_options
 @click.option("--out", "out_dir", default=None,
               help="The run's output folder (default: the run config's output_dir).")
 @click.option("--dest", default=None, help="Where to write the report (default: --out).")
@@ -418,10 +420,7 @@ def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
 
 
 @main.command()
-@STATE_OPT
-@RUN_OPT
-@REDIS_OPT
-@PREFIX_OPT
+@stack_run_options
 @click.option("--category", "categories", multiple=True,
               help="Only this category (repeat for several; default: all).")
 @click.option("--reason", default="",
