@@ -29,6 +29,9 @@ from urllib3.util.retry import Retry
 from consumers.engines import EnginePool
 from consumers.stats import EngineStats
 from foundation.engine import (
+    BACKOFF_FACTOR_S,
+    BACKOFF_JITTER_S,
+    RETRY_STATUSES,
     BadRequest,
     EngineError,
     EngineInfo,
@@ -54,9 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
-BACKOFF_FACTOR_S = 0.5
-BACKOFF_JITTER_S = 0.5
 CATEGORY_HEADER = "X-Tokencap-Category"
 
 

@@ -34,6 +34,7 @@ Name = Annotated[str, Meta(pattern=NAME_RE)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
 
 # the source formats producer/formats.py reads, and its multi-turn policies
 FORMATS = (
@@ -138,6 +139,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # admission pauses until the writer catches up (0: never)
     max_unwritten: NonNegInt = 512
     backoff_max_s: PositiveFloat = 30.0
+    # how long the preflight keeps trying an engine that is not ready yet (refuses
+    # connections, answers 429/5xx, times out) before it stops the run (exit 9); 0: one try
+    preflight_wait_s: NonNegFloat = 20.0
     key_prefix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,32}$")] = DEFAULT_KEY_PREFIX
     # where unset sampling params come from: the model's generation_config.json ("model"), or
     # nowhere, the engine's own defaults applying ("engine", on purpose)

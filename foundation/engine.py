@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 import requests
 
-from foundation.errors import EngineUnusable
+from foundation.errors import EngineNotReady, EngineUnusable
 from foundation.wire import ErrorKind, TokenId
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,26 @@ READ_TIMEOUT_RATE_SHARE = 0.25
 MIN_DECODE_TOK_S = 2.0
 COMPLETIONS_PATH = "/v1/completions"
 GENERATE_PATH = "/generate"
+# Transient HTTP answers: a generation is retried on these (urllib3's Retry in the worker's
+# client) and the preflight waits on them (and on any 5xx), both with urllib3's backoff
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+BACKOFF_FACTOR_S = 0.5
+BACKOFF_JITTER_S = 0.5
+
+
+def retry_delay_s(failed: int, max_s: float, jitter: float | None = None) -> float:
+    """The wait after `failed` tries in a row failed, as urllib3's `Retry.get_backoff_time`
+    computes it for the worker's client: none after the first, then BACKOFF_FACTOR_S x
+    2^(failed-1) plus `jitter` (default: uniform in [0, BACKOFF_JITTER_S)), at most `max_s`."""
+    if failed <= 1:
+        return 0.0
+    extra = random.random() * BACKOFF_JITTER_S if jitter is None else jitter
+    return max(0.0, min(max_s, BACKOFF_FACTOR_S * 2.0 ** (failed - 1) + extra))
+
+
+def transient_status(code: int) -> bool:
+    """An HTTP status that a later try may not get: 429 (busy) or any 5xx."""
+    return code == 429 or 500 <= code <= 599
 
 
 def auto_read_timeout(max_new_tokens: int, decode_tok_s: float = 0.0) -> float:
@@ -330,18 +351,23 @@ class EngineInfo(msgspec.Struct, frozen=True, omit_defaults=True):
 
 def _get(spec: EngineSpec, path: str, timeout: tuple[float, float] = INFO_TIMEOUT_S
          ) -> requests.Response:
+    """GET `path`; an answer that may change by itself (no connection, a timeout, 429 or
+    5xx) raises `EngineNotReady`, a refused key `EngineUnusable`."""
     try:
         r = requests.get(f"{spec.url}{path}", headers=spec.headers(), timeout=timeout)
     except requests.RequestException as exc:
-        raise EngineUnusable(f"engine {spec.url}: cannot reach it ({_why(exc, timeout)})"
-                             ) from None
+        why = why_unreachable(exc, timeout)
+        raise EngineNotReady(f"engine {spec.url}: cannot reach it ({why})", why) from None
     if r.status_code == 401:
         raise EngineUnusable(f"engine {spec.url}: refuses the request without a valid API key "
                              f"(HTTP 401); set {API_KEY_ENV} or http://:KEY@host in SGLANG_URL")
+    if transient_status(r.status_code):
+        raise EngineNotReady(f"engine {spec.url}: answers HTTP {r.status_code} to GET {path}: "
+                             f"{error_message(r.content)}", str(r.status_code))
     return r
 
 
-def _why(exc: requests.RequestException, timeout: tuple[float, float]) -> str:
+def why_unreachable(exc: requests.RequestException, timeout: tuple[float, float]) -> str:
     """A connection failure in a few words (urllib3's own text runs to hundreds)."""
     text = str(exc)
     if isinstance(exc, requests.ConnectTimeout):
@@ -368,7 +394,8 @@ def _json(r: requests.Response) -> dict[str, Any]:
 
 def discover(spec: EngineSpec) -> EngineInfo:
     """What `spec` serves: API, model, version, context length, whether it is a simulator.
-    Raises `EngineUnusable` when it cannot be reached or refuses the key."""
+    Raises `EngineNotReady` when it cannot be reached or is busy (429, 5xx), `EngineUnusable`
+    when it refuses the key."""
     models = _json(_get(spec, "/v1/models"))
     data = models.get("data") or [{}]
     card = data[0] if isinstance(data[0], dict) else {}

@@ -15,7 +15,8 @@ never a traceback. Anything else reaching the CLI is a bug.
 | 7 | `RunNotFound`: no such run in Redis |
 | 8 | `WriterBusy`: another writer holds the run, or lost the lease to one |
 | 9 | `EngineUnusable`: an engine is unreachable, too old, or serves another model than the |
-|   | tokenizer's (found before anything is fed) |
+|   | tokenizer's (found before anything is fed); `EngineNotReady` while it may still come |
+|   | up by itself (the preflight waits `preflight_wait_s` for it first) |
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ class EngineUnusable(TokencapError):
     first sample is fed."""
 
     exit_code = 9
+
+
+class EngineNotReady(EngineUnusable):
+    """An engine that may become usable by itself: it refuses or resets connections (it is
+    starting or restarting), answers 429 or 5xx (busy, loading), or does not answer in time.
+    `reason` is that in a word or a status code ("503", "connection refused"). The
+    preflight tries again with backoff for `preflight_wait_s` before it gives up."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RunNotFound(TokencapError):

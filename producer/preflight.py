@@ -11,15 +11,23 @@ one of the tokenizer's end-of-turn ids (its eos token, and the generation config
 tokenizer's (a model's embedding table may be padded past the tokenizer: up to
 `VOCAB_PADDING` ids). A mismatch raises `EngineUnusable` (exit 9) naming both sides, before
 anything is enqueued. A simulator passes, and says so: its rows are labelled simulated.
+
+What a later try may change (no connection yet, a reset, a timeout, 429 or any 5xx:
+`EngineNotReady`) is tried again with the worker's backoff (`retry_delay_s`), each wait
+logged (`waiting for engine URL (503), 3rd try, up to 20 s`), for `preflight_wait_s`; then,
+or at once for what retrying cannot change (another model, too old, no output ids, a refused
+key), the run stops with exit 9 and says which.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 
@@ -33,9 +41,12 @@ from foundation.engine import (
     error_message,
     parse,
     request,
+    retry_delay_s,
+    transient_status,
     vocab_size,
+    why_unreachable,
 )
-from foundation.errors import EngineUnusable, TokencapError
+from foundation.errors import EngineNotReady, EngineUnusable, TokencapError
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +55,11 @@ PROBE_IDS = [1, 2, 3, 4]  # a run of token-id prompts only (no tokenizer): any s
 PROBE_SAMPLING = {"max_new_tokens": 16, "temperature": 0.0}
 PROBE_TIMEOUT_S = (3.05, 120.0)
 VOCAB_PADDING = 1024  # ids a model's vocabulary may have past its tokenizer's (Qwen2.5: 271)
+T = TypeVar("T")
 
 
-def preflight(cfg: RunConfig, urls: list[str], renderer: Any) -> list[EngineInfo]:
+def preflight(cfg: RunConfig, urls: list[str], renderer: Any,
+              sleep: Callable[[float], None] = time.sleep) -> list[EngineInfo]:
     """Check every engine of `urls` (module docstring); return what each serves."""
     specs = engine_specs(urls)
     if not specs:
@@ -54,13 +67,46 @@ def preflight(cfg: RunConfig, urls: list[str], renderer: Any) -> list[EngineInfo
                             "vLLM server, or pass --sim to run on the simulator")
     infos = []
     for spec in specs:
-        info = discover(spec)
-        _probe(spec, info, renderer, cfg)
+
+        def check(spec: EngineSpec = spec) -> EngineInfo:
+            info = discover(spec)
+            _probe(spec, info, renderer, cfg)
+            return info
+
+        info = until_ready(spec.url, check, cfg.preflight_wait_s, cfg.backoff_max_s, sleep)
         log.info("engine %s: %s API, model %r, version %s, context %s%s", spec.url, info.api,
                  info.model, info.version or "?", info.context_length or "?",
                  " -- a SIMULATOR: its outputs are synthetic" if info.simulated else "")
         infos.append(info)
     return infos
+
+
+def until_ready(url: str, check: Callable[[], T], wait_s: float, backoff_max_s: float,
+                sleep: Callable[[float], None] = time.sleep,
+                clock: Callable[[], float] = time.monotonic) -> T:
+    """`check()`, tried again while it raises `EngineNotReady` and `wait_s` has not passed
+    since the first try (waits as the worker's client backs off, logged); then the last
+    error, saying how long it waited."""
+    start = clock()
+    failed = 0
+    while True:
+        try:
+            return check()
+        except EngineNotReady as exc:
+            failed += 1
+            left = start + wait_s - clock()
+            if left <= 0:
+                tries = f"{failed} tries" if failed > 1 else "1 try"
+                raise EngineUnusable(f"{exc} (still after {tries} in {clock() - start:.0f} s; "
+                                     f"preflight_wait_s = {wait_s:g})") from None
+            log.warning("waiting for engine %s (%s), %s try, up to %g s", url, exc.reason,
+                        _ordinal(failed + 1), wait_s)
+            sleep(min(retry_delay_s(failed, backoff_max_s), left))
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) -> None:
@@ -73,10 +119,14 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) ->
         r = requests.post(f"{spec.url}{path}", data=body, timeout=PROBE_TIMEOUT_S,
                           headers={"Content-Type": "application/json", **spec.headers()})
     except requests.RequestException as exc:
-        raise EngineUnusable(f"{who}: the probe generation failed: {exc}") from None
+        why = why_unreachable(exc, PROBE_TIMEOUT_S)
+        raise EngineNotReady(f"{who}: the probe generation failed ({why})", why) from None
     if r.status_code != 200:
-        raise EngineUnusable(f"{who}: the probe generation failed: HTTP {r.status_code}: "
-                             f"{error_message(r.content)}")
+        failed = f"{who}: the probe generation failed: HTTP {r.status_code}: " \
+                 f"{error_message(r.content)}"
+        if transient_status(r.status_code):
+            raise EngineNotReady(failed, str(r.status_code))
+        raise EngineUnusable(failed)
     try:
         gen = parse(info.api, r.content, len(ids), spec.url, 0.0)
     except EngineError as exc:

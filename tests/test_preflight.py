@@ -17,9 +17,10 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.config import RunConfig
 from foundation.engine import EngineInfo
-from foundation.errors import EngineUnusable
+from foundation.errors import EngineNotReady, EngineUnusable
+from producer.preflight import until_ready
 from producer.run import run_to_end
-from sglang_sim.config import LengthDist
+from sglang_sim.config import FaultConfig, LengthDist
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT, write_config
 from tests.faults.common import FAULT_KNOBS
@@ -89,6 +90,7 @@ def _refused_before_anything(done: subprocess.CompletedProcess, redis: Redis) ->
     return done.stderr
 
 
+@pytest.mark.starts_stack
 def test_up_stops_before_feeding_when_the_tokenizer_is_not_the_served_model(
         tmp_path, redis, redis_url) -> None:
     # Given an engine serving Qwen's vocabulary (151,936 ids) and a run with Phi-3's tokenizer
@@ -101,6 +103,7 @@ def test_up_stops_before_feeding_when_the_tokenizer_is_not_the_served_model(
     assert "does not serve the tokenizer's model" in err and str(PHI3) in err
 
 
+@pytest.mark.starts_stack
 def test_up_stops_within_30_s_when_the_engine_cannot_be_reached(tmp_path, redis,
                                                                  redis_url) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
@@ -108,6 +111,7 @@ def test_up_stops_within_30_s_when_the_engine_cannot_be_reached(tmp_path, redis,
     assert f"engine {dead}: cannot reach it (connection refused)" in err
 
 
+@pytest.mark.starts_stack
 def test_up_stops_the_redis_it_started_when_the_engine_is_unusable(tmp_path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     done = _up(tmp_path, QWEN, None, dead)  # no REDIS_URL: up starts its own redis-server
@@ -116,6 +120,7 @@ def test_up_stops_the_redis_it_started_when_the_engine_is_unusable(tmp_path) -> 
     assert list((tmp_path / "state" / "pids").glob("*.pid")) == []
 
 
+@pytest.mark.starts_stack
 def test_up_refuses_an_sglang_without_output_ids_in_its_reply(tmp_path, redis,
                                                                redis_url) -> None:
     with SimServer(time_scale=1000.0, sglang_version="0.4.10") as sim:
@@ -123,6 +128,7 @@ def test_up_refuses_an_sglang_without_output_ids_in_its_reply(tmp_path, redis,
     assert "SGLang older than 0.5.1" in err and "upgrade the engine" in err
 
 
+@pytest.mark.starts_stack
 def test_up_refuses_an_engine_that_wants_an_api_key_it_was_not_given(tmp_path, redis,
                                                                      redis_url) -> None:
     with SimServer(time_scale=1000.0, api_key="s3cret") as sim:
@@ -187,3 +193,77 @@ def test_rows_name_the_model_and_engine_and_a_simulators_rows_are_not_exported(
         export(Path(cfg.output_dir), tmp_path / "x", ["specforge"])
     summary = export(Path(cfg.output_dir), tmp_path / "y", ["specforge"], allow_simulated=True)
     assert summary  # exported on request
+
+
+@pytest.mark.starts_stack
+def test_up_waits_for_an_engine_that_answers_503_to_its_first_probes(tmp_path, redis,
+                                                                     redis_url) -> None:
+    # Given an engine that answers its first three generations with 503 (busy), then serves
+    busy = FaultConfig(error_burst={503: 3})
+    with SimServer(time_scale=1000.0, faults=busy, tokenizer=str(QWEN)) as sim:
+        done = _up(tmp_path, QWEN, redis_url, sim.url)
+        faults = sim.stats()["faults_injected"]
+    # Then `up` waited, said so on each try, and ran the config to its end
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert faults == {"503": 3}
+    waits = [line for line in done.stderr.splitlines() if "waiting for engine" in line]
+    assert [w.split("waiting for engine ", 1)[1] for w in waits] == [
+        f"{sim.url} (503), {n} try, up to 20 s" for n in ("2nd", "3rd", "4th")]
+    assert "Traceback" not in done.stderr
+
+
+class _Clock:
+    """A clock that moves only when `sleep` is called."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+def test_the_preflight_waits_with_the_workers_backoff_and_gives_up_saying_so() -> None:
+    clock = _Clock()
+
+    def never() -> None:
+        raise EngineNotReady("engine http://e: cannot reach it (connection refused)",
+                             "connection refused")
+
+    with pytest.raises(EngineUnusable) as caught:
+        until_ready("http://e", never, 20.0, 30.0, clock.sleep, lambda: clock.now)
+    # the waits are urllib3's (none, then 1, 2, 4, 8 s plus jitter), the last one cut at the
+    # bound; the message keeps the cause and says how long it waited
+    assert clock.slept[0] == 0.0 and 1.0 <= clock.slept[1] < 1.5 and 2.0 <= clock.slept[2] < 2.5
+    assert sum(clock.slept) == pytest.approx(20.0)
+    assert "cannot reach it (connection refused) (still after" in str(caught.value)
+    assert "in 20 s; preflight_wait_s = 20)" in str(caught.value)
+    assert not isinstance(caught.value, EngineNotReady)
+
+
+def test_the_preflight_does_not_wait_for_what_retrying_cannot_change() -> None:
+    clock = _Clock()
+    calls = []
+
+    def wrong_model() -> None:
+        calls.append(1)
+        raise EngineUnusable("engine http://e does not serve the tokenizer's model")
+
+    with pytest.raises(EngineUnusable, match="does not serve"):
+        until_ready("http://e", wrong_model, 20.0, 30.0, clock.sleep, lambda: clock.now)
+    assert calls == [1] and clock.slept == []
+
+
+def test_a_busy_engine_that_comes_up_is_used_after_the_waits() -> None:
+    clock = _Clock()
+    answers = iter([EngineNotReady("x: HTTP 503", "503"), EngineNotReady("x: reset",
+                                                                          "connection reset")])
+
+    def check() -> str:
+        for exc in answers:
+            raise exc
+        return "ready"
+
+    assert until_ready("http://e", check, 20.0, 30.0, clock.sleep, lambda: clock.now) == "ready"
+    assert len(clock.slept) == 2
