@@ -332,7 +332,7 @@ def _event_line(ev: dict[str, Any]) -> str:
 @click.option("--host", envvar="TOKENCAP_HOST", default="127.0.0.1", show_default=True,
               help="Address to bind. Env: TOKENCAP_HOST.")
 @click.option("--port", envvar="TOKENCAP_PORT", default=8321, show_default=True,
-              help="Port. Env: TOKENCAP_PORT.")
+              help="Port (0: any free port, logged). Env: TOKENCAP_PORT.")
 @click.option("--token", envvar="TOKENCAP_TOKEN", default=None,
               help="Bearer token for POST /cap; without one caps cannot change over HTTP. "
               "Env: TOKENCAP_TOKEN.")
@@ -469,8 +469,8 @@ def sim(ctx: click.Context) -> None:
               help="Consumers to start. Env: WORKERS.")
 @STATE_OPT
 @click.option("--budget-port", envvar="BUDGET_PORT", default=8321, show_default=True,
-              help="Port of the budget service on 127.0.0.1 (/status, /metrics, POST /cap). "
-              "Env: BUDGET_PORT.")
+              help="Port of the budget service on 127.0.0.1 (/status, /metrics, POST /cap); "
+              "0: any free port (the run file says which). Env: BUDGET_PORT.")
 @click.option("--sim", "use_sim", is_flag=True,
               help="Run on the SGLang simulator (no GPU; synthetic outputs, labelled "
               "simulated) instead of SGLANG_URL.")
@@ -481,21 +481,36 @@ def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: b
     """Start what is missing (Redis, budget service, writer, workers; the simulator with
     --sim) and run CONFIG to completion with progress, then print a summary. Uses REDIS_URL
     if set, else a local redis-server with AOF (or an embedded one). The engine is SGLANG_URL
-    (checked before anything is fed: reachable, served model = the tokenizer's), or the
-    simulator with --sim; never the simulator by default."""
+    (checked before anything is fed: reachable, served model = the tokenizer's; a busy or
+    restarting one is waited for, preflight_wait_s), the simulator with --sim, or else the
+    engine of the stack already running in the state dir; never the simulator by default.
+    Ctrl-C stops the feeding and leaves the stack up: the same command resumes."""
+    from foundation.engine import display
     from tokencap.launcher import Stack
 
     sglang_url = os.environ.get("SGLANG_URL")
     if use_sim and sglang_url:
         raise TokencapError("--sim and SGLANG_URL both given: choose the simulator or the "
                             "engine")
-    if not use_sim and not sglang_url:
-        raise TokencapError("no engine: set SGLANG_URL to your SGLang or vLLM server "
-                            "(http://host:30000), or pass --sim to run on the simulator "
-                            "(synthetic outputs, not training data)")
     stack = Stack(Path(state_dir))
-    code = stack.up(config, n_workers, os.environ.get("REDIS_URL"), sglang_url,
-                    sim_time_scale, budget_port)
+    if not use_sim and not sglang_url:
+        # the engine of the stack running here (`make up` twice), said as such
+        sglang_url, use_sim = stack.running_engine()
+        if not sglang_url:
+            raise TokencapError("no engine: set SGLANG_URL to your SGLang or vLLM server "
+                                "(http://host:30000), or pass --sim to run on the simulator "
+                                "(synthetic outputs, not training data)")
+        click.echo(f"[up] the engine of the stack running here: {display(sglang_url)}"
+                   + (" (the simulator it started with --sim)" if use_sim else ""))
+        if use_sim:
+            sglang_url = None
+    try:
+        code = stack.up(config, n_workers, os.environ.get("REDIS_URL"), sglang_url,
+                        sim_time_scale, budget_port)
+    except KeyboardInterrupt:
+        click.echo("tokencap: stopped (Ctrl-C) before anything was fed; what this `up` "
+                   "started is stopped again", err=True)
+        sys.exit(130)
     sys.exit(code)
 
 

@@ -42,6 +42,7 @@ START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
 DEFAULT_BUDGET_PORT = 8321
+STOPPED_BY_SIGNAL = 130
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -73,6 +74,9 @@ class Stack:
         self.logs = state_dir / "logs"
         self.env_file = state_dir / RUN_FILE
         self.spawned: list[str] = []  # what this process started, by name
+        # this process's children: one that exited stays a zombie (and `kill -0` finds it)
+        # until it is waited for
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.fed = False  # `up` got as far as starting the run's processes
 
     # -- processes ---------------------------------------------------------------------
@@ -84,9 +88,13 @@ class Stack:
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         (self.pids / f"{name}.pid").write_text(str(proc.pid))
         self.spawned.append(name)
+        self.children[name] = proc
         return proc.pid
 
     def _alive(self, name: str) -> bool:
+        child = self.children.get(name)
+        if child is not None:
+            return child.poll() is None
         pidfile = self.pids / f"{name}.pid"
         if not pidfile.exists():
             return False
@@ -157,6 +165,18 @@ class Stack:
               flush=True)
         return url
 
+    def running_engine(self) -> tuple[str | None, bool]:
+        """The engine of the stack running in this state dir (its run file's, while its
+        budget service or simulator lives), and whether it is the simulator `up --sim`
+        started; (None, False) when no stack runs here."""
+        saved = self._read_env()
+        url = saved.get("SGLANG_URL")
+        if not url:
+            return None, False
+        if self._alive("sim"):
+            return url, True
+        return (url, False) if self._alive("budget") else (None, False)
+
     def _tokencap(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "tokencap.cli", *args]
 
@@ -184,7 +204,7 @@ class Stack:
         before = self._read_env()
         try:
             return self._up(config, n_workers, redis_url, sglang_url, time_scale, budget_port)
-        except TokencapError:
+        except (TokencapError, KeyboardInterrupt):
             if not self.fed:
                 if self.spawned:
                     print(f"[up] stopping what it started: {', '.join(self.spawned)}",
@@ -204,7 +224,9 @@ class Stack:
         cfg = load_config(config)
         saved = self._read_env()
         serving = self._alive("budget") and saved.get("BUDGET_URL")
-        if not serving and not _port_free("127.0.0.1", budget_port):
+        if not serving and budget_port == 0:
+            budget_port = free_port()  # 0: any free port (tests, a second stack)
+        elif not serving and not _port_free("127.0.0.1", budget_port):
             raise TokencapError(f"port {budget_port} is taken (another budget service?): "
                                 "give the budget service another one with --budget-port or "
                                 "BUDGET_PORT")
@@ -220,8 +242,16 @@ class Stack:
 
         budget = Budget(redis, Keys(cfg.key_prefix, cfg.run))
 
+        stopped = {"by": ""}
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            stopped["by"] = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+
         def start_processes(_producer: Any) -> None:
             self.fed = True
+            # from here a stop ends the feeding loop cleanly; the stack stays up
+            signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGTERM, on_signal)
             # after the config, tokenizer and sources were checked and the run created; what
             # runs is found in Redis (the writer's lease, the workers on the run's queues),
             # not in this state dir: a rerun from anywhere joins what is there
@@ -244,25 +274,44 @@ class Stack:
                 self.add_workers(n_workers, env)
 
         status = run_to_end(cfg, redis, parse_urls(eurl), on_progress=ProgressPrinter(),
-                            before_feed=start_processes)
+                            before_feed=start_processes, should_stop=lambda: bool(stopped["by"]))
         print(summary_table(status), flush=True)
-        try:
-            from tokencap.report import build_report
-
-            out = Path(cfg.output_dir)
-            print(f"[up] report: {build_report(budget, out, out)}", flush=True)
-        except Exception as exc:  # a report that cannot be drawn never fails the run
-            log.warning("the run's report was not written: %s", exc)
+        if stopped["by"]:
+            print(f"[up] stopped ({stopped['by']}) before the end: nothing more is fed; the "
+                  "stack still runs (workers finish the samples they hold, the writer writes "
+                  f"them). The same command resumes; {stop_hint(self.dir)} stops the stack.",
+                  flush=True)
+            return STOPPED_BY_SIGNAL
+        self._report(budget, Path(cfg.output_dir), cfg.run)
         print(f"[up] results in {cfg.output_dir}; {stop_hint(self.dir)} stops the stack",
               flush=True)
         states = {st["state"] for st in status["categories"].values()}
         return 0 if states <= {"closed", "exhausted"} else 1
+
+    def _report(self, budget: Budget, out: Path, run: str) -> None:
+        """Write the run's report, unless the one there is newer than every output file (a
+        rerun of a finished run: drawing it again takes seconds of matplotlib)."""
+        report = out / f"{run}-report.html"
+        try:
+            files = [p.stat().st_mtime for p in out.glob("*/*.jsonl")]
+            if report.exists() and report.stat().st_mtime >= max(files, default=0.0):
+                print(f"[up] report: {report} (no new results since it was written)",
+                      flush=True)
+                return
+            from tokencap.report import build_report
+
+            print(f"[up] report: {build_report(budget, out, out)}", flush=True)
+        except Exception as exc:  # a report that cannot be drawn never fails the run
+            log.warning("the run's report was not written: %s", exc)
 
     def down(self) -> None:
         if not self.pids.exists():
             print("[down] nothing to stop")
             return
         files = list(self.pids.glob("*.pid"))
+        if not files:
+            print("[down] nothing to stop")
+            return
         # stop Redis last: workers finishing their sample still need it
         self._stop([p for p in files if p.stem != "redis"])
         self._stop([p for p in files if p.stem == "redis"])
