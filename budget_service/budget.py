@@ -36,6 +36,16 @@ STATE_FIELDS = (
     "closed", "exhausted", "rate", "dup_prompts", "worst", "var",
 )  # fmt: skip
 UNCAPPED = "none"  # the cap of an uncapped category, in Redis (lua/_lib.lua)
+STREAM_PAGE = 512  # entries read per XRANGE call
+
+
+class _SampleId(msgspec.Struct):
+    """The id of a result or dead letter in a stream entry (the rest is not decoded)."""
+
+    id: str
+
+
+_SAMPLE_ID = msgspec.json.Decoder(_SampleId)
 
 
 class FollowUp(NamedTuple):
@@ -471,6 +481,24 @@ class Budget:
             return []
         raw = self.redis.hmget(self._ck(category).written, list(sample_ids))
         return [None if v is None else _s(v) for v in raw]
+
+    def unacknowledged(self, category: str) -> set[str]:
+        """The sample ids of the results and dead letters still in the category's streams:
+        committed, not acknowledged by a writer (written or not)."""
+        ck = self._ck(category)
+        ids: set[str] = set()
+        for stream in (ck.results, ck.dead):
+            start = "-"
+            while True:
+                batch = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                             self.redis.xrange(stream, start, "+", count=STREAM_PAGE))
+                for _eid, fields in batch:
+                    if b"r" in fields:
+                        ids.add(_SAMPLE_ID.decode(fields[b"r"]).id)
+                if len(batch) < STREAM_PAGE:
+                    break
+                start = "(" + _s(batch[-1][0])
+        return ids
 
     def set_writer_error(self, message: str | None) -> None:
         """The writer's trouble (a full disk, ...) for status and `/metrics`; None clears it."""

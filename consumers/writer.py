@@ -304,10 +304,20 @@ class Writer:
         self.sinks = {c: CategorySink(self.out_dir, c) for c in self.categories}
         for c, sink in self.sinks.items():
             missing = sink.unmarked(self.budget)
-            if missing:
-                log.warning("%s: %d samples on disk had no written mark (Redis lost them); "
-                            "marked", c, len(missing))
-                self.budget.mark_written(c, missing)
+            if not missing:
+                continue
+            # still in the streams: a writer stopped between its fsync and its acknowledge
+            # (they are acknowledged when read again); else Redis lost their marks
+            unacked = self.budget.unacknowledged(c) & missing.keys()
+            if unacked:
+                log.warning("%s: %d results on disk were not acknowledged (the writer before "
+                            "stopped between its fsync and its acknowledge): marked written, "
+                            "their stream entries are acknowledged now", c, len(unacked))
+            if len(missing) > len(unacked):
+                log.warning("%s: %d samples on disk had no written mark in Redis and are no "
+                            "longer in its streams (Redis lost their marks): marked written",
+                            c, len(missing) - len(unacked))
+            self.budget.mark_written(c, missing)
 
     def _read(self, start: str, block_ms: int | None) -> list[StreamEntries]:
         reply = self.redis.xreadgroup(WRITER_GROUP, self.consumer,

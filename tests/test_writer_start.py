@@ -1,0 +1,80 @@
+"""A writer starting on files whose samples Redis has not seen marked written says why: the
+writer before it stopped between its fsync and its acknowledge (the entries are still in the
+streams), or Redis lost the marks (the entries are gone too). Either way each sample is
+marked once and written once."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from consumers.writer import Writer
+from foundation.outputs import read_results
+from tests.test_lua import LEASE_MS, feed, make_cfg, result
+
+
+class Killed(Exception):
+    """The writer process dies here."""
+
+
+def _committed(budget: Budget, ids: list[str]) -> None:
+    for sid in ids:
+        feed(budget, sid)
+        budget.admit("code", sid, 10, LEASE_MS)
+        budget.commit(result(sid, 20), 0, 0.0)
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "consumers.writer")
+
+
+def test_a_writer_killed_between_fsync_and_acknowledge_is_not_reported_as_redis_loss(
+        tmp_path: Path, redis, caplog: pytest.LogCaptureFixture) -> None:
+    budget = Budget(redis, Keys("tokencap", "t"))
+    budget.init_run(make_cfg())
+    _committed(budget, ["a", "b"])
+    # Given a writer that appended and fsynced both results, then died before acknowledging
+    first = Writer(redis, budget.keys, ["code"], tmp_path)
+    first.budget.acknowledge = lambda *a, **k: (_ for _ in ()).throw(Killed())  # type: ignore
+    with pytest.raises(Killed):
+        first.drain_once(block_ms=None)
+    first.close()
+    assert sorted(r.id for r in read_results(tmp_path / "code")) == ["a", "b"]
+    # When the next writer starts
+    caplog.set_level(logging.WARNING, "consumers.writer")
+    second = Writer(redis, budget.keys, ["code"], tmp_path)
+    second.open()
+    # Then it says what happened, and marks them; reading the streams again writes nothing
+    text = _messages(caplog)
+    assert "2 results on disk were not acknowledged" in text and "fsync" in text
+    assert "Redis lost" not in text
+    assert budget.written("code", ["a", "b"]) == ["20", "20"]
+    second.recover()
+    second.close()
+    assert sorted(r.id for r in read_results(tmp_path / "code")) == ["a", "b"]
+    assert budget.unacknowledged("code") == set()
+
+
+def test_a_writer_starting_after_redis_lost_the_marks_says_so(tmp_path: Path, redis,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    budget = Budget(redis, Keys("tokencap", "t"))
+    budget.init_run(make_cfg())
+    _committed(budget, ["a", "b", "c"])
+    writer = Writer(redis, budget.keys, ["code"], tmp_path)
+    writer.drain_once(block_ms=None)  # written and acknowledged
+    writer.close()
+    # Given Redis lost the written marks (its last second of AOF, say)
+    redis.delete(budget.keys.cat("code").written)
+    caplog.set_level(logging.WARNING, "consumers.writer")
+    again = Writer(redis, budget.keys, ["code"], tmp_path)
+    again.open()
+    again.close()
+    text = _messages(caplog)
+    assert "3 samples on disk had no written mark in Redis" in text and "lost" in text
+    assert "not acknowledged" not in text
+    assert budget.written("code", ["a", "b", "c"]) == ["20", "20", "20"]
