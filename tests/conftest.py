@@ -30,6 +30,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["TOKENCAP_STATE_DIR"] = tempfile.mkdtemp(prefix="tokencap-no-stack-")
 # Compressed sources are decompressed into a cache: a private one, not the user's.
 os.environ["TOKENCAP_SOURCE_CACHE"] = tempfile.mkdtemp(prefix="tokencap-source-cache-")
+# A budget service a test starts (`tokencap up`, `tokencap serve`) takes any free port, never
+# 8321, where a stack `make up` started may be serving (tests/test_isolation.py).
+os.environ["BUDGET_PORT"] = "0"
+os.environ["TOKENCAP_PORT"] = "0"
+# The Hugging Face cache (hub snapshots, the modules of trust_remote_code tokenizers): a
+# private, empty one; a test that needs entries there makes them.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="tokencap-hf-home-")
+os.environ.pop("HF_HUB_CACHE", None)
+os.environ.pop("HF_MODULES_CACHE", None)
 
 
 def write_config(tmp: Path, body: str, name: str = "run.toml") -> RunConfig:

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.faults.common import FAULT_KNOBS
 from tokencap.harness import free_port
+
+pytestmark = pytest.mark.starts_stack
 
 STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKENCAP_PREFIX",
               "TOKENCAP_TOKEN", "TOKENCAP_STATE_DIR", "BUDGET_PORT")
@@ -81,12 +84,14 @@ sampling = {{ max_new_tokens = 256 }}
         assert again.returncode == 9 and "port" not in again.stderr  # the engine, not the port
         assert run_file.read_text() == before  # a failed up leaves the run file as it was
     finally:
+        redis_url = (dict(line.split("=", 1) for line in (tmp_path / ".run" / "env").read_text(
+        ).splitlines()) if (tmp_path / ".run" / "env").exists() else {}).get("REDIS_URL", "")
         down = _tokencap(tmp_path, "down")
     assert down.returncode == 0 and "stopped budget" in down.stdout
     assert not (tmp_path / ".run" / "env").exists()
-    gone = _tokencap(tmp_path, "status")
-    # the stack's Redis is gone: the default one (not there, or not ours) has no run
-    assert gone.returncode in (3, 7) and "Traceback" not in gone.stderr
+    # the stack's Redis is gone with it
+    gone = _tokencap(tmp_path, "status", "--redis-url", redis_url)
+    assert gone.returncode == 3 and "Traceback" not in gone.stderr
 
 
 def test_up_names_the_budget_port_that_is_taken(tmp_path) -> None:

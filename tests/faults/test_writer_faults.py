@@ -194,6 +194,7 @@ sampling = {{ max_new_tokens = 512 }}
     assert "No space left on device" in (tmp_path / "writer.log").read_text()
 
 
+@pytest.mark.starts_stack
 def test_up_run_again_from_another_folder_takes_over_with_one_writer(tmp_path,
                                                                      redis_url) -> None:
     cfg = two_category_config(tmp_path, cap_a=16000, cap_b=12000)
@@ -201,6 +202,7 @@ def test_up_run_again_from_another_folder_takes_over_with_one_writer(tmp_path,
     with SimServer(time_scale=40.0) as sim:
         env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sim.url,
                "PYTHONPATH": str(ROOT), "TOKENCAP_LOG_LEVEL": "WARNING"}
+        env.pop("TOKENCAP_STATE_DIR", None)  # each folder's own .run/, as in a user's shell
         here, there = tmp_path / "here", tmp_path / "there"
         here.mkdir()
         there.mkdir()
