@@ -239,6 +239,7 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
         finish=gen.finish, engine=gen.engine, latency_s=round(gen.latency_s, 4),
         conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
         model=gen.model, engine_version=gen.engine_version, simulated=gen.simulated,
+        prefix_consistent=p.prefix_consistent, history_notes=p.history_notes,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.budget.commit(result, waste, rate)

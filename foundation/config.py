@@ -54,8 +54,10 @@ FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system", "tools")
 # the roles a `role_map` may map a source role onto
 MAPPED_ROLES = ("system", "developer", "user", "assistant", "tool", "function_call")
 # how a generated turn is split before it enters the history (SGLang's parser names)
-REASONING_PARSERS = ("auto", "qwen3", "none")
-TOOL_CALL_PARSERS = ("auto", "qwen25", "none")
+REASONING_PARSERS = ("auto", "none", "deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi",
+                     "kimi_k2", "qwen3", "qwen3-thinking")
+TOOL_CALL_PARSERS = ("auto", "none", "deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45",
+                     "glm47", "gpt-oss", "kimi_k2", "llama3", "qwen", "qwen25", "qwen3_coder")
 # `cap_tokens = "none"`: the category takes its whole source
 UNCAPPED = "none"
 # what SGLang (`ModelConfig.get_default_sampling_params`, --sampling-defaults model) and vLLM
@@ -115,6 +117,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     run: Name
     output_dir: str
     tokenizer: str | None = None
+    # a tokenizer folder whose tokenizer is the model's own code (Kimi's tokenization_kimi.py):
+    # run it (SGLang's --trust-remote-code); off, such a folder is refused at validation
+    trust_remote_code: bool = False
     chat_template_kwargs: dict[str, Any] = {}
     count: Literal["output", "total"] = "output"
     count_truncated: bool = True
@@ -270,6 +275,34 @@ def model_sampling_defaults(gen_path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(gen_path, "the generation config is not a JSON object")
     return {k: raw[k] for k in MODEL_SAMPLING_KEYS if raw.get(k) is not None}
+
+
+def generation_eos_ids(cfg: RunConfig) -> set[int]:
+    """The `eos_token_id` (one id or a list) of the model's generation_config.json."""
+    ids: set[int] = set()
+    if cfg.generation_config:
+        try:
+            eos = msgspec.json.decode(Path(cfg.generation_config).read_bytes()).get(
+                "eos_token_id")
+        except (OSError, msgspec.DecodeError, AttributeError):
+            eos = None
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int):
+                ids.add(i)
+    return ids
+
+
+def with_stop_ids(cfg: RunConfig, end_of_turn: set[int]) -> RunConfig:
+    """`cfg` with each category's `stop_token_ids` set to the model's end-of-turn ids (its
+    tokenizer's eos, its generation config's, its family's: `producer.replies`), sent
+    explicitly as the other sampling params are, unless the category sets its own or the
+    config leaves defaults to the engine (`sampling_defaults = "engine"`)."""
+    if cfg.sampling_defaults == "engine" or not end_of_turn:
+        return cfg
+    cats = [c if c.sampling.stop_token_ids is not None else msgspec.structs.replace(
+        c, sampling=msgspec.structs.replace(c.sampling, stop_token_ids=sorted(end_of_turn)))
+        for c in cfg.category]
+    return msgspec.structs.replace(cfg, category=cats)
 
 
 def _with_model_sampling(cfg: RunConfig, cats: list[Category], gen: str | None,

@@ -68,6 +68,10 @@ class Pending(Struct, frozen=True):
     conversation_id: str | None = None
     turn: int = 0
     turns_total: int = 0
+    # turn j+1 of a conversation: does its prompt start with turn j's prompt + output ids,
+    # and what its history holds that the model did not say (`producer.feeder._prefix`)
+    prefix_consistent: bool | None = None
+    history_notes: list[str] = []
 
 
 class Result(Struct, frozen=True):
@@ -97,6 +101,10 @@ class Result(Struct, frozen=True):
     model: str = ""
     engine_version: str = ""
     simulated: bool = False
+    # turns of conversations (turn >= 2): the prompt extends the previous turn's prompt and
+    # output exactly (what a drafter trains on), and notes on how its history was built
+    prefix_consistent: bool | None = None
+    history_notes: list[str] = []
 
 
 class DeadLetter(Struct, frozen=True):

@@ -27,7 +27,7 @@ import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 from redis import Redis
@@ -54,7 +54,7 @@ from foundation.wire import (
 from producer.formats import Rejected
 from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
 from producer.reconcile import reconcile
-from producer.replies import ReplyParser
+from producer.replies import ReplyParser, Unparsed, reply_parser
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class CategoryFeed:
         self.turns = cat.turns == "all"
         self.stop_ids = set(cat.sampling.stop_token_ids or [])
         self._cut_mark: tuple[int, int] | None = None
+        self.opened: bool | None = None  # the generation prompt opens a reasoning block
 
     @property
     def exhausted(self) -> bool:
@@ -141,8 +142,7 @@ class Producer:
     def replies(self) -> ReplyParser:
         """How generated turns enter the next turn's history (`turns = "all"`)."""
         if self._replies is None:
-            self._replies = ReplyParser(self.renderer.tokenizer, self.renderer.template,
-                                        self.cfg.reasoning_parser, self.cfg.tool_call_parser)
+            self._replies = reply_parser(self.cfg, self.renderer)
         return self._replies
 
     # -- setup -------------------------------------------------------------------------
@@ -362,17 +362,26 @@ class Producer:
                                            **turn))
         return samples, rejected
 
+    def _opened(self, feed: CategoryFeed) -> bool:
+        """Whether the category's generation prompt opens a reasoning block (`replies`)."""
+        if feed.opened is None:
+            parser = self.replies.reasoning
+            feed.opened = parser is not None and self.renderer.opens_reasoning(
+                parser.start, feed.kwargs or None)
+        return feed.opened
+
     def _render(self, feed: CategoryFeed, samples: list[Sample],
-                turns: list[tuple[list[dict], int]] | None = None
+                turns: list[NextTurn] | None = None
                 ) -> tuple[list[Pending], list[DeadLetter]]:
-        """Render and check each sample's prompt: its first, or with `turns` (the messages
-        and turn number of each sample's next turn) the given one. Returns what is to be
-        fed, and what is rejected (the template refused it, or it cannot fit the context)."""
+        """Render and check each sample's prompt: its first, or with `turns` (each sample's
+        next turn) the given one, checked against the turn before it (`_prefix`). Returns
+        what is to be fed, and what is rejected (the template refused it, or it cannot fit
+        the context)."""
         cat = feed.cat
         limit_chars = (self.context_length or CONTEXT_UNKNOWN_TOKENS) * MAX_CHARS_PER_TOKEN
-        prompts: list[list[dict] | list[int]] = [t[0] for t in turns] if turns else [
+        prompts: list[list[dict] | list[int]] = [t.messages for t in turns] if turns else [
             s.prompt for s in samples]
-        numbers = [t[1] for t in turns] if turns else [1] * len(samples)
+        numbers = [t.turn for t in turns] if turns else [1] * len(samples)
         ids_of = [turn_id(s.sample_id, j) if feed.turns else s.sample_id
                   for s, j in zip(samples, numbers, strict=True)]
         chat = [k for k, p in enumerate(prompts) if p and isinstance(p[0], dict)]
@@ -380,10 +389,16 @@ class Producer:
                 > limit_chars}
         chat = [k for k in chat if k not in huge]
         rendered: dict[int, Any] = {}
+        before: dict[int, Any] = {}
         if chat:
             outs = self.renderer.render_many([prompts[k] for k in chat], feed.kwargs or None,
                                              [samples[k].tools for k in chat])
             rendered = dict(zip(chat, outs, strict=True))
+            if turns:  # the prompts of the turns before, to check each against its own
+                prev = self.renderer.render_many([turns[k].previous for k in chat],
+                                                 feed.kwargs or None,
+                                                 [samples[k].tools for k in chat])
+                before = dict(zip(chat, prev, strict=True))
         sampling = msgspec.to_builtins(cat.sampling)
         max_new = cat.sampling.max_new_tokens
         prepared: list[Pending] = []
@@ -418,6 +433,11 @@ class Producer:
                            f"max_new_tokens={max_new} it exceeds the engine context of {ctx} "
                            "tokens")
                 continue
+            if turns and out is not None and k in before \
+                    and not isinstance(before[k], Rejected):
+                consistent, notes = _prefix(turns[k], before[k][1], out[1], out[0])
+                fields = {**fields, "prefix_consistent": consistent,
+                          "history_notes": notes + turns[k].notes}
             prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=ids,
                                     sampling=sampling, where=s.where, source_id=s.source_id,
                                     **fields))
@@ -437,7 +457,7 @@ class Producer:
         if not feed.turns:
             return self._feed_retried(feed, [f.sample_id for f in waiting])
         samples: list[Sample] = []
-        turns: list[tuple[list[dict], int]] = []
+        turns: list[NextTurn] = []
         rejected: list[DeadLetter] = []
         for f in waiting:
             conv_id, turn = split_turn_id(f.sample_id) or (f.sample_id, 1)
@@ -458,10 +478,25 @@ class Producer:
                     message=why, where=feed.index.where(f.ordinal) if f.ordinal < len(
                         feed.index) else "", conversation_id=conv_id, turn=turn))
                 continue
-            tools = s.conversation.tools
-            generated = [self.replies.message(o, tools, feed.stop_ids) for o in f.outputs]
+            conv = s.conversation
+            try:
+                generated = self.replies.messages(f.outputs, conv.tools, conv_id, feed.stop_ids,
+                                                  self._opened(feed))
+            except Unparsed as exc:
+                # the turn stays as generated; there is no call to answer and no content
+                log.warning("%s/%s: conversation stops: a reply does not parse (%s)", name,
+                            f.sample_id, exc)
+                rejected.append(DeadLetter(
+                    id=f.sample_id, category=name, outcome="rejected", reason="unparsed_reply",
+                    message=f"the reply of {exc}; kept as generated, the conversation cannot "
+                            "go on from it", where=s.where, conversation_id=conv_id, turn=turn,
+                    turns_total=conv.turns))
+                continue
             samples.append(s)
-            turns.append((s.conversation.prompt(generated), turn))
+            ids = self.replies.result_ids(conv_id)
+            turns.append(NextTurn(conv.prompt(generated, ids), turn,
+                                  conv.prompt(generated[:-1], ids), list(f.outputs[-1] or []),
+                                  generated[-1], conv.replay_notes(generated)))
         prepared, bad = self._render(feed, samples, turns)
         ids = self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared, rejected + bad)
         recorded = set(ids)
@@ -610,6 +645,39 @@ class Producer:
         self._enqueue(name, [(sid, seq, n) for (sid, seq), n in zip(got.leased, prompts,
                                                                   strict=True)])
         return len(got.leased)
+
+
+class NextTurn(NamedTuple):
+    """A conversation's next turn: its messages and number, the messages of the turn before
+    it, that turn's output ids and assistant message, and what the replayed tool results do
+    not match (`Conversation.replay_notes`)."""
+
+    messages: list[dict]
+    turn: int
+    previous: list[dict]
+    previous_output: list[int]
+    previous_message: dict
+    notes: list[str]
+
+
+def _prefix(nxt: NextTurn, previous_ids: list[int], ids: list[int], text: str
+            ) -> tuple[bool, list[str]]:
+    """Whether turn j+1's prompt ids start with turn j's prompt ids and output ids (what a
+    drafter trains on is then one sequence), and if not, where and why it departs."""
+    expected = list(previous_ids) + nxt.previous_output
+    if ids[:len(expected)] == expected:
+        return True, []
+    at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b),
+              min(len(ids), len(expected)))
+    reasoning = (nxt.previous_message.get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in text:
+        why = "the template dropped its reasoning"
+    elif at >= len(previous_ids):
+        why = "the template renders the generated turn other than the model wrote it"
+    else:
+        why = "the template rewrote the history before it"
+    return False, [f"turn {nxt.turn - 1}: not a prefix of this prompt: {why} (from token "
+                   f"{at} of {len(expected)})"]
 
 
 def _text_of(message: dict) -> str:

@@ -21,12 +21,10 @@ key), the run stops with exit 9 and says which.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
@@ -158,15 +156,9 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) ->
 
 
 def end_of_turn_ids(cfg: RunConfig, renderer: Any) -> set[int]:
-    """The ids a generation of the tokenizer's model ends on: the tokenizer's eos token and
-    the generation config's `eos_token_id` (one id or a list)."""
-    ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
-    if cfg.generation_config:
-        try:
-            eos = json.loads(Path(cfg.generation_config).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-        for i in eos if isinstance(eos, list) else [eos]:
-            if isinstance(i, int):
-                ids.add(i)
-    return ids
+    """The ids a generation of the tokenizer's model ends on: the tokenizer's eos token, the
+    generation config's `eos_token_id`, and the family's own (gpt-oss's <|call|>, Llama's
+    <|eom_id|>): `ReplyParser.end_of_turn_ids`."""
+    from producer.replies import reply_parser
+
+    return set(reply_parser(cfg, renderer).end_of_turn_ids)

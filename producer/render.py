@@ -33,16 +33,95 @@ class TokenizerError(TokencapError, ValueError):
     exit_code = 2  # like ConfigError: the path comes from the run config
 
 
+# What `apply_chat_template` passes a template besides a user's kwargs: a kwarg of these names
+# is not one "the template reads" in the sense of a switch
+TEMPLATE_BUILTINS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "raise_exception", "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token",
+    "sep_token", "cls_token", "mask_token", "additional_special_tokens", "namespace", "range",
+    "dict", "lipsum", "cycler", "joiner", "true", "false", "none", "True", "False", "None",
+})
+_ARGUMENTS_PROBE = {"k": 1}
+
+
 class Renderer:
     """A local tokenizer plus the chat-template keyword arguments every render passes."""
 
     def __init__(
-        self, tokenizer_path: str | Path, chat_template_kwargs: dict[str, Any] | None = None
+        self, tokenizer_path: str | Path, chat_template_kwargs: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         self.path = Path(tokenizer_path)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self._tok = _load_tokenizer(self.path)
+        self._tok = _load_tokenizer(self.path, trust_remote_code)
         self._developer: bool | None = None
+        self._variables: frozenset[str] | None = None
+        self._variables_read = False
+        self._arguments_as_string: bool | None = None
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads that `apply_chat_template` does not always pass
+        (its switches: ``thinking``, ``enable_thinking``, ...), from the template's source;
+        empty when it cannot be parsed here."""
+        if self._variables is None:
+            from jinja2 import meta
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols",
+                                                            "jinja2.ext.do"])
+            try:
+                found = meta.find_undeclared_variables(env.parse(self.template))
+                self._variables_read = True
+            except jinja2.TemplateError as exc:
+                log.warning("cannot read the chat template's variables: %s", exc)
+                found = set()
+            self._variables = frozenset(found - TEMPLATE_BUILTINS)
+        return self._variables
+
+    def unread_kwargs(self, kwargs: dict[str, Any]) -> list[str]:
+        """The keys of `kwargs` the chat template never reads (a switch of another family:
+        ``enable_thinking`` given to Kimi's template, which reads ``thinking``); none when
+        the template cannot be parsed here."""
+        names = self.template_variables
+        if not self._variables_read:
+            return []
+        return sorted(k for k in kwargs if k not in names and k not in TEMPLATE_BUILTINS)
+
+    @property
+    def arguments_as_string(self) -> bool:
+        """Whether the template writes a tool call's arguments as text (DeepSeek's: an object
+        would come out as a Python dict), found by rendering one call as an object."""
+        if self._arguments_as_string is None:
+            function: dict[str, Any] = {"name": "f", "arguments": dict(_ARGUMENTS_PROBE)}
+            call = {"id": "call_0", "type": "function", "function": function}
+            messages: list[dict] = [{"role": "user", "content": "u"},
+                                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                                    {"role": "user", "content": "v"}]
+            tools = [{"type": "function", "function": {
+                "name": "f", "description": "d", "parameters": {
+                    "type": "object", "properties": {"k": {"type": "integer", "description": "d"}},
+                    "required": ["k"]}}}]
+            try:
+                text = self.render_text(messages, tools=tools)
+                self._arguments_as_string = repr(_ARGUMENTS_PROBE) in text
+            except Rejected:  # refused as an object: is text what it takes?
+                function["arguments"] = json.dumps(_ARGUMENTS_PROBE)
+                try:
+                    self.render_text(messages, tools=tools)
+                    self._arguments_as_string = True
+                except Rejected:
+                    self._arguments_as_string = False
+        return self._arguments_as_string
+
+    def opens_reasoning(self, start: str, extra_kwargs: dict | None = None) -> bool:
+        """Whether the generation prompt ends in an open reasoning block (`start`, e.g.
+        ``<think>``): the model's turn is reasoning from its first token."""
+        try:
+            text = self.render_text([{"role": "user", "content": "u"}], extra_kwargs)
+        except Rejected:
+            return False
+        return text.rstrip().endswith(start)
 
     @property
     def tokenizer(self) -> Any:
@@ -149,17 +228,39 @@ class Renderer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def _load_tokenizer(path: Path) -> Any:
-    """Load a tokenizer from a local directory only; errors become `TokenizerError`."""
+def _custom_code(path: Path) -> str | None:
+    """The model's own tokenizer code a folder names (`auto_map` of tokenizer_config.json),
+    e.g. ``tokenization_kimi.TikTokenTokenizer``; None when it names none."""
+    try:
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    auto = cfg.get("auto_map", {}).get("AutoTokenizer") if isinstance(cfg, dict) else None
+    if isinstance(auto, list):
+        auto = next((a for a in auto if a), None)
+    return auto if isinstance(auto, str) else None
+
+
+def _load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    """Load a tokenizer from a local directory only; errors become `TokenizerError`. A
+    folder whose tokenizer is the model's own code loads only with `trust_remote_code`."""
     if not path.is_dir():
         raise TokenizerError(f"tokenizer {path}: no such directory")
+    code = _custom_code(path)
+    if code and not trust_remote_code:
+        raise TokenizerError(f"tokenizer {path}: its tokenizer is the model's own code "
+                             f"({code}); set `trust_remote_code = true` in the run config to "
+                             "run it (as SGLang's --trust-remote-code does)")
     # transformers is a heavy import: only where a tokenizer is loaded.
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                            trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "trust_remote_code" in str(exc) and not trust_remote_code:
+            reason = "it needs the model's own code: set `trust_remote_code = true`"
         raise TokenizerError(f"tokenizer {path}: cannot load: {reason}") from None
     if not getattr(tok, "chat_template", None):
         raise TokenizerError(f"tokenizer {path}: has no chat template")

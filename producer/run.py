@@ -15,12 +15,13 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
-from foundation.config import RunConfig
+from foundation.config import RunConfig, with_stop_ids
 from foundation.errors import ConfigError, SourceError
 from producer.feeder import CategoryFeed, Producer
 from producer.preflight import preflight
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
+from producer.replies import reply_parser
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ def build_producer(
     # everything that can be wrong with the config is checked before Redis is touched
     if renderer is None:
         renderer = load_renderer(cfg)
+    if renderer is not None:  # the model's end-of-turn ids are sent as its stop ids
+        replies = reply_parser(cfg, renderer)
+        if any(c.turns == "all" for c in cfg.category):
+            log.info("generated turns enter the next prompt with the %s", replies.describe())
+        cfg = with_stop_ids(cfg, set(replies.end_of_turn_ids))
     indexes = {}
     for i, cat in enumerate(cfg.category):
         t0 = time.monotonic()
@@ -58,15 +64,30 @@ def build_producer(
 
 
 def load_renderer(cfg: RunConfig) -> Any:
-    """The run's tokenizer (None when every category is pre-tokenized and none is named)."""
+    """The run's tokenizer (None when every category is pre-tokenized and none is named),
+    its template checked against the config: every chat-template kwarg must be one the
+    template reads (Kimi's thinking switch is `thinking`, Qwen's and GLM's
+    `enable_thinking`), and "auto" parsers must resolve."""
     if cfg.tokenizer is None and all(c.format == "input_ids" for c in cfg.category):
         return None
     from producer.render import Renderer, TokenizerError
 
     try:
-        return Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
+        renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs,
+                            trust_remote_code=cfg.trust_remote_code)
     except TokenizerError as exc:
         raise ConfigError("$.tokenizer", str(exc)) from None
+    places = [("$.chat_template_kwargs", cfg.chat_template_kwargs)] + [
+        (f"$.category[{i}].chat_template_kwargs", c.chat_template_kwargs)
+        for i, c in enumerate(cfg.category)]
+    for where, kwargs in places:
+        unread = renderer.unread_kwargs(kwargs)
+        if unread:
+            reads = ", ".join(sorted(renderer.template_variables)) or "none"
+            raise ConfigError(f"{where}.{unread[0]}", f"the chat template of {cfg.tokenizer} "
+                              f"never reads `{unread[0]}`; the names it reads besides the "
+                              f"messages and tools: {reads}")
+    return renderer
 
 
 def run_to_end(

@@ -4,6 +4,7 @@ config keys of issue 13 (turns = "all", role_map, cap_tokens = "none")."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from foundation.wire import Result
 from producer.formats import Rejected, to_conversation, to_prompt
 from producer.readers import SourceIndex, read_sample
 from producer.render import Renderer
-from producer.replies import ReplyParser, split_reasoning, split_tool_calls
+from producer.replies import ReplyParser, Unparsed
 from tests.conftest import DATASETS, QWEN, write_config
 
 CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"
@@ -171,44 +172,57 @@ def test_developer_becomes_system_unless_the_template_knows_it(qwen: Renderer) -
 
 # -- replies: output ids -> assistant message ---------------------------------------------------
 
-def test_split_reasoning_as_sglangs_qwen3_parser() -> None:
-    assert split_reasoning("plain answer") == (None, "plain answer")
-    assert split_reasoning("<think>\nplan\n</think>\n\nanswer ") == ("plan\n", "answer")
-    assert split_reasoning("<think>\nstill thinking") == ("still thinking", "")
-
-
-def test_split_tool_calls_as_sglangs_qwen25_parser() -> None:
-    text = 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-    content, calls = split_tool_calls(text, {"f"})
-    assert content == "Checking."
-    assert calls == [{"id": "call_0", "type": "function",
-                      "function": {"name": "f", "arguments": {"a": 1}}}]
-    bad = "<tool_call>\n{not json}\n</tool_call>"
-    assert split_tool_calls(bad, {"f"}) == (bad, [])  # no valid call: the text stays
-    assert split_tool_calls(text, {"g"}) == (text, [])  # a tool the request does not offer
-    both = text + '\n<tool_call>\n{"name": "f", "arguments": "{\\"b\\": 2}"}\n</tool_call>'
-    assert [c["function"]["arguments"] for c in split_tool_calls(both, None)[1]] == [
-        {"a": 1}, {"b": 2}]
-
-
 def test_reply_parser_follows_the_template(qwen: Renderer, qwen3: Renderer) -> None:
     q3 = ReplyParser(qwen3.tokenizer, qwen3.template)
     q25 = ReplyParser(qwen.tokenizer, qwen.template)
-    assert (q3.reasoning, q3.tool_calls) == (True, True)
-    assert (q25.reasoning, q25.tool_calls) == (False, True)  # no reasoning_content in 2.5's
+    assert (q3.reasoning_choice.name, q3.tool_choice.name) == ("qwen3", "qwen25")
+    # no reasoning_content in 2.5's template: its text is all content
+    assert (q25.reasoning_choice.name, q25.tool_choice.name) == ("none", "qwen25")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     out = qwen3.encode('<think>\nhmm\n</think>\n\n<tool_call>\n{"name": "f", "arguments": '
                        '{"x": "y"}}\n</tool_call>') + [qwen3.eos_token_id]
-    msg = q3.message(out, tools)
-    assert msg == {"role": "assistant", "reasoning_content": "hmm\n", "content": "",
-                   "tool_calls": [{"id": "call_0", "type": "function",
+    msg = q3.message(out, tools, call_key="c#t1")
+    call_id = "call_" + hashlib.sha256(b"c#t1#0").hexdigest()[:24]
+    # reasoning as generated (SGLang 0.5.23 trims nothing), the call's id the same every time
+    assert msg == {"role": "assistant", "reasoning_content": "\nhmm\n", "content": "",
+                   "tool_calls": [{"id": call_id, "type": "function",
                                    "function": {"name": "f", "arguments": {"x": "y"}}}]}
+    assert q3.message(out, tools, call_key="c#t1") == msg
     # without tools in the conversation, tool-call text is content, as a chat server does
-    assert q3.message(out)["content"].startswith("<tool_call>")
+    assert q3.message(out)["content"].startswith("\n\n<tool_call>")
     plain = qwen.encode("Hello there") + [qwen.eos_token_id]
     assert q25.message(plain) == {"role": "assistant", "content": "Hello there"}
     assert ReplyParser(qwen3.tokenizer, qwen3.template, "none", "none").message(out)[
         "content"].startswith("<think>")
+
+
+def test_a_reply_that_does_not_parse_is_refused_naming_its_turn(qwen3: Renderer) -> None:
+    q3 = ReplyParser(qwen3.tokenizer, qwen3.template)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    good = qwen3.encode("fine") + [qwen3.eos_token_id]
+    cut = qwen3.encode('<think>\nok\n</think>\n\n<tool_call>\n{"name": "f", "argu')
+    with pytest.raises(Unparsed, match="turn 2: call 1 is not terminated"):
+        q3.messages([good, cut], tools, "c")
+
+
+def test_tool_results_are_rekeyed_to_the_regenerated_calls() -> None:
+    conv = to_conversation(records()["agent-weather"], "auto", "all")
+    assert not isinstance(conv, list)
+    mine = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "functions.get_weather:0", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    prompt = conv.prompt([mine])
+    # the source's result now answers the model's call, by its id and name
+    assert prompt[3]["tool_call_id"] == "functions.get_weather:0"
+    assert prompt[3]["name"] == "get_weather" and prompt[3]["content"] == conv.messages[3][
+        "content"]
+    assert conv.replay_notes([mine]) == []
+    none = {"role": "assistant", "content": "no call"}
+    assert conv.replay_notes([none]) == [
+        "turn 1: 1 tool result(s) of the source answer no call (the model made 0)"]
+    two = {**mine, "tool_calls": mine["tool_calls"] * 2}
+    assert conv.replay_notes([two]) == [
+        "turn 1: 1 call(s) of the model have no recorded result (the source has 1)"]
 
 
 # -- config ---------------------------------------------------------------------------------------

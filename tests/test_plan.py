@@ -192,7 +192,9 @@ def test_preview_renders_the_first_shuffled_prompt(tmp_path):
     assert math_p.prompt_tokens == len(renderer.tokenizer(math_p.text,
                                                           add_special_tokens=False)["input_ids"])
     # the model's generation_config.json completes what the category leaves unset
-    model = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    # and its end-of-turn ids (<|endoftext|>, <|im_end|>) are the stop ids sent
+    model = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+             "stop_token_ids": [151643, 151645]}
     assert math_p.sampling == {**model, "max_new_tokens": 1024, "temperature": 0.7}
     assert any("exceeds context_length 300" in w for w in math_p.warnings)
     assert chat_p.text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>")
@@ -209,6 +211,11 @@ def test_preview_flags_template_kwargs_the_template_never_reads(tmp_path):
     [p] = preview(cfg, renderer=Renderer(QWEN))
     assert p.chat_template_kwargs == {"enable_thinking": False, "thinking": False}
     assert len([w for w in p.warnings if "never read by the template" in w]) == 2
+    # the run (and preview from the command line) refuses them, naming the field
+    res = CliRunner().invoke(preview_cmd, [str(_config(tmp_path, head, cats))])
+    assert res.exit_code == 2
+    assert "$.chat_template_kwargs.enable_thinking" in res.output
+    assert "never reads `enable_thinking`" in res.output
 
 
 def test_preview_cli_shows_text_count_and_sampling(tmp_path):

@@ -58,6 +58,8 @@ def test_the_models_defaults_reach_every_request_row_and_preview(tmp_path, redis
     cfg = load_config(run_toml(tmp_path, tokenizer_dir(tmp_path, MODEL)))
     effective = {"max_new_tokens": 64, **MODEL}
     assert msgspec.to_builtins(cfg.category[0].sampling) == effective
+    # the model's end-of-turn ids (its eos and the generation config's) are sent too
+    effective["stop_token_ids"] = [151643, 151645]
     [p] = preview(cfg)
     assert p.sampling == effective
     with SimServer(time_scale=400.0) as sim, started(cfg, redis_url, [sim.url], 4) as pipe:

@@ -49,6 +49,13 @@ def _renderer(path: str | None, kwargs: dict | None = None) -> Any:
     return Renderer(path, kwargs)
 
 
+def _config_renderer(cfg: Any) -> Any:
+    """The run's tokenizer as the producer loads it (trust_remote_code, kwargs checked)."""
+    from producer.run import load_renderer
+
+    return load_renderer(cfg)
+
+
 def _export_table(summary: dict[str, Any]) -> str:
     """The export summary as a table: one line per category, a total, the files."""
     cols = ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates", "bad_lines")
@@ -100,10 +107,20 @@ def _export_table(summary: dict[str, Any]) -> str:
               "by default they are dropped and counted.")
 @click.option("--allow-simulated", is_flag=True,
               help="Export rows a simulator generated (synthetic outputs); refused otherwise.")
+@click.option("--loss-mask", type=click.Choice(["generated", "shifted"]), default="generated",
+              show_default=True,
+              help="generated: loss 1 exactly over the generated ids (a trainer that shifts the "
+              "mask with its targets: SpecForge PR #895, vLLM speculators); shifted: the same "
+              "span one position left (SpecForge main at a6b6b02, whose trainer shifts ids and "
+              "targets but not the mask, issue #885).")
+@click.option("--prefix-consistent", "consistent_only", is_flag=True,
+              help="Only turns whose prompt extends the previous turn's prompt and output ids "
+              "exactly (and conversations made only of such turns).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | None, dest: str,
                formats: tuple[str, ...], merged: bool, categories: tuple[str, ...],
-               keep_truncated: bool, allow_simulated: bool, as_json: bool) -> None:
+               keep_truncated: bool, allow_simulated: bool, loss_mask: str,
+               consistent_only: bool, as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet).
 
     Streams <out>/<category>/part-*.jsonl; drops truncated samples unless --keep-truncated;
@@ -119,11 +136,17 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
     names = list(categories) or ([c.name for c in cfg.category] if cfg else None)
     decoder = messages = None
     if "conversations" in formats:
-        decoder = _renderer(tokenizer or (cfg.tokenizer if cfg else None)).tokenizer
-        messages = SourceMessages(cfg) if cfg else None
+        if cfg is not None and not tokenizer:
+            from producer.run import load_renderer
+
+            renderer = load_renderer(cfg)
+        else:
+            renderer = _renderer(tokenizer or (cfg.tokenizer if cfg else None))
+        decoder = renderer.tokenizer
+        messages = SourceMessages(cfg, renderer) if cfg else None
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
-                         decoder, messages, allow_simulated)
+                         decoder, messages, allow_simulated, loss_mask, consistent_only)
     finally:
         if messages is not None:
             messages.close()
@@ -136,8 +159,14 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
             click.echo(f"{name}: ... and {st['bad_lines'] - MAX_BAD_REPORTED} more bad lines",
                        err=True)
         if st["dropped_truncated"]:
+            after = st["dropped_after_truncated"]
             click.echo(f"{name}: dropped {st['dropped_truncated']} truncated samples "
-                       "(finish_reason length); --keep-truncated keeps them", err=True)
+                       "(finish_reason length)" + (f" and {after} later turns of their "
+                       "conversations" if after else "") + "; --keep-truncated keeps them",
+                       err=True)
+        if st["dropped_inconsistent"]:
+            click.echo(f"{name}: dropped {st['dropped_inconsistent']} turns whose prompt does "
+                       "not extend the previous turn's (--prefix-consistent)", err=True)
     for name in summary["missing"]:
         click.echo(f"{name}: no part files, nothing exported", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
@@ -206,7 +235,7 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     renderer = None
     checked = None
     if check:
-        renderer = _renderer(cfg.tokenizer, cfg.chat_template_kwargs) if chat else None
+        renderer = _config_renderer(cfg) if chat else None
         checked = check_sources(cfg, renderer, lambda name, done, n: click.echo(
             f"{name}: checked {done:,} of {n:,} records", err=True))
         available = {name: c.generations for name, c in checked.items()}
@@ -216,7 +245,7 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     unmeasured = [n for n in names if n not in measured]
     if cfg.count == "total" and unmeasured:
         if renderer is None and any(cfg.by_name(n).format != "input_ids" for n in unmeasured):
-            renderer = _renderer(cfg.tokenizer, cfg.chat_template_kwargs)
+            renderer = _config_renderer(cfg)
         prompt_tokens = estimate_prompt_tokens(cfg, renderer, unmeasured)
     rows = plan(cfg, measured, available, tok_s, prompt_tokens)
     if checked is not None:

@@ -25,7 +25,6 @@ prompts the category stops at 3,000 samples and 7,500,000 tokens, 2.08 h at 1,00
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -293,16 +292,14 @@ class Preview(msgspec.Struct):
     chat_template_kwargs: dict[str, Any]
     skipped: list[str] = []
     warnings: list[str] = []
+    # with turns = "all": how its generated turns enter the next prompt, and why
+    parsers: str = ""
 
 
 def unused_kwargs(renderer: Any, kwargs: dict[str, Any]) -> list[str]:
-    """Keys of `kwargs` that the chat template's source never names (they do nothing,
-    e.g. `enable_thinking` for a template that reads `thinking`)."""
-    if renderer is None:
-        return []
-    template = renderer.tokenizer.chat_template
-    source = template if isinstance(template, str) else msgspec.json.encode(template).decode()
-    return [k for k in kwargs if not re.search(rf"\b{re.escape(k)}\b", source)]
+    """Keys of `kwargs` that the chat template never reads (they do nothing, e.g.
+    `enable_thinking` for a template that reads `thinking`)."""
+    return [] if renderer is None else renderer.unread_kwargs(kwargs)
 
 
 def preview(
@@ -315,9 +312,17 @@ def preview(
     A category whose first records are all rejected gives one `Preview` with no text.
     """
     if renderer is None and any(c.format != "input_ids" for c in cfg.category):
-        from producer.render import Renderer
+        from producer.run import load_renderer
 
-        renderer = Renderer(cfg.tokenizer or "", cfg.chat_template_kwargs)
+        renderer = load_renderer(cfg)
+    parsers = ""
+    if renderer is not None:  # the stop ids and reply parsers the run would use
+        from foundation.config import with_stop_ids
+        from producer.replies import reply_parser
+
+        replies = reply_parser(cfg, renderer)
+        cfg = with_stop_ids(cfg, set(replies.end_of_turn_ids))
+        parsers = replies.describe()
     out: list[Preview] = []
     for cat in cfg.category:
         if categories is not None and cat.name not in categories:
@@ -344,7 +349,7 @@ def preview(
                 category=cat.name, sample_id=sample.sample_id, where=sample.where,
                 messages=messages, text=text, prompt_tokens=len(ids), prompt_ids=ids,
                 sampling=sampling, chat_template_kwargs=kwargs, skipped=skipped,
-                warnings=warnings,
+                warnings=warnings, parsers=parsers if cat.turns == "all" else "",
             ))
             skipped, shown = [], shown + 1
         if shown == 0:
@@ -368,6 +373,8 @@ def preview_text(previews: list[Preview]) -> str:
                  f"sampling: {enc(p.sampling).decode()}",
                  f"chat_template_kwargs: {enc(p.chat_template_kwargs).decode()}",
                  f"prompt tokens: {p.prompt_tokens}"]
+        if p.parsers:
+            lines.append(f"replies: {p.parsers}")
         lines += [f"skipped {s}" for s in p.skipped]
         lines += [f"warning: {w}" for w in p.warnings]
         if p.text is not None:
