@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from sglang_sim.config import PROFILES, FaultConfig, load_length_profile
+from sglang_sim.families import FAMILIES
 from sglang_sim.server import start_server
 
 logger = logging.getLogger("sglang_sim")
@@ -88,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Qwen syntax) instead of random ones",
     )
     parser.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        help="with --tokenizer: answer in this model family's grammar (reasoning block, "
+        "tool-call syntax, end-of-turn token; SGLang's parser names). Default: Qwen's",
+    )
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="with --tokenizer: let the folder's own tokenizer code run")
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -108,6 +117,10 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         changes["faults"] = msgspec.json.decode(ns.faults, type=FaultConfig, strict=False)
     if ns.tokenizer:
         changes["tokenizer"] = ns.tokenizer
+    if ns.family:
+        changes["family"] = ns.family
+    if ns.trust_remote_code:
+        changes["trust_remote_code"] = True
     config = msgspec.structs.replace(PROFILES[ns.profile], **changes)
     config.validate()
     return config

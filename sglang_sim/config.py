@@ -19,6 +19,8 @@ from pathlib import Path
 
 import msgspec
 
+from sglang_sim.families import FAMILIES
+
 DEFAULT_MODEL_PATH = "tokencap-sglang-sim"
 DEFAULT_WEIGHT_VERSION = "default"
 
@@ -142,6 +144,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # A local tokenizer directory: answers are text-like (words, reasoning, tool calls in the
     # template's syntax; `sglang_sim.text`) instead of random ids. None: random ids.
     tokenizer: str | None = None
+    # With a tokenizer: the model family whose grammar the answers follow (reasoning block,
+    # tool calls, end of turn; SGLang's parser names, `sglang_sim.families`). None: Qwen's.
+    family: str | None = None
+    trust_remote_code: bool = False  # the tokenizer folder's own code may run
     # Which server it plays: SGLang (its native API, of `sglang_version`: reply shapes,
     # error bodies, routes and the context rule of that release family) or vLLM (the
     # OpenAI-compatible /v1/completions with token ids, vLLM's shapes and errors).
@@ -181,6 +187,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError("a decode step must take some time")
         if self.admit_headroom_tokens < 0:
             raise ValueError("admit_headroom_tokens must be >= 0")
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {self.family!r}")
         if self.flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {FLAVORS}, got {self.flavor!r}")
         if min(self.metrics_dp_ranks, self.metrics_tp_ranks) < 1:

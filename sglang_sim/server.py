@@ -116,6 +116,10 @@ def build_job(
     answer = None
     if text is not None and not valid.ignore_eos:
         answer = text.natural_ids(seed, natural, valid.input_ids)
+        stops = set(valid.stop_token_ids)
+        cut = next((k for k, t in enumerate(answer) if t in stops), None)
+        if cut is not None:  # an engine stops at the first stop id it generates
+            answer = answer[:cut + 1]
         if len(answer) >= valid.min_new_tokens:
             natural = len(answer)
         else:
@@ -124,7 +128,8 @@ def build_job(
     if valid.ignore_eos or cap <= natural:
         target, reason = cap, {"type": "length", "length": cap}
     else:
-        target, reason = natural, {"type": "stop", "matched": config.eos_token_id}
+        matched = answer[-1] if answer else config.eos_token_id
+        target, reason = natural, {"type": "stop", "matched": matched}
     job = Job(valid.rid, len(valid.input_ids), cap, target, reason)
     return job, seed, natural, answer
 
@@ -442,9 +447,23 @@ async def _stop_engine(app: web.Application) -> None:
         await task
 
 
+VOCAB_ALIGN = 64  # a model's embedding rows: the tokenizer's ids, padded to a multiple
+
+
 def create_app(config: SimConfig) -> web.Application:
-    """The aiohttp application; the engine runs while the app is started."""
+    """The aiohttp application; the engine runs while the app is started. With a tokenizer,
+    the vocabulary is the tokenizer's (padded as a model's embedding table is) and the
+    end-of-turn id its eos, unless given."""
     config.validate()
+    text = TextOutputs(config.tokenizer, config.eos_token_id, config.family,
+                       config.trust_remote_code) if config.tokenizer else None
+    if text is not None:
+        n = len(text.tokenizer)
+        padded = -(-n // VOCAB_ALIGN) * VOCAB_ALIGN
+        if config.vocab_size < n:
+            config = msgspec.structs.replace(config, vocab_size=padded)
+        text.eos_token_id = config.eos_token_id if config.eos_token_id < n else \
+            int(text.tokenizer.eos_token_id or 0)
     app = web.Application(middlewares=[_api_key] if config.api_key else [])
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = Engine(config)
@@ -452,8 +471,8 @@ def create_app(config: SimConfig) -> web.Application:
     app[E2E_KEY] = LatencyHistogram()
     app[HTTP_KEY] = Counter()
     app[REQUESTS_KEY] = deque(maxlen=REQUEST_LOG_SIZE)
-    if config.tokenizer:
-        app[TEXT_KEY] = TextOutputs(config.tokenizer, config.eos_token_id)
+    if text is not None:
+        app[TEXT_KEY] = text
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_engine)
     r = app.router

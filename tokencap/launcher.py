@@ -67,6 +67,25 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = START_TIME
         time.sleep(POLL_S)
 
 
+def sim_family(cfg: Any) -> tuple[str, ...]:
+    """The simulator's arguments to answer in the grammar of the run's model family: the
+    parsers the run reads its replies with (`producer.replies`) name it."""
+    if not cfg.tokenizer:
+        return ()
+    from producer.replies import reply_parser
+    from producer.run import load_renderer
+
+    replies = reply_parser(cfg, load_renderer(cfg))
+    tool, reasoning = replies.tool_choice.name, replies.reasoning_choice.name
+    family = {"qwen25": "qwen3" if reasoning == "qwen3" else "qwen25",
+              "deepseekv3": "deepseek-r1" if reasoning == "deepseek-r1" else "deepseekv3",
+              "none": "qwen3" if reasoning == "qwen3" else ""}.get(tool, tool)
+    from sglang_sim.families import FAMILIES
+
+    args = ["--family", family] if family in FAMILIES else []
+    return (*args, *(["--trust-remote-code"] if cfg.trust_remote_code else []))
+
+
 class Stack:
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir
@@ -148,7 +167,7 @@ class Stack:
         return url
 
     def _engine(self, given: str | None, saved: dict[str, str], time_scale: float,
-                tokenizer: str | None = None) -> str:
+                tokenizer: str | None = None, family: tuple[str, ...] = ()) -> str:
         if given:
             return given
         if saved.get("SGLANG_URL") and self._alive("sim"):
@@ -156,8 +175,9 @@ class Stack:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         # with the run's tokenizer the simulator answers text-like ids (words, reasoning,
-        # tool calls), so conversations regenerated turn by turn read as text
-        extra = ["--tokenizer", tokenizer] if tokenizer else []
+        # tool calls in the grammar of the model's family), so conversations regenerated
+        # turn by turn read as text
+        extra = ["--tokenizer", tokenizer, *family] if tokenizer else []
         self._spawn("sim", [sys.executable, "-m", "sglang_sim", "--port", str(port),
                             "--time-scale", str(time_scale), *extra], dict(os.environ))
         wait_for(lambda: healthy(url, 1.0), "SGLang simulator")
@@ -234,7 +254,8 @@ class Stack:
         token = (saved.get("TOKENCAP_TOKEN") or os.environ.get("TOKENCAP_TOKEN")
                  or secrets.token_urlsafe(24))
         rurl = self._redis(redis_url, saved)
-        eurl = self._engine(sglang_url, saved, time_scale, cfg.tokenizer)
+        eurl = self._engine(sglang_url, saved, time_scale, cfg.tokenizer,
+                            sim_family(cfg) if sglang_url is None else ())
         env = {"REDIS_URL": rurl, "SGLANG_URL": eurl, "TOKENCAP_RUN": cfg.run,
                "TOKENCAP_PREFIX": cfg.key_prefix}
         self._write_env({**env, "BUDGET_URL": budget_url, "TOKENCAP_TOKEN": token})
