@@ -26,8 +26,15 @@ parquet         ``specforge.parquet``    columns id, category, input_ids (list<i
 ==============  =======================  ===================================================
 
 Rows of ``turns = "all"`` runs are turns (``<conversation>#t<j>``): specforge and parquet give
-one row per turn, its loss mask over that turn's output only.
-Truncated samples (``finish_reason == "length"``) are dropped unless `keep_truncated`.
+one row per turn, its loss mask over that turn's output only (`loss_mask` "generated"; or
+"shifted" one position left, for a trainer that does not shift the mask with its targets:
+`specforge_row`).
+One rule for truncated output in every format: a sample or turn cut at max_new_tokens
+(``finish_reason == "length"``) is dropped, and every later turn of its conversation with it
+(the conversations export ends the conversation there, ``stopped: "truncated"``), unless
+`keep_truncated`. `consistent_only` drops the turns whose prompt does not extend the
+previous turn's prompt and output ids (``prefix_consistent`` false) and the conversations
+that hold one.
 Rows a simulator generated (``simulated``: synthetic outputs) stop the export unless
 `allow_simulated`: they are not training data.
 Every file is written to a temporary name beside it, fsynced, and renamed over the final
@@ -54,6 +61,7 @@ from foundation.outputs import (
     read_results,
 )
 from foundation.wire import Result
+from producer.replies import Unparsed
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,8 @@ class CategoryStats:
     tokens: int = 0
     output_tokens: int = 0
     dropped_truncated: int = 0
+    dropped_after_truncated: int = 0
+    dropped_inconsistent: int = 0
     duplicates: int = 0
     bad_lines: int = 0
     conversations: int = 0
@@ -96,7 +106,8 @@ class CategoryStats:
     bad: list[dict] = field(default_factory=list)
 
     def add(self, other: CategoryStats) -> None:
-        for name in ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates",
+        for name in ("rows", "tokens", "output_tokens", "dropped_truncated",
+                     "dropped_after_truncated", "dropped_inconsistent", "duplicates",
                      "bad_lines", "conversations", "conversations_complete",
                      "conversations_in_progress"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -154,11 +165,12 @@ class JsonlSink(_TmpFile):
 class ParquetSink(_TmpFile):
     """Writes SpecForge rows plus category, finish_reason and counted_tokens to Parquet."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, loss_mask: str = "generated") -> None:
         super().__init__(path)
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        self.loss_mask = loss_mask
         self._pa = pa
         self.schema = pa.schema([
             ("id", pa.string()),
@@ -172,7 +184,7 @@ class ParquetSink(_TmpFile):
         self._rows: dict[str, list] = {name: [] for name in self.schema.names}
 
     def write(self, row: Result, row_id: str) -> None:
-        sf = specforge_row(row, row_id)
+        sf = specforge_row(row, row_id, self.loss_mask)
         for name, value in (("id", row_id), ("category", row.category),
                             ("input_ids", sf.input_ids), ("loss_mask", sf.loss_mask),
                             ("finish_reason", row.finish_reason),
@@ -196,14 +208,18 @@ class ParquetSink(_TmpFile):
         super().discard()
 
 
-def specforge_row(row: Result, row_id: str) -> SpecforgeRow:
+def specforge_row(row: Result, row_id: str, loss_mask: str = "generated") -> SpecforgeRow:
     """``input_ids = prompt + output``; loss 0 over the prompt, 1 over every generated
-    token (reasoning and end-of-turn tokens included)."""
-    return SpecforgeRow(
-        id=row_id,
-        input_ids=row.prompt_ids + row.output_ids,
-        loss_mask=[0] * len(row.prompt_ids) + [1] * len(row.output_ids),
-    )
+    token (reasoning and end-of-turn tokens included): `loss_mask` "generated". "shifted" moves
+    that span one position left, for a trainer that shifts the ids and targets by one but not
+    the mask (SpecForge at a6b6b02, issue #885): each supervised position then predicts a
+    generated token."""
+    n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
+    if loss_mask == "shifted" and n_prompt:
+        mask = [0] * (n_prompt - 1) + [1] * n_out + [0]
+    else:
+        mask = [0] * n_prompt + [1] * n_out
+    return SpecforgeRow(id=row_id, input_ids=row.prompt_ids + row.output_ids, loss_mask=mask)
 
 
 class Decoder(Protocol):
@@ -222,10 +238,12 @@ class SourceMessages:
     are no messages and `unmatched` counts it.
     """
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, renderer: Any = None) -> None:
         self.cfg = cfg
+        self.renderer = renderer
         self.unmatched = 0
         self._indexes: dict[str, Any] = {}
+        self._opened: dict[str, bool] = {}
 
     def __call__(self, row: Result) -> list[dict] | None:
         sample = self._sample(row)
@@ -247,12 +265,30 @@ class SourceMessages:
 
     def replies(self, tokenizer: Any) -> Any:
         """The run's `ReplyParser` (how its generated turns entered the history)."""
-        from producer.replies import ReplyParser
+        from producer.replies import ReplyParser, reply_parser
 
+        if self.renderer is not None:
+            return reply_parser(self.cfg, self.renderer)
         template = tokenizer.chat_template
         template = template if isinstance(template, str) else "\n".join(template.values())
         return ReplyParser(tokenizer, template, self.cfg.reasoning_parser,
                            self.cfg.tool_call_parser)
+
+    def opened(self, category: str, replies: Any) -> bool:
+        """Whether the category's generation prompt opened a reasoning block (as the
+        producer saw it: a reply cut before its end of reasoning is reasoning)."""
+        if category not in self._opened:
+            opened = False
+            if self.renderer is not None and replies.reasoning is not None:
+                try:
+                    cat = self.cfg.by_name(category)
+                except UnknownCategory:
+                    cat = None
+                kwargs = {**self.cfg.chat_template_kwargs,
+                          **(cat.chat_template_kwargs if cat else {})}
+                opened = self.renderer.opens_reasoning(replies.reasoning.start, kwargs or None)
+            self._opened[category] = opened
+        return self._opened[category]
 
     def _sample(self, row: Result) -> Any:
         from producer.formats import Rejected
@@ -340,6 +376,8 @@ class ConversationSink(JsonlSink):
         self.messages_for = messages_for
         self._turns: dict[str, dict[int, Result]] = {}
         self._replies: Any = None
+        self.truncated_at: dict[str, int] = {}  # conversation -> its first turn dropped
+        self.consistent_only = False
 
     def add_turn(self, row: Result) -> None:
         """Keep a turn row until its category is read (the turns come in any order)."""
@@ -366,10 +404,19 @@ class ConversationSink(JsonlSink):
             if not complete and stopped is None:
                 stats.conversations_in_progress += 1
                 continue
+            if self.consistent_only and any(r.prefix_consistent is False for r in rows):
+                continue
+            cut = self.truncated_at.get(conv_id)
+            if cut is not None:  # the rule of both exports: it ends before its cut turn
+                rows = [r for r in rows if r.turn < cut]
+                complete, stopped = False, "truncated"
+                if not rows:
+                    continue
             self._write_conversation(id_prefix + conv_id, rows, complete, stopped)
             stats.conversations += 1
             stats.conversations_complete += int(complete)
         self._turns.clear()
+        self.truncated_at = {}
 
     def _write_conversation(self, conv_id: str, rows: list[Result], complete: bool,
                             stopped: str | None) -> None:
@@ -388,21 +435,32 @@ class ConversationSink(JsonlSink):
                 self._replies = ReplyParser(self.tokenizer, str(template))
         tools = conv.tools if conv is not None else None
         stop_ids = set((rows[0].sampling or {}).get("stop_token_ids") or [])
-        generated = [self._replies.message(r.output_ids, tools, stop_ids) for r in rows]
+        opened_of = getattr(self.messages_for, "opened", None)
+        opened = opened_of(rows[0].category, self._replies) if opened_of else False
+        outputs = [r.output_ids for r in rows]
+        conv_key = rows[0].conversation_id or ""
+        try:
+            generated = self._replies.messages(outputs, tools, conv_key, stop_ids, opened)
+        except Unparsed as exc:  # the conversation stopped on the turn that does not parse
+            generated = self._replies.messages(outputs[:-1], tools, conv_key, stop_ids, opened)
+            generated.append({"role": "assistant", "content": self._replies.text(
+                outputs[-1], stop_ids), "unparsed": exc.reason})
         if conv is not None and len(rows) <= conv.turns:
-            messages = [*conv.prompt(generated[:-1]), generated[-1]]
+            messages = [*conv.prompt(generated[:-1], self._replies.result_ids(conv_key)),
+                        generated[-1]]
         else:
             messages = generated
         doc = {"id": conv_id, "category": rows[0].category, "complete": complete,
                "stopped": stopped, "turns": len(rows), "turns_total": rows[-1].turns_total,
-               "finish_reasons": [r.finish_reason for r in rows], "tools": tools,
-               "conversations": messages}
+               "finish_reasons": [r.finish_reason for r in rows],
+               "prefix_consistent": all(r.prefix_consistent is not False for r in rows),
+               "tools": tools, "conversations": messages}
         self._f.write(self._enc.encode(doc) + b"\n")
 
 
 def make_sinks(
     folder: Path, formats: list[str], tokenizer: Decoder | None,
-    messages_for: MessagesFor | None,
+    messages_for: MessagesFor | None, loss_mask: str = "generated",
 ) -> list[Any]:
     """One sink per format, writing under `folder`."""
     sinks: list[Any] = []
@@ -410,13 +468,13 @@ def make_sinks(
         for fmt in formats:
             path = folder / FILE_NAMES[fmt]
             if fmt == "specforge":
-                sinks.append(JsonlSink(path, specforge_row))
+                sinks.append(JsonlSink(path, lambda r, i: specforge_row(r, i, loss_mask)))
             elif fmt == "conversations":
                 if tokenizer is None:
                     raise ExportError("format conversations needs a tokenizer")
                 sinks.append(ConversationSink(path, tokenizer, messages_for))
             else:
-                sinks.append(ParquetSink(path))
+                sinks.append(ParquetSink(path, loss_mask))
     except BaseException:
         for sink in sinks:
             sink.discard()
@@ -424,13 +482,34 @@ def make_sinks(
     return sinks
 
 
+def truncated_turns(cat_dir: Path) -> dict[str, int]:
+    """conversation id -> its first turn cut at max_new_tokens."""
+    first: dict[str, int] = {}
+    for item in read_results(cat_dir):
+        if not isinstance(item, BadLine) and item.conversation_id is not None \
+                and item.finish_reason == TRUNCATED:
+            first[item.conversation_id] = min(item.turn, first.get(item.conversation_id,
+                                                                   item.turn))
+    return first
+
+
 def export_category(
     cat_dir: Path, sinks: list[Any], keep_truncated: bool, id_prefix: str = "",
-    allow_simulated: bool = False,
+    allow_simulated: bool = False, consistent_only: bool = False,
 ) -> CategoryStats:
-    """Stream one category's part files into `sinks`; return its counts."""
+    """Stream one category's part files into `sinks`; return its counts. The rule for
+    truncated output is one for every format: a sample or turn cut at max_new_tokens is
+    dropped, and with it every later turn of its conversation (they go on from a reply the
+    model did not finish), unless `keep_truncated`. `consistent_only` also drops the turns
+    whose prompt does not extend the previous turn's prompt and output (`prefix_consistent`
+    false), and the conversations holding one."""
     stats = CategoryStats()
     seen: set[str] = set()
+    cut = {} if keep_truncated else truncated_turns(cat_dir)
+    for sink in sinks:
+        if isinstance(sink, ConversationSink):
+            sink.truncated_at = dict(cut)
+            sink.consistent_only = consistent_only
     for item in read_results(cat_dir):
         if not isinstance(item, BadLine) and item.simulated and not allow_simulated:
             raise ExportError(f"{cat_dir}: rows were generated by a simulator ({item.model}): "
@@ -452,6 +531,13 @@ def export_category(
                     sink.add_turn(item)
         if item.finish_reason == TRUNCATED and not keep_truncated:
             stats.dropped_truncated += 1
+            continue
+        if item.conversation_id is not None and item.turn > cut.get(item.conversation_id,
+                                                                     item.turn):
+            stats.dropped_after_truncated += 1
+            continue
+        if consistent_only and item.prefix_consistent is False:
+            stats.dropped_inconsistent += 1
             continue
         row_id = id_prefix + item.id
         for sink in sinks:
@@ -476,6 +562,8 @@ def export(
     tokenizer: Decoder | None = None,
     messages_for: MessagesFor | None = None,
     allow_simulated: bool = False,
+    loss_mask: str = "generated",
+    consistent_only: bool = False,
 ) -> dict[str, Any]:
     """Export `categories` (default: every folder of `out_dir` with part files).
 
@@ -499,16 +587,17 @@ def export(
     all_sinks: list[Any] = []
     try:
         if merged:
-            all_sinks = make_sinks(dest, formats, tokenizer, messages_for)
+            all_sinks = make_sinks(dest, formats, tokenizer, messages_for, loss_mask)
             for name in names:
                 per_cat[name] = export_category(out_dir / name, all_sinks, keep_truncated,
-                                                f"{name}/", allow_simulated)
+                                                f"{name}/", allow_simulated, consistent_only)
         else:
             for name in names:
-                sinks = make_sinks(dest / name, formats, tokenizer, messages_for)
+                sinks = make_sinks(dest / name, formats, tokenizer, messages_for, loss_mask)
                 all_sinks.extend(sinks)
                 per_cat[name] = export_category(out_dir / name, sinks, keep_truncated,
-                                                allow_simulated=allow_simulated)
+                                                allow_simulated=allow_simulated,
+                                                consistent_only=consistent_only)
         for sink in all_sinks:
             sink.finish()
     except BaseException:
@@ -533,6 +622,8 @@ def export(
         "formats": formats,
         "merged": merged,
         "keep_truncated": keep_truncated,
+        "loss_mask": loss_mask,
+        "consistent_only": consistent_only,
         "files": [str(sink.path) for sink in all_sinks],
         "categories": {name: asdict(stats) for name, stats in per_cat.items()},
         "total": total_dict,
