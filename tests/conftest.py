@@ -67,3 +67,15 @@ def redis(redis_server: RedisServer) -> Iterator[Redis]:
 @pytest.fixture
 def redis_url(redis_server: RedisServer, redis: Redis) -> str:
     return redis_server.url
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that start a stack (`starts_stack`) run inside tests/test_isolation.py,
+    beside a stack on the default port, when it is part of the session: not twice."""
+    if not any(item.path.name == "test_isolation.py" for item in items):
+        return
+    keep = [i for i in items if i.get_closest_marker("starts_stack") is None]
+    dropped = [i for i in items if i.get_closest_marker("starts_stack") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

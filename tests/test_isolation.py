@@ -2,7 +2,8 @@
 service on 8321, its Redis, simulator, writer and workers, the run file in its folder), then
 `make test` runs. Every test that starts a stack (marked `starts_stack`) passes beside it,
 and the stack is left as it was: the same run file, the same Redis keys and run status, the
-same output files, every process alive."""
+same output files, every process alive. In a session that holds this test, those tests run
+only here (tests/conftest.py deselects them from the session itself)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ sampling = {{ max_new_tokens = 64 }}
         # When every test that starts a stack runs, from that folder, in a user's shell
         inner = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-m", "starts_stack", "-p", "no:cacheprovider",
-             "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), str(ROOT / "tests")],
+             "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+             "--ignore", str(Path(__file__)), str(ROOT / "tests")],
             cwd=home, env=shell, capture_output=True, text=True, timeout=INNER_TIMEOUT_S)
         # Then they pass, and the stack is as it was
         assert inner.returncode == 0, inner.stdout[-4000:] + inner.stderr[-2000:]

@@ -37,12 +37,14 @@ EXIT_ENGINE_UNUSABLE = EngineUnusable.exit_code
 ONE_TOKEN = LengthDist(1.0, 0.0)  # every generation ends on its first token
 
 
-def _config(tmp: Path, tokenizer: Path) -> Path:
+def _config(tmp: Path, tokenizer: Path, head: str = "preflight_wait_s = 1") -> Path:
+    """`preflight_wait_s` short unless a test checks the wait itself."""
     path = tmp / "run.toml"
     path.write_text(f"""
 run = "pre"
 output_dir = "{tmp / 'out'}"
 tokenizer = "{tokenizer}"
+{head}
 [[category]]
 name = "math"
 source = "{GSM8K}"
@@ -69,15 +71,15 @@ sampling = {{ max_new_tokens = 16 }}
 """)
 
 
-def _up(tmp: Path, tokenizer: Path, redis_url: str | None, engine: str
-        ) -> subprocess.CompletedProcess:
+def _up(tmp: Path, tokenizer: Path, redis_url: str | None, engine: str,
+        head: str = "preflight_wait_s = 1") -> subprocess.CompletedProcess:
     env = {**os.environ, "SGLANG_URL": engine}
     env.pop("SGLANG_API_KEY", None)
     env.pop("REDIS_URL", None)
     if redis_url:
         env["REDIS_URL"] = redis_url
     return subprocess.run(
-        [sys.executable, "-m", "tokencap.cli", "up", str(_config(tmp, tokenizer)),
+        [sys.executable, "-m", "tokencap.cli", "up", str(_config(tmp, tokenizer, head)),
          "--workers", "1", "--state-dir", str(tmp / "state")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=UP_TIMEOUT_S)
 
@@ -106,9 +108,10 @@ def test_up_stops_before_feeding_when_the_tokenizer_is_not_the_served_model(
 @pytest.mark.starts_stack
 def test_up_stops_within_30_s_when_the_engine_cannot_be_reached(tmp_path, redis,
                                                                  redis_url) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    err = _refused_before_anything(_up(tmp_path, QWEN, redis_url, dead), redis)
+    dead = f"http://127.0.0.1:{free_port()}"  # the default preflight_wait_s: tried for 20 s
+    err = _refused_before_anything(_up(tmp_path, QWEN, redis_url, dead, head=""), redis)
     assert f"engine {dead}: cannot reach it (connection refused)" in err
+    assert "preflight_wait_s = 20" in err
 
 
 @pytest.mark.starts_stack
@@ -201,7 +204,7 @@ def test_up_waits_for_an_engine_that_answers_503_to_its_first_probes(tmp_path, r
     # Given an engine that answers its first three generations with 503 (busy), then serves
     busy = FaultConfig(error_burst={503: 3})
     with SimServer(time_scale=1000.0, faults=busy, tokenizer=str(QWEN)) as sim:
-        done = _up(tmp_path, QWEN, redis_url, sim.url)
+        done = _up(tmp_path, QWEN, redis_url, sim.url, head="")
         faults = sim.stats()["faults_injected"]
     # Then `up` waited, said so on each try, and ran the config to its end
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
