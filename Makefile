@@ -11,10 +11,10 @@ LOAD ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help install up down workers status test test-fast lint typecheck soak bench clean
+.PHONY: help install up down workers status test test-fast test-engine lint typecheck soak bench clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 $(BIN)/tokencap: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,9 @@ test-fast: install ## ruff, mypy, and the tests not marked slow (no fault inject
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q -m "not slow"
+
+test-engine: install ## The real-engine tests against vLLM's CPU build (its venv and a tiny model made once under ~/.cache/tokencap; TOKENCAP_ENGINE_URL: your own server)
+	$(BIN)/python tests/engine/run.py
 
 soak: install ## Fault tests in a loop beside LOAD busy processes until each passes RUNS times in a row
 	$(BIN)/python -m tests.soak --runs $(RUNS) --load $(LOAD)

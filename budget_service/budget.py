@@ -33,7 +33,7 @@ REFUSED_STREAM_MAXLEN = 10_000
 SERIES_POINTS = 8640  # the time series' points kept: a day at one every 10 s
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "failed", "rejected", "waste",
-    "closed", "exhausted", "rate", "dup_prompts", "worst", "var",
+    "closed", "exhausted", "rate", "dup_prompts", "worst", "var", "oov", "prompt", "cached",
 )  # fmt: skip
 UNCAPPED = "none"  # the cap of an uncapped category, in Redis (lua/_lib.lua)
 STREAM_PAGE = 512  # entries read per XRANGE call
@@ -399,7 +399,8 @@ class Budget:
             keys=self._ck(result.category),
             args=[
                 result.id, result.counted_tokens, waste, bucket_of(result.completion_tokens),
-                f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result),
+                f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result), result.out_of_vocab,
+                result.prompt_tokens, result.cached_tokens or 0,
             ],  # fmt: skip
         )
         return _s(out[0]), int(out[1])
@@ -639,6 +640,11 @@ class Budget:
                 "duplicate_prompts": int(st["dup_prompts"]),
                 "reasons": {_s(k): int(v) for k, v in sorted(reasons.items())},
                 "unwritten": int(results) + int(dead),
+                # samples with output ids past the tokenizer's vocabulary; the prompt tokens
+                # committed, and those the engines served from their prefix cache
+                "out_of_vocab": int(st["oov"]),
+                "prompt_tokens": int(st["prompt"]),
+                "cached_tokens": int(st["cached"]),
             }
         writer = {"holder": None if holder is None else _s(holder),
                   "error": _s(wstate[b"error"]) if b"error" in wstate else None,

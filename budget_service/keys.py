@@ -58,6 +58,8 @@ for it while open: its pending, leases, parked, reserved, worst, var and seq ent
 State hash fields: cap (tokens, or "none"), used, reserved, worst (the most in-flight samples
 can still add), var (the variance of what they will add, tokens^2), samples, failed, rejected,
 waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s), dup_prompts,
+oov (committed samples with output ids past the tokenizer's vocabulary), prompt and cached
+(the committed samples' prompt tokens, and those the engine served from its prefix cache),
 cursor (the producer's position in the shuffled order; moved only by feed, compare-and-set).
 `final` values: `c:<counted>`, `r:<reason>`, `d:<kind>` (a sample held back by a closed
 category is not final: it waits parked, a conversation's next turn in `follow`).

@@ -60,7 +60,7 @@ from prometheus_client.core import (
 )
 
 from budget_service.budget import Budget, cap_text, now_ms, parse_cap
-from foundation.engine import engine_specs, read_load
+from foundation.engine import LoadReader, engine_specs
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +206,10 @@ def render_metrics(budget: Budget) -> bytes:
     return bytes(generate_latest(registry))
 
 
-def take_point(budget: Budget) -> dict[str, Any]:
-    """One point of the run's time series, as the recorder appends it."""
+def take_point(budget: Budget, loads: LoadReader | None = None) -> dict[str, Any]:
+    """One point of the run's time series, as the recorder appends it (`loads`: the
+    recorder's reader, which remembers the engines without /v1/loads)."""
+    loads = loads or LoadReader()
     st = budget.status()
     cats = {name: {k: c[k] for k in ("used", "samples", "cap", "state")}
             for name, c in st["categories"].items()}
@@ -216,7 +218,7 @@ def take_point(budget: Budget) -> dict[str, Any]:
     for url in st["engines"]:
         spec = keyed.get(url) or engine_specs([url])[0]
         try:
-            load, _ = read_load(requests.get, url, spec.headers(), LOAD_TIMEOUT_S)
+            load, _ = loads.read(url, spec.headers(), LOAD_TIMEOUT_S)
         except requests.RequestException:
             load = None
         engines[url] = {"running": load["running"], "queued": load["queued"]} if load else {}
@@ -231,11 +233,12 @@ class Recorder(threading.Thread):
         super().__init__(daemon=True, name="series-recorder")
         self.budget, self.every_s = budget, every_s
         self.stop_event = threading.Event()
+        self.loads = LoadReader()
 
     def run(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.budget.record_point(take_point(self.budget))
+                self.budget.record_point(take_point(self.budget, self.loads))
             except Exception as exc:  # Redis away, an engine odd: the next point will do
                 log.debug("time series point not recorded: %s", exc)
             self.stop_event.wait(self.every_s)

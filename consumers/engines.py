@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from foundation.engine import HEALTH_TIMEOUT_S, NO_LOAD_READINGS, read_load
+from foundation.engine import HEALTH_TIMEOUT_S, NO_LOAD_READINGS, LoadReader
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ class EngineState:
     queued: float = 0.0
     load_at: float = -1e9
     has_metrics: bool = True
-    has_loads: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -53,6 +52,7 @@ class EnginePool:
         self.adaptive_max_queue = adaptive_max_queue
         self.http = session or requests.Session()
         self.headers = headers or {}
+        self.loads = LoadReader(self.http.get)
         self._rng = random.Random()
 
     def _refresh(self, e: EngineState, max_age_s: float) -> None:
@@ -61,11 +61,9 @@ class EnginePool:
             return
         e.load_at = now
         try:
-            load, source = read_load(self.http.get, e.url, self.headers.get(e.url),
-                                     PROBE_TIMEOUT_S, try_loads=e.has_loads)
+            load, _source = self.loads.read(e.url, self.headers.get(e.url), PROBE_TIMEOUT_S)
         except requests.RequestException:
             return
-        e.has_loads = source == "loads"
         if load is None:
             e.has_metrics = False
             log.warning("engine %s: %s", e.url, NO_LOAD_READINGS)

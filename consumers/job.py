@@ -225,6 +225,14 @@ def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
     return "released"
 
 
+def _out_of_vocab(ids: list[int], cfg: RunConfig) -> int:
+    """How many of `ids` lie past the tokenizer's vocabulary (`vocab_size`, which the producer
+    stores from the tokenizer; unknown: none counted)."""
+    if cfg.vocab_size is None:
+        return 0
+    return sum(1 for t in ids if t >= cfg.vocab_size)
+
+
 def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
     truncated = gen.finish_reason == "length"
     counted = gen.completion_tokens + (gen.prompt_tokens if rc.cfg.count == "total" else 0)
@@ -240,6 +248,7 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
         conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
         model=gen.model, engine_version=gen.engine_version, simulated=gen.simulated,
         prefix_consistent=p.prefix_consistent, history_notes=p.history_notes,
+        cached_tokens=gen.cached_tokens, out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg),
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.budget.commit(result, waste, rate)

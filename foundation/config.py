@@ -88,6 +88,8 @@ class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     sampling_seed: int | None = None
+    # token id (as text) -> bias added to its logit, -100..100 (SGLang and vLLM both take it)
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
 
 
 class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -120,6 +122,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # a tokenizer folder whose tokenizer is the model's own code (Kimi's tokenization_kimi.py):
     # run it (SGLang's --trust-remote-code); off, such a folder is refused at validation
     trust_remote_code: bool = False
+    # the tokenizer's vocabulary size (`len(tokenizer)`): set by the producer from the
+    # tokenizer when unset; rows count the output ids at or past it (`out_of_vocab`)
+    vocab_size: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] = {}
     count: Literal["output", "total"] = "output"
     count_truncated: bool = True

@@ -206,6 +206,10 @@ class Generation(msgspec.Struct, frozen=True):
     model: str = ""
     engine_version: str = ""
     simulated: bool = False
+    # the prompt's prefix the engine served from its prefix cache (SGLang's
+    # meta_info.cached_tokens; vLLM's usage.prompt_tokens_details.cached_tokens, given with
+    # --enable-prompt-tokens-details); None when the engine does not say
+    cached_tokens: int | None = None
 
 
 # SGLang sampling param -> the OpenAI completions field (vLLM's names)
@@ -216,7 +220,7 @@ OPENAI_PARAMS = {
     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
+    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias",
 }  # fmt: skip
 
 
@@ -237,6 +241,7 @@ class _Meta(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     e2e_latency: float | None = None
+    cached_tokens: int | None = None
 
 
 class _Reply(msgspec.Struct):
@@ -245,9 +250,14 @@ class _Reply(msgspec.Struct):
     text: str = ""
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    prompt_tokens_details: _PromptDetails | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -292,7 +302,8 @@ def parse(api: str, body: bytes, n_prompt: int, engine: str, latency_s: float) -
         # early SGLang 0.5 releases (#10896, #17240): output_ids start with prompt ids
         ids = ids[-n:]
     return _checked(ids, meta.prompt_tokens, n, n_prompt, str(fr["type"]), fr, reply.text,
-                    meta.e2e_latency if meta.e2e_latency is not None else latency_s, engine)
+                    meta.e2e_latency if meta.e2e_latency is not None else latency_s, engine,
+                    meta.cached_tokens)
 
 
 def _parse_completion(body: bytes, n_prompt: int, engine: str, latency_s: float
@@ -320,12 +331,15 @@ def _parse_completion(body: bytes, n_prompt: int, engine: str, latency_s: float
         matched = choice.stop_reason if choice.stop_reason is not None else (
             ids[-1] if ids else None)
         fr = {"type": "stop", "matched": matched}
+    details = usage.prompt_tokens_details
     return _checked(ids, usage.prompt_tokens, usage.completion_tokens, n_prompt, fr["type"],
-                    fr, choice.text, latency_s, engine)
+                    fr, choice.text, latency_s, engine,
+                    details.cached_tokens if details is not None else None)
 
 
 def _checked(ids: list[int], n_prompt_engine: int, n: int, n_prompt: int, reason: str,
-             fr: dict[str, Any], text: str, latency_s: float, engine: str) -> Generation:
+             fr: dict[str, Any], text: str, latency_s: float, engine: str,
+             cached: int | None = None) -> Generation:
     if len(ids) != n:
         raise InvalidResponse(f"completion_tokens={n} but {len(ids)} ids returned")
     if n_prompt_engine != n_prompt:
@@ -333,7 +347,7 @@ def _checked(ids: list[int], n_prompt_engine: int, n: int, n_prompt: int, reason
                     n_prompt)
     return Generation(output_ids=ids, text=text, prompt_tokens=n_prompt_engine,
                       completion_tokens=n, finish_reason=reason, finish=fr,
-                      latency_s=latency_s, engine=engine)
+                      latency_s=latency_s, engine=engine, cached_tokens=cached)
 
 
 # -- what an engine serves -------------------------------------------------------------------
@@ -480,9 +494,10 @@ NO_LOAD_READINGS = ("no load readings (a router, or SGLang before 0.5.9 without 
 def read_load(get: Callable[..., requests.Response], url: str,
               headers: dict[str, str] | None, timeout: tuple[float, float],
               try_loads: bool = True) -> tuple[dict[str, float | None] | None, str]:
-    """An engine's load and where it was read: ``/v1/loads`` ("loads"), else ``/metrics``
-    ("metrics"); (None, "") when it has neither. `get` is `requests.get` or a session's;
-    its errors (and an HTTP error status) are raised as `requests.RequestException`."""
+    """An engine's load and where it was read: ``/v1/loads`` ("loads", unless `try_loads` is
+    false), else ``/metrics`` ("metrics"); (None, "") when it has neither. `get` is
+    `requests.get` or a session's; its errors (and an HTTP error status) are raised as
+    `requests.RequestException`. `LoadReader` remembers which engines have no /v1/loads."""
     if try_loads:
         r = get(f"{url}{LOADS_PATH}", timeout=timeout, headers=headers)
         if r.status_code != 404:
@@ -496,6 +511,25 @@ def read_load(get: Callable[..., requests.Response], url: str,
         return None, ""
     r.raise_for_status()
     return parse_metrics(r.text), "metrics"
+
+
+class LoadReader:
+    """One reader's view of engines' load (a worker's pool, the budget service's recorder, the
+    board): ``/v1/loads`` is asked of an engine until one reading came from elsewhere (a 404:
+    vLLM, SGLang before 0.5.9, a router), then only ``/metrics``."""
+
+    def __init__(self, get: Callable[..., requests.Response] = requests.get) -> None:
+        self.get = get
+        self.without_loads: set[str] = set()
+
+    def read(self, url: str, headers: dict[str, str] | None,
+             timeout: tuple[float, float]) -> tuple[dict[str, float | None] | None, str]:
+        """`read_load` of `url`, /v1/loads skipped where it was missing before."""
+        load, source = read_load(self.get, url, headers, timeout,
+                                 try_loads=url not in self.without_loads)
+        if source != "loads":
+            self.without_loads.add(url)
+        return load, source
 
 
 def parse_loads(doc: Any) -> dict[str, float | None]:

@@ -105,6 +105,11 @@ class Result(Struct, frozen=True):
     # output exactly (what a drafter trains on), and notes on how its history was built
     prefix_consistent: bool | None = None
     history_notes: list[str] = []
+    # the prompt's prefix the engine served from its cache (None: it does not say)
+    cached_tokens: int | None = None
+    # output ids at or past the tokenizer's vocabulary (a model's padding rows): a sign the
+    # engine serves another model, or a model that emits ids no text has
+    out_of_vocab: int = 0
 
 
 class DeadLetter(Struct, frozen=True):

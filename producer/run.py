@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from redis import Redis
 
 from budget_service.budget import Budget
@@ -41,6 +42,8 @@ def build_producer(
         if any(c.turns == "all" for c in cfg.category):
             log.info("generated turns enter the next prompt with the %s", replies.describe())
         cfg = with_stop_ids(cfg, set(replies.end_of_turn_ids))
+        if cfg.vocab_size is None:  # workers flag output ids past it
+            cfg = msgspec.structs.replace(cfg, vocab_size=int(renderer.vocab_size))
     indexes = {}
     for i, cat in enumerate(cfg.category):
         t0 = time.monotonic()

@@ -46,7 +46,8 @@ DEFAULT_OUTPUT_SIGMA = 0.8
 FAULT_STATUSES = frozenset({429, 500, 502, 503, 504})
 FLAVORS = ("sglang", "vllm")
 # vLLM reports this version; its OpenAI-compatible server returns token ids since 0.10.2
-VLLM_VERSION = "0.11.0"
+VLLM_BLOCK_TOKENS = 16  # vLLM's default KV block on a GPU: its prefix cache matches whole ones
+VLLM_VERSION = "0.32.0"  # the release the vLLM flavor answers as (read against the real one)
 
 
 def version(text: str) -> tuple[int, ...]:
@@ -147,6 +148,17 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # With a tokenizer: the model family whose grammar the answers follow (reasoning block,
     # tool calls, end of turn; SGLang's parser names, `sglang_sim.families`). None: Qwen's.
     family: str | None = None
+    # The prefix cache (`sglang_sim.prefix_cache`): its capacity in tokens (0: none) and page
+    # (0: the engine's own: SGLang's radix cache matches single tokens, vLLM whole blocks of
+    # 16 on a GPU, 128 in its CPU build)
+    prefix_cache_tokens: int = DEFAULT_MAX_TOTAL_TOKENS
+    prefix_cache_page_tokens: int = 0
+
+    def page_tokens(self) -> int:
+        """The prefix cache's page: a match is a whole number of these."""
+        if self.prefix_cache_page_tokens > 0:
+            return self.prefix_cache_page_tokens
+        return VLLM_BLOCK_TOKENS if self.flavor == "vllm" else 1
     trust_remote_code: bool = False  # the tokenizer folder's own code may run
     # Which server it plays: SGLang (its native API, of `sglang_version`: reply shapes,
     # error bodies, routes and the context rule of that release family) or vLLM (the

@@ -10,7 +10,8 @@ Model
 - A running request holds ``prompt_tokens + generated`` KV slots and gains one token per
   decode step. A step takes ``decode_base_s + decode_per_req_s * batch`` simulated seconds.
 - Admitting requests costs ``prefill_s_per_token`` per prompt (and re-prefilled) token, paid
-  before decoding resumes.
+  before decoding resumes; a prompt's prefix found in the prefix cache (`prefix_cache`) is not
+  prefilled on its first admission.
 - When the next step would overflow the KV pool, the most recently admitted request is
   retracted to the front of the queue (it keeps its tokens and is re-prefilled later), as
   SGLang does under memory pressure.
@@ -287,7 +288,9 @@ class Engine:
             if self._kv_used + req.kv_tokens() + headroom > cfg.max_total_tokens:
                 break
             self._waiting.popleft()
-            self._pending_prefill_s += cfg.prefill_s_per_token * req.kv_tokens()
+            # the prefix cache spares a first admission its cached prefix (not a re-prefill)
+            cached = req.job.cached_tokens if req.retractions == 0 else 0
+            self._pending_prefill_s += cfg.prefill_s_per_token * (req.kv_tokens() - cached)
             if req.generated >= req.stop_at:  # max_new_tokens == 0: prefill only
                 self._finish(req, req.job.finish_reason, aborted=False)
                 continue

@@ -37,6 +37,7 @@ class Job:
     max_new_tokens: int
     target_tokens: int
     finish_reason: dict[str, Any]
+    cached_tokens: int = 0  # the prompt's prefix served from the prefix cache: no prefill
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,17 @@ def render(
                  stats["token_usage"])):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
                       f"{name}{{{vlabel}}} {_fmt(value)}"]
+        for name, help_text, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                 "queried tokens.", stats.get("prefix_cache_queries", 0)),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                 "tokens.", stats.get("prefix_cache_hits", 0)),
+                ("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                 stats.get("prompt_tokens", 0)),
+                ("vllm:generation_tokens", "Number of generation tokens processed.",
+                 stats.get("generation_tokens", 0))):
+            lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter",
+                      f"{name}_total{{{vlabel}}} {_fmt(value)}"]
         return "\n".join(lines) + "\n"
     gauge("sglang:num_running_reqs", "The number of running requests.", stats["running"])
     gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.",

@@ -181,7 +181,7 @@ VLLM_PARAMS = {
     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "repetition_penalty": "repetition_penalty", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
+    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias",
 }  # fmt: skip
 VLLM_DEFAULT_MAX_TOKENS = 16
 
@@ -206,9 +206,14 @@ def parse_completion(body: Any, config: SimConfig) -> tuple[GenerateRequest, boo
     bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
     if bad is not None:
         raise bad_request(f"Token id {bad} is out of vocabulary")
-    if len(prompt) >= config.context_length:
-        raise bad_request(f"This model's maximum context length is {config.context_length} "
-                          f"tokens. However, your request has {len(prompt)} input tokens.")
+    if len(prompt) >= config.context_length:  # vLLM 0.32's words
+        raise ApiError(400, {"error": {
+            "message": f"This model's maximum context length is {config.context_length} "
+                       f"tokens. However, your prompt contains {len(prompt)} input tokens, "
+                       "which exceeds this limit even without any output tokens. Please "
+                       "reduce the length of the input prompt. (parameter=input_tokens, "
+                       f"value={len(prompt)})",
+            "type": "BadRequestError", "param": "input_tokens", "code": 400}})
     params = {VLLM_PARAMS[k]: v for k, v in body.items() if k in VLLM_PARAMS and v is not None}
     asked = params.get("max_new_tokens", VLLM_DEFAULT_MAX_TOKENS)
     if _is_int(asked):
@@ -323,12 +328,14 @@ def _verify(sp: dict[str, Any], vocab_size: int) -> None:
 def validate_generate(req: GenerateRequest, config: SimConfig) -> ValidRequest:
     """Run SGLang's checks on a parsed request; raise ApiError with SGLang's reply."""
     num_input = len(req.input_ids)
-    _check_context(num_input, req.sampling_params.get("max_new_tokens"), config)
+    vllm = config.flavor == "vllm"  # parse_completion checked and clamped to the context
+    if not vllm:
+        _check_context(num_input, req.sampling_params.get("max_new_tokens"), config)
     sp = _build_sampling(req.sampling_params, version(config.sglang_version))
     _verify(sp, config.vocab_size)
     if sp["n"] != 1:
         raise bad_request(f"n > 1 (parallel sampling) {NOT_SIMULATED}")
-    if num_input > config.max_req_input_len:
+    if not vllm and num_input > config.max_req_input_len:
         raise bad_request(
             f"Input length ({num_input} tokens) exceeds the maximum allowed length "
             f"({config.max_req_input_len} tokens). Use a shorter input or enable "
@@ -338,7 +345,8 @@ def validate_generate(req: GenerateRequest, config: SimConfig) -> ValidRequest:
     requested = sp["max_new_tokens"]
     if requested is None:
         requested = UNLIMITED_NEW_TOKENS
-    cap = max(0, min(requested, config.max_req_len - num_input - 1))
+    cap = max(0, min(requested, config.context_length - num_input if vllm else
+                     config.max_req_len - num_input - 1))
     return ValidRequest(
         rid=req.rid,
         input_ids=req.input_ids,

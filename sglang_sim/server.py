@@ -43,6 +43,7 @@ from sglang_sim.faults import FaultInjector
 from sglang_sim.jobs import DuplicateRidError, Job, QueueFullError
 from sglang_sim.metrics import LatencyHistogram, render, split
 from sglang_sim.outputs import natural_length, output_ids, render_text, request_seed
+from sglang_sim.prefix_cache import RadixCache
 from sglang_sim.protocol import (
     ApiError,
     ValidRequest,
@@ -73,6 +74,7 @@ TASK_KEY = web.AppKey("engine_task", asyncio.Task)
 # "requests_total" and one count per HTTP status of /generate replies.
 HTTP_KEY = web.AppKey("http_counts", Counter)
 TEXT_KEY = web.AppKey("text_outputs", TextOutputs)
+CACHE_KEY = web.AppKey("prefix_cache", RadixCache)
 # the sampling params of the last requests, as received (`GET /_sim/requests`)
 REQUESTS_KEY: web.AppKey[deque[dict[str, Any]]] = web.AppKey("request_log", deque)
 REQUEST_LOG_SIZE = 10_000
@@ -106,15 +108,25 @@ def _vllm_error(exc: ApiError) -> web.Response:
                             "param": None, "code": exc.status}}, exc.status, exc.headers)
 
 
+FORCING_BIAS = 100.0  # vLLM's and SGLang's largest logit bias: that token is sampled
+
+
 def build_job(
-    valid: ValidRequest, config: SimConfig, category: str | None, text: TextOutputs | None = None
+    valid: ValidRequest, config: SimConfig, category: str | None, text: TextOutputs | None = None,
+    cached: int = 0,
 ) -> tuple[Job, int, int, list[int] | None]:
     """The engine job of a validated request, with its output seed, natural length and, for
     a simulator with a tokenizer, its whole text-like answer (None: random ids)."""
     seed = request_seed(valid.input_ids, valid.sampling_seed, config.seed)
     natural = max(natural_length(seed, config.length_for(category)), valid.min_new_tokens)
     answer = None
-    if text is not None and not valid.ignore_eos:
+    forced = [int(t) for t, bias in (valid.sampling.get("logit_bias") or {}).items()
+              if float(bias) >= FORCING_BIAS]
+    if forced and not valid.ignore_eos:  # a bias that makes one token the only likely one
+        ends = {config.eos_token_id, *valid.stop_token_ids}
+        answer = [forced[0]] if forced[0] in ends else [forced[0]] * valid.max_new_tokens
+        natural = len(answer)
+    elif text is not None and not valid.ignore_eos:
         answer = text.natural_ids(seed, natural, valid.input_ids)
         stops = set(valid.stop_token_ids)
         cut = next((k for k, t in enumerate(answer) if t in stops), None)
@@ -130,7 +142,7 @@ def build_job(
     else:
         matched = answer[-1] if answer else config.eos_token_id
         target, reason = natural, {"type": "stop", "matched": matched}
-    job = Job(valid.rid, len(valid.input_ids), cap, target, reason)
+    job = Job(valid.rid, len(valid.input_ids), cap, target, reason, cached)
     return job, seed, natural, answer
 
 
@@ -183,9 +195,9 @@ class _Done:
     """A request the engine finished: its ids and what the reply reports."""
 
     def __init__(self, valid: ValidRequest, done: Any, ids: list[int], reported: int,
-                 text: str) -> None:
-        self.valid, self.done, self.ids, self.reported, self.text = (
-            valid, done, ids, reported, text)
+                 text: str, cached: int = 0) -> None:
+        self.valid, self.done, self.ids, self.reported, self.text, self.cached = (
+            valid, done, ids, reported, text, cached)
 
 
 async def _run(request: web.Request, parsed: Any) -> _Done:
@@ -198,8 +210,10 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
         raise fault
     valid = validate_generate(parsed, config)
     text = app.get(TEXT_KEY)
+    cache = app[CACHE_KEY]
+    cached = cache.match(valid.input_ids)
     job, seed, natural, answer = build_job(valid, config, request.headers.get(CATEGORY_HEADER),
-                                           text)
+                                           text, cached)
     try:
         done = await engine.generate(job)
     except QueueFullError as exc:
@@ -212,6 +226,12 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
         ids = output_ids(seed, done.completion_tokens, natural, vocab_size=config.vocab_size,
                          eos_token_id=config.eos_token_id, ignore_eos=valid.ignore_eos)
     app[E2E_KEY].observe(done.e2e_latency_s)
+    cache.insert([*valid.input_ids, *ids])
+    http = app[HTTP_KEY]
+    http["prefix_cache_queries"] += len(valid.input_ids)
+    http["prefix_cache_hits"] += cached
+    http["prompt_tokens"] += len(valid.input_ids)
+    http["generation_tokens"] += len(ids)
     if faults.should_reset():
         logger.info("simulated fault: dropping the connection of %s", done.rid)
         _drop_connection(request)
@@ -222,7 +242,7 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
     stall_s = faults.stall_s()
     if stall_s > 0:
         await asyncio.sleep(stall_s)
-    return _Done(valid, done, ids, reported, decoded)
+    return _Done(valid, done, ids, reported, decoded, cached)
 
 
 async def _body(request: web.Request) -> Any:
@@ -255,7 +275,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
             "prompt_token_ids": parsed.input_ids if want_ids else None,
         }],
         "usage": {"prompt_tokens": r.done.prompt_tokens, "completion_tokens": r.reported,
-                  "total_tokens": r.done.prompt_tokens + r.reported},
+                  "total_tokens": r.done.prompt_tokens + r.reported,
+                  # as vLLM with --enable-prompt-tokens-details
+                  "prompt_tokens_details": {"cached_tokens": r.cached},
+                  "completion_tokens_details": None},
     })
 
 
@@ -282,7 +305,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             "num_retractions": done.num_retractions,
             "reasoning_tokens": 0,
             "completion_tokens": r.reported,
-            "cached_tokens": 0,
+            "cached_tokens": r.cached,
             "e2e_latency": done.e2e_latency_s,
         },
     }
@@ -383,8 +406,11 @@ async def abort_request(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
     engine, config = app[ENGINE_KEY], app[CONFIG_KEY]
+    http = app[HTTP_KEY]
     text = render(
-        engine.stats(),
+        {**engine.stats(), "prefix_cache_queries": http["prefix_cache_queries"],
+         "prefix_cache_hits": http["prefix_cache_hits"], "prompt_tokens": http["prompt_tokens"],
+         "generation_tokens": http["generation_tokens"]},
         model_name=config.model_path,
         gen_throughput_tok_s=engine.decode_rate_tok_per_sim_s() * config.time_scale,
         e2e=app[E2E_KEY],
@@ -473,6 +499,7 @@ def create_app(config: SimConfig) -> web.Application:
     app[REQUESTS_KEY] = deque(maxlen=REQUEST_LOG_SIZE)
     if text is not None:
         app[TEXT_KEY] = text
+    app[CACHE_KEY] = RadixCache(config.prefix_cache_tokens, config.page_tokens())
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stop_engine)
     r = app.router

@@ -71,11 +71,18 @@ def redis_url(redis_server: RedisServer, redis: Redis) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests that start a stack (`starts_stack`) run inside tests/test_isolation.py,
-    beside a stack on the default port, when it is part of the session: not twice."""
-    if not any(item.path.name == "test_isolation.py" for item in items):
-        return
-    keep = [i for i in items if i.get_closest_marker("starts_stack") is None]
-    dropped = [i for i in items if i.get_closest_marker("starts_stack") is not None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    beside a stack on the default port, when it is part of the session: not twice. The tests
+    of a real engine (`real_engine`) run only when there is one (`make test-engine`, or
+    TOKENCAP_ENGINE_URL)."""
+    engine = bool(os.environ.get("TOKENCAP_ENGINE_URL") or
+                  os.environ.get("TOKENCAP_ENGINE_REQUIRED"))
+    isolation = any(item.path.name == "test_isolation.py" for item in items)
+
+    def dropped(item: pytest.Item) -> bool:
+        return (isolation and item.get_closest_marker("starts_stack") is not None) or (
+            not engine and item.get_closest_marker("real_engine") is not None)
+
+    gone = [i for i in items if dropped(i)]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = [i for i in items if not dropped(i)]

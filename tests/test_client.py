@@ -18,6 +18,7 @@ from consumers.client import (
     parse_reply,
 )
 from consumers.engines import EnginePool
+from foundation.engine import LoadReader
 from sglang_sim.testing import SimServer
 from tokencap.harness import free_port
 
@@ -189,6 +190,24 @@ class _Metrics:
                      {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": value - value // 2}]
             return _Reply(200, json.dumps({"version": "0.5.23", "loads": ranks}))
         return _Reply(200, f"sglang:num_queue_reqs {value}\n")
+
+
+def test_an_engine_without_v1_loads_is_asked_for_it_once_per_reader() -> None:
+    asked: list[str] = []
+    metrics = _Metrics([1])
+
+    def get(url: str, **kw: Any) -> _Reply:
+        asked.append(url.rsplit("/", 1)[-1].split("?")[0])
+        return metrics.get(url, **kw)
+
+    reader = LoadReader(get)
+    for _ in range(3):
+        load, source = reader.read("http://e", None, (1.0, 1.0))
+        assert source == "metrics" and load is not None and load["queued"] == 1
+    assert asked == ["loads", "metrics", "metrics", "metrics"]
+    # another reader (a restarted process: the engine may have been upgraded) asks again
+    LoadReader(get).read("http://e", None, (1.0, 1.0))
+    assert asked[-2:] == ["loads", "metrics"]
 
 
 def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> None:

@@ -284,6 +284,19 @@ def test_commit_twice_counts_once(budget: Budget) -> None:
     assert budget.redis.hlen(ck(budget).pending) == 0
 
 
+def test_commit_counts_prompt_cached_and_out_of_vocab_once(budget: Budget) -> None:
+    for sid in ("a", "b"):
+        feed(budget, sid)
+        budget.admit("code", sid, 10, LEASE_MS)
+    a = msgspec.structs.replace(result("a", 4), prompt_tokens=300, cached_tokens=256,
+                                out_of_vocab=2)
+    b = msgspec.structs.replace(result("b", 4), prompt_tokens=40)  # the engine did not say
+    for r in (a, b, a):  # the second commit of `a` is a duplicate: nothing counted again
+        budget.commit(r, 0, 0.0)
+    st = budget.status()["categories"]["code"]
+    assert (st["prompt_tokens"], st["cached_tokens"], st["out_of_vocab"]) == (340, 256, 1)
+
+
 def test_commit_closes_at_cap(budget: Budget) -> None:
     for sid in ("a", "b"):
         feed(budget, sid)

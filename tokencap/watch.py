@@ -27,7 +27,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from foundation.engine import NO_LOAD_READINGS, engine_spec, read_load
+from foundation.engine import NO_LOAD_READINGS, LoadReader, engine_spec
 from foundation.errors import TokencapError
 from tokencap.progress import SIMULATED_TEXT
 
@@ -50,10 +50,10 @@ class EngineLoad:
     readings: bool = True  # False: the engine has neither /v1/loads nor /metrics
 
 
-def _one_engine(item: str, timeout_s: float) -> EngineLoad:
+def _one_engine(item: str, timeout_s: float, loads: LoadReader) -> EngineLoad:
     spec = engine_spec(item)
     try:
-        m, _ = read_load(requests.get, spec.url, spec.headers(), (timeout_s, timeout_s))
+        m, _ = loads.read(spec.url, spec.headers(), (timeout_s, timeout_s))
     except requests.RequestException as exc:
         return EngineLoad(spec.url, False, error=type(exc).__name__)
     if m is None:
@@ -62,8 +62,10 @@ def _one_engine(item: str, timeout_s: float) -> EngineLoad:
                       token_usage=m["token_usage"], gen_throughput=m["gen_throughput"])
 
 
-def engine_load(urls: list[str], timeout_s: float = ENGINE_TIMEOUT_S) -> list[EngineLoad]:
-    """Each engine's load, in the order of `urls`, read in parallel.
+def engine_load(urls: list[str], timeout_s: float = ENGINE_TIMEOUT_S,
+                loads: LoadReader | None = None) -> list[EngineLoad]:
+    """Each engine's load, in the order of `urls`, read in parallel (`loads`: a board's
+    reader kept between boards, which remembers the engines without /v1/loads).
 
     An engine that refuses the connection, times out (connect or read, each `timeout_s`) or
     answers with an HTTP error is returned with `up=False`; this never raises for that.
@@ -71,7 +73,8 @@ def engine_load(urls: list[str], timeout_s: float = ENGINE_TIMEOUT_S) -> list[En
     if not urls:
         return []
     with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="watch-engine") as pool:
-        return list(pool.map(lambda u: _one_engine(u, timeout_s), urls))
+        reader = loads or LoadReader()
+        return list(pool.map(lambda u: _one_engine(u, timeout_s, reader), urls))
 
 
 class CategoryRate(NamedTuple):
@@ -344,13 +347,14 @@ def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
     tracker = RateTracker()
     stop = threading.Event()
     engine_timeout_s = min(ENGINE_TIMEOUT_S, max(interval_s, 0.1))
+    loads = LoadReader()
 
     def frame() -> tuple[dict, dict[str, CategoryRate], list[EngineLoad], int]:
         status = fetch_status()
         points = fetch_series() if fetch_series else []
         rates = series_rates(points, status, time.time()) if points else \
             tracker.update(status)
-        return status, rates, engine_load(engine_urls, engine_timeout_s), count_workers()
+        return status, rates, engine_load(engine_urls, engine_timeout_s, loads), count_workers()
 
     def board() -> Group:
         return render_board(*frame(), width=console.width)

@@ -2,7 +2,8 @@
 -- KEYS: the category's keys (_lib.lua)
 -- ARGV[1] sample id  ARGV[2] counted tokens  ARGV[3] waste tokens  ARGV[4] hist bucket
 -- ARGV[5] observed decode rate (tok/s per request, 0 = none)  ARGV[6] EWMA weight
--- ARGV[7] result JSON
+-- ARGV[7] result JSON  ARGV[8] its output ids outside the tokenizer's vocabulary (count)
+-- ARGV[9] its prompt tokens  ARGV[10] its prompt tokens the engine served from cache
 -- Returns {'ok', used}, or {'dup', used} when the sample was final before (then it only
 -- clears what the ledger still kept for the sample).
 local s = ARGV[1]
@@ -16,6 +17,9 @@ local used = redis.call('HINCRBY', K.state, 'used', counted)
 redis.call('HINCRBY', K.state, 'samples', 1)
 if tonumber(ARGV[3]) > 0 then redis.call('HINCRBY', K.state, 'waste', ARGV[3]) end
 redis.call('HINCRBY', K.hist, ARGV[4], 1)
+if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', K.state, 'oov', 1) end
+redis.call('HINCRBY', K.state, 'prompt', ARGV[9])
+if tonumber(ARGV[10]) > 0 then redis.call('HINCRBY', K.state, 'cached', ARGV[10]) end
 local x = tonumber(ARGV[5])
 if x > 0 then
   local old = tonumber(redis.call('HGET', K.state, 'rate') or '')
