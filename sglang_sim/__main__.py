@@ -51,6 +51,10 @@ _OVERRIDES: tuple[tuple[str, str, type, str], ...] = (
     ("--decode-per-req-s", "decode_per_req_s", float,
      "added decode step time per running request, seconds"),
     ("--prefill-s-per-token", "prefill_s_per_token", float, "prefill time per prompt token, s"),
+    ("--prefix-cache-tokens", "prefix_cache_tokens", int,
+     "prefix cache capacity in tokens (0: none); cached prompt prefixes are not prefilled"),
+    ("--prefix-cache-page-tokens", "prefix_cache_page_tokens", int,
+     "prefix cache page: matches are whole pages (0: 1 for SGLang, 16 for vLLM)"),
     ("--model-path", "model_path", str, "model name reported by the server"),
     ("--flavor", "flavor", str, "the server played: sglang (native /generate) or vllm "
      "(OpenAI-compatible /v1/completions with token ids)"),

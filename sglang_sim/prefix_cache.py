@@ -4,15 +4,26 @@ radix_cache.py: `match_prefix`, `insert`, `evict`) and vLLM's automatic prefix c
 blocks of it.
 
 - `match(ids)`: the length of the longest cached prefix of a prompt, in whole pages
-  (`page_tokens`: SGLang 1, vLLM its block size), and never the whole prompt (the last
-  prompt token is always computed, as both engines do); the path is marked recently used.
-- `insert(ids)`: a finished request's prompt and output enter the tree; leaves least
-  recently used are evicted while the tree holds more than `capacity_tokens`.
+  (`page_tokens`: SGLang's `page_size`, 1 by default; vLLM's block size), and never the
+  whole prompt (the last prompt token is always computed: SGLang's
+  `Req.adjust_max_prefix_ids` keeps at least one, vLLM's scheduler too); the path is marked
+  recently used (SGLang's `last_access_time`).
+- `insert(ids)`: a finished request's tokens enter the tree: the server inserts its prompt
+  and output but the last output token, whose KV was never computed (SGLang's
+  `cache_finished_req` inserts `(origin_input_ids + output_ids)[:-1]`); an edge is split
+  where a new sequence leaves it, as `_split_node` does; leaves least recently used are
+  evicted while the tree holds more than `capacity_tokens` (SGLang's `evict` pops leaves by
+  last access from a heap, a parent becoming a leaf joining it).
 
-Where it simplifies: SGLang shares one KV pool between the running batch and the cache, and
-never evicts a node a running request holds (lock refs); here the cache has its own capacity
-and a request's prefix is matched when it arrives, not when it is scheduled. vLLM hashes
-blocks rather than walking a tree; both give the same longest-prefix lengths.
+Where it simplifies: SGLang shares one KV pool between the running batch and the cache, so
+the cache shrinks as the batch grows, and never evicts a node a running request holds
+(`lock_ref`); here the cache has its own capacity, and a request's prefix is matched when it
+arrives, not when the scheduler admits it. Only finished requests are inserted (SGLang also
+inserts chunked prefills as they go: `cache_unfinished_req`). Insertion is not page-aligned
+(SGLang drops the partial last page; a match is page-aligned all the same). SGLang's
+scheduler orders its queue by longest prefix match (`schedule_policy`, off beyond 128 waiting
+requests); the simulator serves its queue first come, first served. vLLM hashes blocks
+rather than walking a tree; both give the same longest-prefix lengths.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
         ids = output_ids(seed, done.completion_tokens, natural, vocab_size=config.vocab_size,
                          eos_token_id=config.eos_token_id, ignore_eos=valid.ignore_eos)
     app[E2E_KEY].observe(done.e2e_latency_s)
-    cache.insert([*valid.input_ids, *ids])
+    cache.insert([*valid.input_ids, *ids][:-1])  # the last token's KV was never computed
     http = app[HTTP_KEY]
     http["prefix_cache_queries"] += len(valid.input_ids)
     http["prefix_cache_hits"] += cached

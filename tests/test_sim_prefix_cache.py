@@ -77,6 +77,7 @@ def test_sglang_replies_report_the_cached_prefix() -> None:
             r = requests.post(f"{sim.url}/generate", timeout=TIMEOUT_S, json={
                 "input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
             return int(r.json()["meta_info"]["cached_tokens"])
+        # the prompt and the output but its last token were cached: the prompt, bar its last
         assert (cached(), cached()) == (0, 299)
 
 
