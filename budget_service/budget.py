@@ -34,6 +34,7 @@ SERIES_POINTS = 8640  # the time series' points kept: a day at one every 10 s
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "failed", "rejected", "waste",
     "closed", "exhausted", "rate", "dup_prompts", "worst", "var", "oov", "prompt", "cached",
+    "reusable",
 )  # fmt: skip
 UNCAPPED = "none"  # the cap of an uncapped category, in Redis (lua/_lib.lua)
 STREAM_PAGE = 512  # entries read per XRANGE call
@@ -55,6 +56,7 @@ class FollowUp(NamedTuple):
     sample_id: str
     ordinal: int
     outputs: list[list[int]]
+    engine: str = ""  # the engine that served the turn before ("": unknown)
 
 
 class TurnEvent(NamedTuple):
@@ -67,11 +69,12 @@ class TurnEvent(NamedTuple):
     next_id: str | None = None
     ordinal: int = 0
     drop: tuple[str, ...] = ()
+    engine: str = ""  # the engine that served the turn: the next one prefers it
 
     def args(self) -> list[Any]:
         if self.next_id is not None:
             return ["next", self.turn_id, encode(self.output_ids or []), self.next_id,
-                    self.ordinal]
+                    self.ordinal, self.engine]
         return ["end", len(self.drop), *self.drop]
 
 
@@ -87,7 +90,7 @@ def turn_event(rec: Result | DeadLetter, output_ids: list[int] | None = None
         return None
     if isinstance(rec, Result) and rec.turn < rec.turns_total:
         return TurnEvent(rec.id, rec.output_ids if output_ids is None else output_ids,
-                         turn_id(conv, rec.turn + 1), rec.ordinal)
+                         turn_id(conv, rec.turn + 1), rec.ordinal, engine=rec.engine)
     return TurnEvent(rec.id, drop=tuple(turn_id(conv, j) for j in range(1, rec.turn)))
 
 
@@ -109,6 +112,20 @@ def parse_cap(text: str) -> int | None:
     if cap < 0:
         raise ValueError(f"a cap is >= 0 tokens or \"none\", got {text!r}")
     return cap
+
+
+CACHE_COUNTERS = {"samples": "samples", "prompt": "prompt_tokens", "cached": "cached_tokens",
+                  "reusable": "reusable_tokens"}
+
+
+def _cache_by_engine(raw: dict[bytes, bytes]) -> dict[str, dict[str, int]]:
+    """A category's `cache` hash (fields `<engine URL> <counter>`) as {url: {counter: n}}."""
+    out: dict[str, dict[str, int]] = {}
+    for k, v in raw.items():
+        url, _, counter = _s(k).rpartition(" ")
+        row = out.setdefault(url, dict.fromkeys(CACHE_COUNTERS.values(), 0))
+        row[CACHE_COUNTERS[counter]] = int(v)
+    return dict(sorted(out.items()))
 
 
 def cap_value(raw: Any) -> int | None:
@@ -235,11 +252,15 @@ class Budget:
             fields = [turn_id(split[0], j) for j in range(1, split[1])] if split else []
             earlier.append(fields)
             pipe.hmget(ck.history, fields or ["-"])
+        pipe.hmget(ck.engine_of, [raw for raw, _ordinal in waiting])
+        *histories, engines = pipe.execute()
         out = []
-        for (raw, ordinal), fields, outs in zip(waiting, earlier, pipe.execute(), strict=True):
+        for (raw, ordinal), fields, outs, engine in zip(waiting, earlier, histories, engines,
+                                                        strict=True):
             history = [None if v is None else msgspec.json.decode(v, type=list[int])
                        for v in outs[: len(fields)]]
-            out.append(FollowUp(_s(raw), int(ordinal), history))  # type: ignore[arg-type]
+            out.append(FollowUp(_s(raw), int(ordinal), history,  # type: ignore[arg-type]
+                                _s(engine) if engine else ""))
         return out
 
     def restore_followups(self, category: str, events: Sequence[TurnEvent]) -> None:
@@ -400,7 +421,8 @@ class Budget:
             args=[
                 result.id, result.counted_tokens, waste, bucket_of(result.completion_tokens),
                 f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result), result.out_of_vocab,
-                result.prompt_tokens, result.cached_tokens or 0,
+                result.prompt_tokens, result.cached_tokens or 0, result.reusable_tokens or 0,
+                result.engine,
             ],  # fmt: skip
         )
         return _s(out[0]), int(out[1])
@@ -589,8 +611,10 @@ class Budget:
         raw = self.redis.hgetall(self.keys.engines)
         return {_s(k): int(v) for k, v in raw.items()}
 
-    def status(self, categories: list[str] | None = None) -> dict[str, Any]:
-        """The `tokencap status --json` document."""
+    def status(self, categories: list[str] | None = None,
+               by_engine: bool = False) -> dict[str, Any]:
+        """The `tokencap status --json` document; with `by_engine`, each category's prefix
+        cache counters per engine (`engines`: samples, prompt, cached and reusable tokens)."""
         if categories is None:
             cfg = self.load_config()
             categories = [c.name for c in cfg.category] if cfg else []
@@ -605,15 +629,17 @@ class Budget:
             pipe.xlen(ck.results)
             pipe.xlen(ck.dead)
             pipe.zcard(ck.follow)
+            if by_engine:
+                pipe.hgetall(ck.cache)
         pipe.get(self.keys.writer_lock)
         pipe.hgetall(self.keys.writer_state)
         pipe.hgetall(self.keys.engine_info)
         *raw, holder, wstate, engines_raw = pipe.execute()
-        per = 8
+        per = 9 if by_engine else 8
         cats: dict[str, Any] = {}
         for i, name in enumerate(categories):
             vals, pending, inflight, parked, reasons, results, dead, follow = \
-                raw[per * i : per * i + per]
+                raw[per * i : per * i + 8]
             st = {f: (v.decode() if v else "0") for f, v in zip(STATE_FIELDS, vals, strict=True)}
             cap, used = cap_value(st["cap"]), int(st["used"])
             state = "closed" if st["closed"] == "1" else "open"
@@ -645,7 +671,12 @@ class Budget:
                 "out_of_vocab": int(st["oov"]),
                 "prompt_tokens": int(st["prompt"]),
                 "cached_tokens": int(st["cached"]),
+                # the prompt tokens shared with the turn before: what a prefix cache could
+                # have served (conversations' later turns)
+                "reusable_tokens": int(st["reusable"]),
             }
+            if by_engine:
+                cats[name]["engines"] = _cache_by_engine(raw[per * i + 8])
         writer = {"holder": None if holder is None else _s(holder),
                   "error": _s(wstate[b"error"]) if b"error" in wstate else None,
                   "unwritten": sum(c["unwritten"] for c in cats.values())}

@@ -41,6 +41,12 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:retried`    | set    | retry (dead samples sent again: | reconcile (their   | run       |
 |                      |        | their dead letter on disk is    | dead letter is not |           |
 |                      |        | history, not their end)         | final)             |           |
+| `P:{cat}:engine_of`  | hash   | acknowledge (next turn id -> the| producer (the next | to final  |
+|                      |        | engine that served the turn     | turn prefers it)   |           |
+|                      |        | before); final samples drop it  |                    |           |
+| `P:{cat}:cache`      | hash   | commit (per engine: samples,    | status, `/metrics` | run       |
+|                      |        | prompt, cached, reusable tokens;|                    |           |
+|                      |        | field `<engine URL> <counter>`) |                    |           |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -58,8 +64,9 @@ for it while open: its pending, leases, parked, reserved, worst, var and seq ent
 State hash fields: cap (tokens, or "none"), used, reserved, worst (the most in-flight samples
 can still add), var (the variance of what they will add, tokens^2), samples, failed, rejected,
 waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s), dup_prompts,
-oov (committed samples with output ids past the tokenizer's vocabulary), prompt and cached
-(the committed samples' prompt tokens, and those the engine served from its prefix cache),
+oov (committed samples with output ids past the tokenizer's vocabulary), prompt, cached and
+reusable (the committed samples' prompt tokens, those the engine served from its prefix
+cache, and those shared with the turn before: what a cache could have served),
 cursor (the producer's position in the shuffled order; moved only by feed, compare-and-set).
 `final` values: `c:<counted>`, `r:<reason>`, `d:<kind>` (a sample held back by a closed
 category is not final: it waits parked, a conversation's next turn in `follow`).
@@ -99,6 +106,8 @@ class CategoryKeys(NamedTuple):
     cut: str
     events: str
     retried: str
+    cache: str
+    engine_of: str
 
 
 class Keys:

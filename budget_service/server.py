@@ -29,6 +29,10 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_samples_total{outcome}` | counter | committed, failed, rejected |
 | `tokencap_waste_tokens_total` | counter | tokens of outputs cut at max_new_tokens |
 | `tokencap_failure_reasons_total{reason}` | counter | rejected and dead samples by reason |
+| `tokencap_out_of_vocab_samples_total` | counter | samples with ids past the vocabulary |
+| `tokencap_prompt_tokens_total{engine}` | counter | prompt tokens of committed samples |
+| `tokencap_cached_tokens_total{engine}` | counter | of them, from the engine's prefix cache |
+| `tokencap_reusable_tokens_total{engine}` | counter | of them, shared with the turn before |
 | `tokencap_engine_requests_total{engine,outcome}` | counter | requests the workers sent |
 | `tokencap_engine_request_duration_seconds{engine}` | histogram | their latency |
 | `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
@@ -87,6 +91,14 @@ CATEGORY_GAUGES = (
     ("unwritten", "tokencap_results_unwritten",
      "Results and dead letters committed but not yet on disk"),
 )
+CACHE_COUNTERS = (
+    ("prompt_tokens", "tokencap_prompt_tokens", "Prompt tokens of committed samples"),
+    ("cached_tokens", "tokencap_cached_tokens",
+     "Prompt tokens the engine served from its prefix cache (as its replies say)"),
+    ("reusable_tokens", "tokencap_reusable_tokens",
+     "Prompt tokens shared with the conversation's turn before: what a prefix cache could "
+     "have served"),
+)
 SAMPLE_OUTCOMES = (("samples", "committed"), ("failed", "failed"), ("rejected", "rejected"))
 
 
@@ -126,6 +138,18 @@ def _category_metrics(status: dict[str, Any]) -> Iterator[Metric]:
     for cat, st in cats.items():
         c.add_metric([run, cat], st["waste_tokens"])
     yield c
+    c = CounterMetricFamily("tokencap_out_of_vocab_samples",
+                            "Committed samples with output ids past the tokenizer's vocabulary",
+                            labels=labels)
+    for cat, st in cats.items():
+        c.add_metric([run, cat], st["out_of_vocab"])
+    yield c
+    for field, name, help_text in CACHE_COUNTERS:
+        c = CounterMetricFamily(name, help_text, labels=[*labels, "engine"])
+        for cat, st in cats.items():
+            for url, row in (st.get("engines") or {}).items():
+                c.add_metric([run, cat, url], row[field])
+        yield c
     c = CounterMetricFamily("tokencap_failure_reasons",
                             "Samples rejected or dead-lettered, by reason",
                             labels=[*labels, "reason"])
@@ -192,7 +216,7 @@ class BudgetCollector:
         self.budget = budget
 
     def collect(self) -> Iterator[Metric]:
-        status = self.budget.status()
+        status = self.budget.status(by_engine=True)
         yield from _category_metrics(status)
         yield from _writer_metrics(status["run"], status["writer"])
         yield from _engine_metrics(status["run"], self.budget.engine_counts(),
@@ -270,7 +294,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             if url.path == "/":
                 self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
             elif url.path == "/status":
-                self._json(200, budget.status())
+                self._json(200, budget.status(by_engine=True))
             elif url.path == "/series":
                 query = parse_qs(url.query)
                 count = query.get("count", [""])[0]

@@ -143,9 +143,11 @@ class EngineClient:
         return auto_read_timeout(max_new_tokens, decode_tok_s)
 
     def generate(self, input_ids: list[int], sampling: dict[str, Any], category: str,
-                 decode_tok_s: float = 0.0) -> Generation:
+                 decode_tok_s: float = 0.0, prefer: str = "", affinity: str = "") -> Generation:
+        """One generation, from the engine `EnginePool.order` puts first (`prefer`, then
+        `affinity`'s, unless loaded well above another), the next ones if it is unreachable."""
         last: EngineError | None = None
-        for url in self.pool.order():
+        for url in self.pool.order(prefer, affinity):
             waits = self.pool.gate(url)
             if waits:
                 self.stats.gate_waits(url, waits)

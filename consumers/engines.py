@@ -1,5 +1,19 @@
-"""Choosing an engine: least loaded of two random picks, health checks, and an optional
-adaptive gate that keeps each engine's waiting queue short.
+"""Choosing an engine: affinity (a conversation's next turn to the engine that served the
+turn before, samples sharing a long prompt prefix to one engine), else the least loaded of
+two random picks; health checks; an optional adaptive gate that keeps each engine's waiting
+queue short.
+
+Affinity keeps prefill in the engines' prefix caches (SGLang's radix cache, vLLM's prefix
+caching): a follow-up turn's prompt is the turn before's prompt and output plus a little,
+and prompts that start alike (a tool schema) need it once per engine that serves them. The
+preferred engine is the one that served the turn before (`prefer`), else for an affinity key
+the healthy engine ranked first for that key by rendezvous hashing (every worker ranks alike,
+with no coordination; an engine down moves only its own keys). It is passed over for the
+least loaded of two random picks when it is down, when more requests wait in its queue than
+in another engine's picked at random (a full batch: a cache hit is not worth a wait for a
+slot), or when it is loaded well above that engine (`AFFINITY_SLACK` requests, or
+`AFFINITY_SLACK_FRAC` of that engine's load). A router (sglang-router, cache-aware) is one
+engine here: it routes on the `input_ids` itself.
 
 Load is what the engines report (running + queued requests): SGLang's `/v1/loads` (0.5.9
 and later, `foundation.engine.parse_loads`), else the Prometheus `/metrics` page
@@ -12,6 +26,7 @@ answers 200 (SGLang's `/health` runs a one-token generation: the probe waits for
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -25,6 +40,8 @@ from foundation.engine import HEALTH_TIMEOUT_S, NO_LOAD_READINGS, LoadReader
 log = logging.getLogger(__name__)
 
 LOAD_REFRESH_S = 1.0
+AFFINITY_SLACK = 4  # requests: the preferred engine may be this much busier than another
+AFFINITY_SLACK_FRAC = 0.125  # ... or this share of that one's load, whichever is more
 GATE_REFRESH_S = 0.1
 GATE_WAIT_S = 0.2
 DOWN_S = 5.0
@@ -40,6 +57,12 @@ class EngineState:
     load_at: float = -1e9
     has_metrics: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _rank(key: str, url: str) -> int:
+    """Rendezvous hashing: the engine with the highest rank for a key is the key's engine."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest(),
+                          "big")
 
 
 class EnginePool:
@@ -92,9 +115,11 @@ class EnginePool:
                     log.warning("engine %s taken out for %.0f s", url, DOWN_S)
                 e.down_until = time.monotonic() + DOWN_S
 
-    def order(self) -> list[str]:
-        """Engines to try, best first: of two random healthy picks the less loaded one,
-        then the rest; engines due for a health check are probed first."""
+    def order(self, prefer: str = "", affinity: str = "") -> list[str]:
+        """Engines to try, best first: the preferred one (`prefer`, else `affinity`'s: the
+        module docstring) unless it is down or loaded well above another random pick, else
+        of two random healthy picks the less loaded one; then the rest, least loaded first.
+        Engines due for a health check are probed first."""
         healthy = []
         for e in self.engines:
             if e.down_until and e.down_until <= time.monotonic():
@@ -104,12 +129,31 @@ class EnginePool:
         down = [e.url for e in self.engines if e not in healthy]
         if len(healthy) <= 1:
             return [e.url for e in healthy] + down
-        a, b = self._rng.sample(healthy, 2)
-        for e in (a, b):
-            self._refresh(e, LOAD_REFRESH_S)
-        first = a if a.load <= b.load else b
+        first = self._preferred(healthy, prefer, affinity)
+        if first is None:
+            a, b = self._rng.sample(healthy, 2)
+            for e in (a, b):
+                self._refresh(e, LOAD_REFRESH_S)
+            first = a if a.load <= b.load else b
         rest = sorted((e for e in healthy if e is not first), key=lambda e: e.load)
         return [first.url] + [e.url for e in rest] + down
+
+    def _preferred(self, healthy: list[EngineState], prefer: str, affinity: str
+                   ) -> EngineState | None:
+        """The engine affinity picks among `healthy`, if it is not loaded well above another
+        random pick (None: no affinity, or it is)."""
+        target = next((e for e in healthy if e.url == prefer), None) if prefer else None
+        if target is None and affinity:
+            target = max(healthy, key=lambda e: _rank(affinity, e.url))
+        if target is None:
+            return None
+        other = self._rng.choice([e for e in healthy if e is not target])
+        for e in (target, other):
+            self._refresh(e, LOAD_REFRESH_S)
+        if target.queued > other.queued and target.load > other.load:
+            return None  # requests wait there for a batch slot, and fewer elsewhere
+        slack = max(AFFINITY_SLACK, AFFINITY_SLACK_FRAC * other.load)
+        return target if target.load <= other.load + slack else None
 
     def gate(self, url: str) -> int:
         """Adaptive concurrency: wait while the engine's waiting queue is at its bound.

@@ -196,14 +196,16 @@ def process(ref: dict[str, Any]) -> str:
         return status
     assert pending is not None
     _heartbeat.track(_Beat(rc, cat, job.sample_id, extra, time.monotonic()))
+    sent_at_ms = now_ms()
     try:
-        gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name, rate)
+        gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name, rate,
+                                 prefer=pending.prefer_engine, affinity=pending.affinity)
     except EngineError as exc:
         return _failed(rc, cat, pending, exc)
     finally:
         _heartbeat.track(None)
         rc.client.stats.flush(budget)
-    return _commit(rc, cat, pending, gen)
+    return _commit(rc, cat, pending, gen, sent_at_ms)
 
 
 def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
@@ -233,7 +235,7 @@ def _out_of_vocab(ids: list[int], cfg: RunConfig) -> int:
     return sum(1 for t in ids if t >= cfg.vocab_size)
 
 
-def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
+def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_ms: int) -> str:
     truncated = gen.finish_reason == "length"
     counted = gen.completion_tokens + (gen.prompt_tokens if rc.cfg.count == "total" else 0)
     waste = gen.completion_tokens if truncated else 0
@@ -245,10 +247,12 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation) -> str:
         finish_reason=gen.finish_reason, text=gen.text, sampling=p.sampling,
         counted_tokens=counted, ordinal=p.ordinal, source_id=p.source_id, where=p.where,
         finish=gen.finish, engine=gen.engine, latency_s=round(gen.latency_s, 4),
+        fed_at_ms=p.fed_at_ms, sent_at_ms=sent_at_ms,
         conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
         model=gen.model, engine_version=gen.engine_version, simulated=gen.simulated,
         prefix_consistent=p.prefix_consistent, history_notes=p.history_notes,
-        cached_tokens=gen.cached_tokens, out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg),
+        cached_tokens=gen.cached_tokens, reusable_tokens=p.reusable_tokens,
+        out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg),
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.budget.commit(result, waste, rate)

@@ -135,6 +135,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     context_length: PositiveInt | None = None
     expected_tokens: PositiveInt = 512
     high_water: PositiveInt = 16
+    # send a conversation's next turn to the engine that served the turn before, and prompts
+    # sharing their first tokens to one engine (their prefix caches), unless it is much busier
+    affinity: bool = True
     lease_s: PositiveFloat = 30.0
     heartbeat_s: PositiveFloat = 2.0
     max_attempts: PositiveInt = 4

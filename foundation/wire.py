@@ -72,6 +72,14 @@ class Pending(Struct, frozen=True):
     # and what its history holds that the model did not say (`producer.feeder._prefix`)
     prefix_consistent: bool | None = None
     history_notes: list[str] = []
+    # the prompt tokens it shares with turn j's prompt + output: what the engine that served
+    # turn j may still hold in its prefix cache (None on turn 1 and single samples)
+    reusable_tokens: int | None = None
+    # where to send it (`consumers.engines`): the engine that served the conversation's turn
+    # before, and a key of its prompt's first tokens (samples sharing a long prefix share it)
+    prefer_engine: str = ""
+    affinity: str = ""
+    fed_at_ms: int = 0  # when the producer fed it (Unix ms)
 
 
 class Result(Struct, frozen=True):
@@ -93,6 +101,9 @@ class Result(Struct, frozen=True):
     finish: dict[str, Any] | None = None
     engine: str = ""
     latency_s: float = 0.0
+    # when the producer fed it, when a worker sent it (Unix ms; + latency_s: when it came back)
+    fed_at_ms: int = 0
+    sent_at_ms: int = 0
     conversation_id: str | None = None
     turn: int = 0
     turns_total: int = 0
@@ -105,8 +116,10 @@ class Result(Struct, frozen=True):
     # output exactly (what a drafter trains on), and notes on how its history was built
     prefix_consistent: bool | None = None
     history_notes: list[str] = []
-    # the prompt's prefix the engine served from its cache (None: it does not say)
+    # the prompt's prefix the engine served from its cache (None: it does not say), and what
+    # it could have: the prompt tokens shared with the turn before (`Pending.reusable_tokens`)
     cached_tokens: int | None = None
+    reusable_tokens: int | None = None
     # output ids at or past the tokenizer's vocabulary (a model's padding rows): a sign the
     # engine serves another model, or a model that emits ids no text has
     out_of_vocab: int = 0

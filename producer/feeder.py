@@ -21,10 +21,12 @@ lease, which the reaper enqueues again once the lease has passed.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -59,6 +61,7 @@ from producer.replies import ReplyParser, Unparsed, reply_parser
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 256
+FEED_CHUNK = 64  # new samples read and rendered per category per tick, at most
 UNPARK_BATCH = 1024
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
@@ -69,6 +72,13 @@ RUN_ID_CHECK_S = 1.0
 # No tokenizer packs more characters than this into one token: longer prompts are rejected
 # before tokenizing (a 50 MB line must not stall the producer).
 MAX_CHARS_PER_TOKEN = 32
+# Prompts whose first AFFINITY_PREFIX_TOKENS ids agree share an affinity key: the engines send
+# them to one engine, whose prefix cache then holds that prefix once (a tool schema, a long
+# system prompt). A shorter shared prefix is cheap for every engine to hold.
+AFFINITY_PREFIX_TOKENS = 256
+# A prompt gets its key only once another prompt had it (a unique prompt has nothing to share:
+# it goes to the least loaded engine as without affinity); the keys seen, the last ones kept.
+AFFINITY_KEYS_KEPT = 1 << 16
 CONTEXT_UNKNOWN_TOKENS = 1 << 20
 
 
@@ -137,6 +147,8 @@ class Producer:
         self._events_after: dict[str, str] | None = None  # the event log read so far
         self.reap_every_s = min(REAP_EVERY_S, cfg.lease_s / 4)
         self._replies: ReplyParser | None = None
+        self._feedable = len(cfg.category)  # categories that can be fed, as of the last tick
+        self._keys_seen: OrderedDict[str, None] = OrderedDict()  # affinity keys, last first
 
     @property
     def replies(self) -> ReplyParser:
@@ -156,6 +168,7 @@ class Producer:
         work = 0
         status = self.budget.status(list(self.feeds))["categories"]
         self._last_status = status
+        self._feedable = sum(1 for name, st in status.items() if self._can_feed(name, st))
         now = time.monotonic()
         reap = now - self._reaped_at >= self.reap_every_s
         if reap:
@@ -290,25 +303,39 @@ class Producer:
             self.redis.delete(queue.intermediate_queue_key)
 
     # -- pieces ------------------------------------------------------------------------
+    def _can_feed(self, name: str, st: dict[str, Any]) -> bool:
+        """Whether the category may still be fed: open, with samples left to read or turns
+        to follow, and room under its cap."""
+        if st["state"] != "open" or (self.feeds[name].exhausted and not st["followups"]):
+            return False
+        return st["cap"] is None or st["used"] + st["reserved"] < st["cap"]
+
     def high_water(self) -> int:
+        """How many samples each category keeps waiting: the config's `high_water`, raised
+        to 2 x workers shared by the categories that can still be fed (closed, capped-out
+        and used-up ones need no share: their workers serve the others)."""
         now = time.monotonic()
         if now - self._workers_at > WORKER_COUNT_REFRESH_S:
             q = next(iter(self.queues.values()))
             self._workers = Worker.count(connection=self.redis, queue=q)
             self._workers_at = now
-        open_cats = max(1, len(self.feeds))
-        return max(self.cfg.high_water, math.ceil(2 * self._workers / open_cats))
+        return max(self.cfg.high_water, math.ceil(2 * self._workers / max(1, self._feedable)))
 
-    def _room(self, st: dict[str, Any]) -> int:
+    def _room(self, st: dict[str, Any], follow: bool = False) -> int:
         """How many samples may be fed now: none while the cap's worth is used or reserved,
         or while more than half the high-water mark waits (feed in batches, not one job per
-        tick)."""
+        tick), at most FEED_CHUNK (a tick that renders long prompts must not hold up the
+        next turns). Next turns (`follow`) are not held back by what waits: they go to the
+        queue's front, while their engine's prefix cache holds the turn before; their number
+        is bounded by the conversations in flight."""
         cap = st["cap"]
         if cap is not None and st["used"] + st["reserved"] >= cap:
             return 0
-        waiting = st["pending"] - st["in_flight"]
         high = self.high_water()
-        return 0 if waiting > high // 2 else high - waiting
+        if follow:
+            return max(high, st["followups"])
+        waiting = st["pending"] - st["in_flight"]
+        return 0 if waiting > high // 2 else min(FEED_CHUNK, high - waiting)
 
     def feed(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
         room = self._room(st)
@@ -401,6 +428,7 @@ class Producer:
                 before = dict(zip(chat, prev, strict=True))
         sampling = msgspec.to_builtins(cat.sampling)
         max_new = cat.sampling.max_new_tokens
+        fed_at = now_ms()
         prepared: list[Pending] = []
         rejected: list[DeadLetter] = []
         for k, s in enumerate(samples):
@@ -435,13 +463,32 @@ class Producer:
                 continue
             if turns and out is not None and k in before \
                     and not isinstance(before[k], Rejected):
-                consistent, notes = _prefix(turns[k], before[k][1], out[1], out[0])
+                consistent, notes, shared = _prefix(turns[k], before[k][1], out[1], out[0])
                 fields = {**fields, "prefix_consistent": consistent,
-                          "history_notes": notes + turns[k].notes}
+                          "history_notes": notes + turns[k].notes, "reusable_tokens": shared}
+            if self.cfg.affinity:
+                fields["affinity"] = self._shared_key(ids)
+                if turns:
+                    fields["prefer_engine"] = turns[k].engine
             prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=ids,
                                     sampling=sampling, where=s.where, source_id=s.source_id,
-                                    **fields))
+                                    fed_at_ms=fed_at, **fields))
         return prepared, rejected
+
+    def _shared_key(self, ids: list[int]) -> str:
+        """The prompt's affinity key if an earlier prompt had it ("" otherwise, and for a
+        prompt too short to have one)."""
+        key = affinity_key(ids)
+        if not key:
+            return ""
+        seen = self._keys_seen
+        if key in seen:
+            seen.move_to_end(key)
+            return key
+        seen[key] = None
+        if len(seen) > AFFINITY_KEYS_KEPT:
+            seen.popitem(last=False)
+        return ""
 
     # -- conversations (turns = "all") ---------------------------------------------------
     def follow(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
@@ -449,7 +496,7 @@ class Producer:
         prompt is the source up to that turn with the model's own earlier turns (decoded
         from their output ids into assistant messages, `producer.replies`). In a category
         of single samples, what waits there are dead samples sent again (`tokencap retry`)."""
-        room = self._room(st)
+        room = self._room(st, follow=True)
         if room <= 0 or not st["followups"]:
             return 0
         name = feed.cat.name
@@ -496,12 +543,14 @@ class Producer:
             ids = self.replies.result_ids(conv_id)
             turns.append(NextTurn(conv.prompt(generated, ids), turn,
                                   conv.prompt(generated[:-1], ids), list(f.outputs[-1] or []),
-                                  generated[-1], conv.replay_notes(generated)))
+                                  generated[-1], conv.replay_notes(generated), f.engine))
         prepared, bad = self._render(feed, samples, turns)
         ids = self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared, rejected + bad)
         recorded = set(ids)
+        # ahead of the new samples waiting: the engine that served the turn before still
+        # holds its prefix
         self._enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
-                             if p.sample_id in recorded])
+                             if p.sample_id in recorded], at_front=True)
         return len(waiting)
 
     def _feed_retried(self, feed: CategoryFeed, ids: list[str]) -> int:
@@ -557,10 +606,11 @@ class Producer:
                         "cap sends it", conversation_id=conv, turn=turn, turns_total=total))
         return self.budget.cut(name, letters)
 
-    def _enqueue(self, category: str, samples: list[tuple[str, int, int]]) -> None:
-        """Enqueue one job per (sample id, seq, prompt tokens), in one round trip. The ledger
-        already holds each sample with a lease: a job lost here is enqueued again by the
-        reaper."""
+    def _enqueue(self, category: str, samples: list[tuple[str, int, int]],
+                 at_front: bool = False) -> None:
+        """Enqueue one job per (sample id, seq, prompt tokens), in one round trip, at the
+        queue's end (or its front). The ledger already holds each sample with a lease: a job
+        lost here is enqueued again by the reaper."""
         if not samples:
             return
         jobs = [
@@ -574,6 +624,7 @@ class Producer:
                 result_ttl=JOB_RESULT_TTL_S,
                 failure_ttl=JOB_FAILURE_TTL_S,
                 description=f"{category}/{sid}#{seq}",
+                at_front=at_front,
             )
             for sid, seq, n_prompt in samples
         ]
@@ -658,15 +709,17 @@ class NextTurn(NamedTuple):
     previous_output: list[int]
     previous_message: dict
     notes: list[str]
+    engine: str = ""  # the engine that served the turn before
 
 
 def _prefix(nxt: NextTurn, previous_ids: list[int], ids: list[int], text: str
-            ) -> tuple[bool, list[str]]:
+            ) -> tuple[bool, list[str], int]:
     """Whether turn j+1's prompt ids start with turn j's prompt ids and output ids (what a
-    drafter trains on is then one sequence), and if not, where and why it departs."""
+    drafter trains on is then one sequence), and if not, where and why it departs; and how
+    many of its ids it shares with them (what the engine that served turn j may have cached)."""
     expected = list(previous_ids) + nxt.previous_output
     if ids[:len(expected)] == expected:
-        return True, []
+        return True, [], len(expected)
     at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b),
               min(len(ids), len(expected)))
     reasoning = (nxt.previous_message.get("reasoning_content") or "").strip()
@@ -677,7 +730,16 @@ def _prefix(nxt: NextTurn, previous_ids: list[int], ids: list[int], text: str
     else:
         why = "the template rewrote the history before it"
     return False, [f"turn {nxt.turn - 1}: not a prefix of this prompt: {why} (from token "
-                   f"{at} of {len(expected)})"]
+                   f"{at} of {len(expected)})"], at
+
+
+def affinity_key(ids: list[int]) -> str:
+    """The affinity key of a prompt: a digest of its first AFFINITY_PREFIX_TOKENS ids ("" for
+    a shorter prompt: nothing long to share)."""
+    if len(ids) <= AFFINITY_PREFIX_TOKENS:
+        return ""
+    head = array("i", ids[:AFFINITY_PREFIX_TOKENS]).tobytes()
+    return hashlib.blake2b(head, digest_size=8).hexdigest()
 
 
 def _text_of(message: dict) -> str:

@@ -308,3 +308,53 @@ def test_the_simulator_maps_vllm_fields_back_to_the_params_the_client_maps_them_
     from sglang_sim.protocol import VLLM_PARAMS
 
     assert {v: k for k, v in OPENAI_PARAMS.items()} == VLLM_PARAMS
+
+
+class _Loads:
+    """A session whose /metrics says each engine runs `running[url]` requests (mutable)."""
+
+    def __init__(self, running: dict[str, int]) -> None:
+        self.running = running
+
+    def get(self, url: str, timeout: object = None, headers: object = None) -> _Reply:
+        base = url.split("/v1/loads")[0].split("/metrics")[0].split("/health")[0]
+        if "/v1/loads" in url:
+            return _Reply(404)
+        if url.endswith("/health"):
+            return _Reply(200)
+        return _Reply(200, f"sglang:num_running_reqs {self.running[base]}\n"
+                           "sglang:num_queue_reqs 0\n")
+
+
+ENGINES = [f"http://e{i}" for i in range(4)]
+
+
+def test_a_turn_goes_to_the_engine_of_the_turn_before_unless_it_is_much_busier() -> None:
+    loads = _Loads(dict.fromkeys(ENGINES, 10))
+    pool = EnginePool(ENGINES, session=loads)
+    assert all(pool.order(prefer="http://e2")[0] == "http://e2" for _ in range(20))
+    loads.running["http://e2"] = 30  # well above every other: least loaded of two instead
+    for e in pool.engines:
+        e.load_at = -1e9  # a fresh reading
+    firsts = {pool.order(prefer="http://e2")[0] for _ in range(20)}
+    assert "http://e2" not in firsts
+    pool.mark_down("http://e1")  # down: never first, whatever it is preferred for
+    loads.running["http://e2"] = 10
+    assert all(pool.order(prefer="http://e1")[0] != "http://e1" for _ in range(20))
+
+
+def test_an_affinity_key_picks_one_engine_in_every_worker_and_keys_spread() -> None:
+    loads = _Loads(dict.fromkeys(ENGINES, 5))
+    pools = [EnginePool(ENGINES, session=loads) for _ in range(3)]  # three worker processes
+    keys = [f"{k:016x}" for k in range(400)]
+    chosen = {}
+    for key in keys:
+        picks = {p.order(affinity=key)[0] for p in pools}
+        assert len(picks) == 1, key  # the same engine, with no coordination
+        chosen[key] = picks.pop()
+    spread = {url: sum(1 for v in chosen.values() if v == url) for url in ENGINES}
+    assert min(spread.values()) > 60, spread  # 100 each expected
+    # without a key nor a preference: the least loaded of two random picks
+    loads.running.update({"http://e0": 0, "http://e1": 50, "http://e2": 50, "http://e3": 50})
+    pool = EnginePool(ENGINES, session=loads)
+    assert sum(pool.order()[0] == "http://e0" for _ in range(200)) > 60

@@ -89,3 +89,29 @@ def test_the_producer_logs_a_cap_another_shell_changed(tmp_path, redis_url, capl
     producer.log_events()  # each change once
     assert caplog.text.count("cap changed") == 1
     assert "b: cap changed from 12000 to 9000 by tokencap cap set (ann)" in caplog.text
+
+
+def test_a_prompt_gets_an_affinity_key_once_another_prompt_had_its_first_tokens(
+        tmp_path, redis_url) -> None:
+    pipe = Pipeline(two_category_config(tmp_path), redis_url, ["http://127.0.0.1:9"])
+    producer = pipe.build()
+    n = feeder.AFFINITY_PREFIX_TOKENS
+    schema = list(range(1000, 1000 + n))
+    first, second = [*schema, 1, 2], [*schema, 3]
+    assert producer._shared_key(first) == ""  # nothing shared yet: least loaded, as before
+    key = producer._shared_key(second)
+    assert key and key == feeder.affinity_key(first)  # shared now: one engine for both
+    assert producer._shared_key([7] * n) == ""  # too short to have a key
+    assert producer._shared_key([9] * (n + 1)) == ""  # a new prefix
+
+
+def test_feeding_depth_is_shared_by_the_categories_that_can_still_be_fed(
+        tmp_path, redis_url) -> None:
+    pipe = Pipeline(two_category_config(tmp_path), redis_url, ["http://127.0.0.1:9"])
+    producer = pipe.build()
+    producer._workers, producer._workers_at = 72, float("inf")  # 72 workers registered
+    producer.tick()
+    assert producer.high_water() == 72  # 2 x 72 over two open categories
+    pipe.budget.close("b")
+    producer.tick()
+    assert producer.high_water() == 144  # b closed: a gets every worker's share

@@ -19,7 +19,7 @@ from budget_service.scripts import CATEGORY_SCRIPTS, LUA_DIR, OTHER_SCRIPTS
 from foundation.config import Category, RunConfig, SamplingParams
 from foundation.engine import EngineInfo
 from foundation.errors import RunMismatch
-from foundation.wire import DeadLetter, Pending, Result
+from foundation.wire import DeadLetter, Pending, Result, encode
 
 LEASE_MS = 30_000
 
@@ -284,17 +284,26 @@ def test_commit_twice_counts_once(budget: Budget) -> None:
     assert budget.redis.hlen(ck(budget).pending) == 0
 
 
-def test_commit_counts_prompt_cached_and_out_of_vocab_once(budget: Budget) -> None:
+def test_commit_counts_prompt_cache_and_out_of_vocab_once_per_engine(budget: Budget) -> None:
     for sid in ("a", "b"):
         feed(budget, sid)
         budget.admit("code", sid, 10, LEASE_MS)
     a = msgspec.structs.replace(result("a", 4), prompt_tokens=300, cached_tokens=256,
                                 out_of_vocab=2)
-    b = msgspec.structs.replace(result("b", 4), prompt_tokens=40)  # the engine did not say
+    a = msgspec.structs.replace(a, engine="http://e1", reusable_tokens=280)
+    b = msgspec.structs.replace(result("b", 4), prompt_tokens=40,  # the engine did not say
+                                engine="http://e2")
     for r in (a, b, a):  # the second commit of `a` is a duplicate: nothing counted again
         budget.commit(r, 0, 0.0)
-    st = budget.status()["categories"]["code"]
-    assert (st["prompt_tokens"], st["cached_tokens"], st["out_of_vocab"]) == (340, 256, 1)
+    st = budget.status(by_engine=True)["categories"]["code"]
+    assert (st["prompt_tokens"], st["cached_tokens"], st["reusable_tokens"],
+            st["out_of_vocab"]) == (340, 256, 280, 1)
+    assert st["engines"] == {
+        "http://e1": {"samples": 1, "prompt_tokens": 300, "cached_tokens": 256,
+                      "reusable_tokens": 280},
+        "http://e2": {"samples": 1, "prompt_tokens": 40, "cached_tokens": 0,
+                      "reusable_tokens": 0}}
+    assert "engines" not in budget.status()["categories"]["code"]  # the producer's tick
 
 
 def test_commit_closes_at_cap(budget: Budget) -> None:
@@ -575,12 +584,18 @@ def test_acknowledge_hands_a_written_turn_to_the_next_and_ends_conversations(
         budget: Budget) -> None:
     from budget_service.budget import turn_event
 
-    ev = turn_event(turn_result("c", 1, 3, [5, 6]))
+    ev = turn_event(msgspec.structs.replace(turn_result("c", 1, 3, [5, 6]), engine="http://e"))
     assert ev is not None and ev.next_id == "c#t2"
     budget.acknowledge("code", False, [], {"c#t1": 2}, 0, [ev])
     assert budget.redis.zrange(ck(budget).follow, 0, -1, withscores=True) == [(b"c#t2", 7.0)]
     [f] = budget.followups("code", 10)
-    assert (f.sample_id, f.ordinal, f.outputs) == ("c#t2", 7, [[5, 6]])
+    # the next turn prefers the engine that served this one (its prefix cache)
+    assert (f.sample_id, f.ordinal, f.outputs, f.engine) == ("c#t2", 7, [[5, 6]], "http://e")
+    # a turn that ends forgets its preference
+    budget.redis.hset(ck(budget).pending, "c#t2", encode(pending("c#t2")))
+    budget.commit(msgspec.structs.replace(result("c#t2", 3), id="c#t2"), 0, 0.0)
+    assert budget.redis.hlen(ck(budget).engine_of) == 0
+    budget.redis.hdel(ck(budget).final, "c#t2")
     # a next turn already pending or final is not put in `follow` again
     budget.redis.delete(ck(budget).follow)
     budget.redis.hset(ck(budget).pending, "c#t2", "{}")

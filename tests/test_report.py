@@ -54,6 +54,10 @@ def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
             assert f'data-{reason}-{name}="{n}"' in text
         assert f'data-used-{name}="{st["used"]}"' in text
         assert f'data-failed-{name}="{st["failed"] + st["rejected"]}"' in text
+        # the prefix cache per engine: what the rows say, and the status counters agree
+        cached = sum(r["cached_tokens"] or 0 for r in rows)
+        assert f'data-category="{name}" data-engine="{sim.url}" data-cached="{cached}" ' in text
+        assert cached == st["cached_tokens"]
     points = int(re.search(r'id="fig-throughput" data-points="(\d+)"', text)[1])
     assert points >= 2
     assert "b</td><td>4000 → 5000</td><td>test</td>" in text  # the cap change

@@ -87,8 +87,10 @@ def done(request, tmp_path_factory):
     cfg = run_config(tmp, tokenizer)
     server = RedisServer(tmp / "redis").start()
     try:
-        with SimServer(time_scale=400.0, tokenizer=str(tokenizer), default_length=SHORT) as sim:
-            with started(cfg, server.url, [sim.url], 4) as pipe:
+        with SimServer(time_scale=400.0, tokenizer=str(tokenizer), default_length=SHORT) as sim, \
+                SimServer(time_scale=400.0, tokenizer=str(tokenizer),
+                          default_length=SHORT) as sim2:  # two engines: affinity matters
+            with started(cfg, server.url, [sim.url, sim2.url], 4) as pipe:
                 status = pipe.run()
                 summaries = {c.name: pipe.check_category(status, c.name) for c in cfg.category}
                 rows = {c.name: pipe.results(c.name) for c in cfg.category}
@@ -112,6 +114,26 @@ def by_conversation(rows: list[Result]) -> dict[str, list[Result]]:
 def source_of(cfg: RunConfig, name: str):
     cat = cfg.by_name(name)
     return cat, SourceIndex.build(cat.paths)
+
+
+def test_each_turn_goes_to_the_engine_of_the_turn_before_and_finds_it_cached(done) -> None:
+    later = 0
+    for name, rows in done.rows.items():
+        for conv in by_conversation(rows).values():
+            for before, turn in zip(conv, conv[1:], strict=False):
+                assert turn.engine == before.engine, (name, turn.id)
+                if turn.prefix_consistent:
+                    later += 1
+                    shared = len(before.prompt_ids) + len(before.output_ids)
+                    assert turn.reusable_tokens == shared, turn.id
+                    # the engine's prefix cache still held the turn before: all of it but
+                    # its last token, whose KV an engine never computes
+                    assert turn.cached_tokens is not None and turn.cached_tokens >= shared - 1
+        st = done.status["categories"][name]
+        assert st["reusable_tokens"] == sum(r.reusable_tokens or 0 for r in rows)
+        assert st["cached_tokens"] == sum(r.cached_tokens or 0 for r in rows)
+    assert later > 20
+    assert len({r.engine for rows in done.rows.values() for r in rows}) == 2
 
 
 def test_every_record_is_accounted_for(done) -> None:

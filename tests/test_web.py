@@ -32,10 +32,10 @@ def _chromium(*args: str) -> str:
     return done.stdout
 
 
-def _page(url: str) -> dict[str, int]:
-    """What the page shows once its script has run: category -> used."""
+def _page(url: str) -> tuple[dict[str, int], str]:
+    """What the page shows once its script has run: category -> used, and the page."""
     dom = _chromium("--virtual-time-budget=4000", "--dump-dom", url)
-    return {name: int(used) for name, used in CATEGORY_RE.findall(dom)}
+    return {name: int(used) for name, used in CATEGORY_RE.findall(dom)}, dom
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian: apt install chromium)")
@@ -54,11 +54,12 @@ def test_the_live_page_shows_every_category_and_its_progress(tmp_path, redis_url
         try:
             wait_until(lambda: pipe.budget.status()["categories"]["a"]["used"] > 0,
                        what="a first commit")
-            first = _page(url)
+            first, _ = _page(url)
             seen = first["a"] + first["b"]
             wait_until(lambda: sum(c["used"] for c in pipe.budget.status()[
                 "categories"].values()) > seen, what="more tokens")
-            second = _page(url)
+            second, dom = _page(url)
+            st = pipe.budget.status(by_engine=True)["categories"]
             shot = tmp_path / "page.png"
             _chromium("--window-size=1000,700", "--virtual-time-budget=4000",
                       f"--screenshot={shot}", url)
@@ -72,6 +73,9 @@ def test_the_live_page_shows_every_category_and_its_progress(tmp_path, redis_url
             server.server_close()
     assert set(first) == set(second) == {"a", "b"}
     assert second["a"] + second["b"] > first["a"] + first["b"]
+    # the prefix cache: per category, and per engine over the categories
+    assert st["a"]["prompt_tokens"] > 0 and 'class="cache">prefix cache' in dom
+    assert f"{sim.url} · " in dom and " prompt tokens (" in dom
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:4] == b"\x89PNG"
     # served from the package, with no external asset
     assert page.headers["Content-Type"].startswith("text/html")

@@ -313,7 +313,7 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
               interval_s=interval,
               fetch_series=lambda: budget.series(count=SERIES_FOR_RATES))
         return
-    st = budget.status()
+    st = budget.status(by_engine=True)
     click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
 
 

@@ -51,6 +51,23 @@ class ProgressPrinter:
 SIMULATED_TEXT = "SIMULATED: an engine of this run is the simulator; its outputs are synthetic"
 
 
+def cache_lines(status: dict[str, Any]) -> list[str]:
+    """The prefix cache per category and engine (a status document `by_engine`): prompt
+    tokens served from cache, of all and of those shared with the turn before."""
+    out = []
+    for name, st in status["categories"].items():
+        for url, e in (st.get("engines") or {}).items():
+            if not e["prompt_tokens"]:
+                continue
+            line = (f"prefix cache {name} @ {url}: {e['cached_tokens']:,} of "
+                    f"{e['prompt_tokens']:,} prompt tokens "
+                    f"({100 * e['cached_tokens'] / e['prompt_tokens']:.1f}%)")
+            if e["reusable_tokens"]:
+                line += f"; {e['reusable_tokens']:,} reusable (shared with the turn before)"
+            out.append(line)
+    return out
+
+
 def summary_table(status: dict[str, Any]) -> str:
     cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
             "waste_tokens", "state")
@@ -62,6 +79,7 @@ def summary_table(status: dict[str, Any]) -> str:
         st = status["categories"][n]
         cells = [cap_text(st[c]) if c == "cap" else str(st[c]) for c in cols]
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
+    rows += cache_lines(status)
     if status.get("simulated"):
         rows.append(SIMULATED_TEXT)
     return "\n".join(rows)

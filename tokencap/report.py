@@ -14,7 +14,10 @@ What it shows, and where each number comes from:
 - the tail: each category's used/cap over time (the series), where the run slows as caps near;
 - rejected and dead samples by reason (the dead-letter files, history of retried ones
   included);
-- the run's event log (cap changes).
+- the run's event log (cap changes);
+- the prefix cache per category and engine (the rows' `prompt_tokens`, `cached_tokens` and
+  `reusable_tokens`): the prompt tokens the engine served from its cache, against those a
+  conversation's turn shares with the turn before (what a cache could have served).
 
 Figures are drawn with matplotlib (Agg, no display). Each `<figure>` has an id
 (`fig-lengths`, ...) and the numbers it was drawn from in `data-` attributes, which the
@@ -45,15 +48,24 @@ def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[
         cat_dir = category_dir(out_dir, name)
         lengths: list[int] = []
         finish: Counter[str] = Counter()
+        cache: dict[str, Counter[str]] = {}
         for r in read_results(cat_dir):
             if not isinstance(r, BadLine):
                 lengths.append(r.completion_tokens)
                 finish[r.finish_reason] += 1
+                c = cache.setdefault(r.engine, Counter())
+                c["samples"] += 1
+                c["prompt"] += r.prompt_tokens
+                c["cached"] += r.cached_tokens or 0
+                if r.reusable_tokens:
+                    c["reusable"] += r.reusable_tokens
+                    c["reused"] += min(r.cached_tokens or 0, r.reusable_tokens)
         failures: Counter[str] = Counter()
         for d in read_dead_letters(cat_dir):
             if not isinstance(d, BadLine) and d.outcome != "cut":
                 failures[f"{d.outcome}: {d.reason}"] += 1
-        data[name] = {"lengths": lengths, "finish": finish, "failures": failures}
+        data[name] = {"lengths": lengths, "finish": finish, "failures": failures,
+                      "cache": cache}
     return data
 
 
@@ -225,6 +237,17 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
     engines = "".join(f"<li>{_esc(u)}: {_esc(e.get('model'))} ({_esc(e.get('api'))} "
                       f"{_esc(e.get('version'))})</li>"
                       for u, e in status.get("engines", {}).items()) or "<li>none recorded</li>"
+    def share(n: int, d: int) -> str:
+        return f"{100 * n / d:.1f}%" if d else "–"
+
+    cache_rows = "".join(
+        f'<tr data-category="{_esc(n)}" data-engine="{_esc(u)}" data-cached="{c["cached"]}" '
+        f'data-reusable="{c["reusable"]}"><td>{_esc(n)}</td><td>{_esc(u)}</td>'
+        f"<td>{c['samples']:,}</td><td>{c['prompt']:,}</td><td>{c['cached']:,} "
+        f"({share(c['cached'], c['prompt'])})</td><td>{c['reusable']:,}</td>"
+        f"<td>{share(c['reused'], c['reusable'])}</td></tr>"
+        for n in names for u, c in sorted(data[n]["cache"].items())) or \
+        '<tr><td colspan="7">no rows</td></tr>'
     simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
                  "outputs are synthetic.</p>") if status.get("simulated") else ""
     page = f"""<!doctype html>
@@ -241,6 +264,12 @@ figure{{margin:16px 0}}img{{max-width:100%}}.warn{{color:#b54708;font-weight:600
 <table id="summary"><tr><th>category</th><th>cap</th><th>used</th><th>samples</th>
 <th>overshoot</th><th>state</th><th>skipped/failed/rejected</th></tr>{rows}</table>
 <h2>Engines</h2><ul>{engines}</ul>
+<h2>Prefix cache</h2>
+<p>Prompt tokens the engine served from its prefix cache, and those a conversation's turn
+shares with the turn before it (reusable: what the engine that served that turn could still
+hold); the last column is the share of the reusable tokens that were served from cache.</p>
+<table id="cache"><tr><th>category</th><th>engine</th><th>samples</th><th>prompt tokens</th>
+<th>cached</th><th>reusable</th><th>reusable served from cache</th></tr>{cache_rows}</table>
 {figures}
 <h2>Cap changes</h2><table id="events">{event_rows}</table>
 </body></html>

@@ -6,7 +6,7 @@ local K = {
   reserved = KEYS[5], final = KEYS[6], hist = KEYS[7], results = KEYS[8], dead = KEYS[9],
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
   written = KEYS[15], follow = KEYS[16], history = KEYS[17], cut = KEYS[18],
-  events = KEYS[19], retried = KEYS[20],
+  events = KEYS[19], retried = KEYS[20], cache = KEYS[21], engine_of = KEYS[22],
 }
 -- entries kept in a category's event log (`events`, a stream)
 local EVENTS_MAXLEN = 1000
@@ -41,6 +41,7 @@ local function forget(s)
   redis.call('ZREM', K.leases, s)
   redis.call('ZREM', K.parked, s)
   redis.call('HDEL', K.seq, s)
+  redis.call('HDEL', K.engine_of, s)
 end
 
 -- hold(s, now): the category is closed: s is not sent, and not final either. It waits parked

@@ -10,8 +10,9 @@
 -- ARGV[3] correction of `used` (tokens, may be 0 or negative)  ARGV[4] n, the entry ids
 -- ARGV[5 .. 4+n] entry ids  ARGV[5+n] m, the written marks, then m pairs (sample id, written
 -- mark: counted tokens, or 'd'), then conversation events:
---   'next', turn sample id, its output ids (JSON), the next turn's sample id, ordinal:
---           keep the output; the next turn waits in `follow` unless it is pending or final
+--   'next', turn sample id, its output ids (JSON), the next turn's sample id, ordinal, the
+--           engine that served the turn (or ''): keep the output; the next turn waits in
+--           `follow` (with the engine it prefers) unless it is pending or final
 --   'end', k, k history fields to drop
 -- Returns how many entries were acknowledged.
 local stream = ARGV[1] == 'dead' and K.dead or K.results
@@ -29,8 +30,9 @@ while i <= #ARGV do
     redis.call('HSET', K.history, ARGV[i + 1], ARGV[i + 2])
     if redis.call('HEXISTS', K.final, nxt) == 0 and redis.call('HEXISTS', K.pending, nxt) == 0 then
       redis.call('ZADD', K.follow, 'NX', ARGV[i + 4], nxt)
+      if ARGV[i + 5] ~= '' then redis.call('HSET', K.engine_of, nxt, ARGV[i + 5]) end
     end
-    i = i + 5
+    i = i + 6
   elseif ARGV[i] == 'end' then
     local k = tonumber(ARGV[i + 1])
     for j = i + 2, i + 1 + k do redis.call('HDEL', K.history, ARGV[j]) end

@@ -4,6 +4,7 @@
 -- ARGV[5] observed decode rate (tok/s per request, 0 = none)  ARGV[6] EWMA weight
 -- ARGV[7] result JSON  ARGV[8] its output ids outside the tokenizer's vocabulary (count)
 -- ARGV[9] its prompt tokens  ARGV[10] its prompt tokens the engine served from cache
+-- ARGV[11] its prompt tokens shared with the turn before  ARGV[12] the engine's URL
 -- Returns {'ok', used}, or {'dup', used} when the sample was final before (then it only
 -- clears what the ledger still kept for the sample).
 local s = ARGV[1]
@@ -20,6 +21,12 @@ redis.call('HINCRBY', K.hist, ARGV[4], 1)
 if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', K.state, 'oov', 1) end
 redis.call('HINCRBY', K.state, 'prompt', ARGV[9])
 if tonumber(ARGV[10]) > 0 then redis.call('HINCRBY', K.state, 'cached', ARGV[10]) end
+if tonumber(ARGV[11]) > 0 then redis.call('HINCRBY', K.state, 'reusable', ARGV[11]) end
+local e = ARGV[12]
+redis.call('HINCRBY', K.cache, e .. ' samples', 1)
+redis.call('HINCRBY', K.cache, e .. ' prompt', ARGV[9])
+if tonumber(ARGV[10]) > 0 then redis.call('HINCRBY', K.cache, e .. ' cached', ARGV[10]) end
+if tonumber(ARGV[11]) > 0 then redis.call('HINCRBY', K.cache, e .. ' reusable', ARGV[11]) end
 local x = tonumber(ARGV[5])
 if x > 0 then
   local old = tonumber(redis.call('HGET', K.state, 'rate') or '')
