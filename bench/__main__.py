@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench import (  # noqa: E402
     adaptive,
+    affinity,
     cap,
     ceiling,
     common,
@@ -43,6 +44,7 @@ SCENARIOS: dict[str, Callable[[common.Bench], dict[str, Any]]] = {
     "footprint": footprint.run,
     "tokenize": tokenize.run,
     "adaptive": adaptive.run,
+    "affinity": affinity.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results.json"
 DESCRIPTION = "Run tokencap's benchmark scenarios; print one table; write bench/results.json."

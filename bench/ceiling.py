@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -50,6 +51,10 @@ POLL_S = 0.02
 TARGET = 0.6
 CAT = Cat("ping", 2, 0.0, 4, prompts=JOBS)
 TOP_COMMANDS = 12
+# the seed run's engines: 8 GPUs each, ~0.4-0.5 samples/s (~1,000 output tok/s)
+SEED_ENGINE_SAMPLES_S = 0.45
+SINGLE_PROCESSES = ("Redis", "producer", "writer")
+SINGLE_TARGET_MS = 1.0
 
 
 def _rate(samples: list[tuple[float, int]], total: int, t0: float) -> dict[str, float]:
@@ -64,7 +69,10 @@ def _rate(samples: list[tuple[float, int]], total: int, t0: float) -> dict[str, 
             "wall_s": t_end - t0}
 
 
-def _cpu(pids: dict[str, list[int]]) -> dict[str, float]:
+def _cpu(pids: dict[str, list[int]], threads: dict[str, int] | None = None
+         ) -> dict[str, float]:
+    """CPU seconds so far of each group of processes, and of each named thread of this
+    process (`threads`: name -> native thread id: the producer, the writer)."""
     out = {}
     for group, members in pids.items():
         total = 0.0
@@ -72,16 +80,22 @@ def _cpu(pids: dict[str, list[int]]) -> dict[str, float]:
             t = psutil.Process(pid).cpu_times()
             total += t.user + t.system
         out[group] = total
+    if threads:
+        times = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+        for name, tid in threads.items():
+            out[name] = times.get(tid, 0.0)
     return out
 
 
 def _measure(bench: Bench, start: Any, done: Any, pids: dict[str, list[int]] | None = None,
-             wait_done: float = 120.0) -> dict[str, Any]:
-    """Run `start()`, poll `done()` until JOBS, return rates, Redis and CPU figures per job."""
+             wait_done: float = 120.0, threads: dict[str, int] | None = None
+             ) -> dict[str, Any]:
+    """Run `start()`, poll `done()` until JOBS, return rates, Redis and CPU figures per job
+    (`threads`: threads of this process timed on their own, also inside its total)."""
     srv = bench.redis
     pids = {"redis": [srv.proc.pid], "bench process": [os.getpid()], **(pids or {})}
     before, cmds0 = counters(srv.client), commandstats(srv.client)
-    cpu0 = _cpu(pids)
+    cpu0 = _cpu(pids, threads)
     sampler = Sampler(done, POLL_S)
     t0 = time.monotonic()
     sampler.start()
@@ -89,7 +103,7 @@ def _measure(bench: Bench, start: Any, done: Any, pids: dict[str, list[int]] | N
     wait_for(lambda: sampler.samples and sampler.samples[-1][1] >= JOBS, "all jobs done",
              wait_done)
     samples = sampler.stop()
-    cpu = delta(_cpu(pids), cpu0)
+    cpu = delta(_cpu(pids, threads), cpu0)
     d = delta(counters(srv.client), before)
     cmds = {k: v - cmds0.get(k, 0) for k, v in commandstats(srv.client).items()}
     own = sampler.calls  # one command and one round trip per poll
@@ -100,7 +114,8 @@ def _measure(bench: Bench, start: Any, done: Any, pids: dict[str, list[int]] | N
     top = sorted(cmds.items(), key=lambda kv: -kv[1])[:TOP_COMMANDS]
     out["top_commands_per_job"] = {k: round(v / JOBS, 2) for k, v in top if v > 0}
     out["cpu_ms_per_job"] = {k: round(v * 1000 / JOBS, 3) for k, v in cpu.items()}
-    out["cpu_ms_per_job"]["all"] = round(sum(cpu.values()) * 1000 / JOBS, 3)
+    out["cpu_ms_per_job"]["all"] = round(sum(v for k, v in cpu.items()
+                                             if k not in (threads or {})) * 1000 / JOBS, 3)
     return out
 
 
@@ -126,12 +141,31 @@ def pipeline(bench: Bench, sim: Sim) -> dict[str, Any]:
         def start() -> None:
             result["status"] = pipe.run()
 
+        writer = pipe._writer_thread
+        assert writer is not None and writer.native_id is not None
         out = _measure(bench, start, done, {"workers": [p.pid for p in pipe.workers],
-                                            "simulator": [sim.proc.pid]})
+                                            "simulator": [sim.proc.pid]},
+                       threads={"producer": threading.get_native_id(),
+                                "writer": writer.native_id})
         out["committed"] = done()
     finally:
         pipe.close()
     return out
+
+
+def scale_model(pipe: dict[str, Any]) -> dict[str, Any]:
+    """How far one stack goes: its workers scale out across hosts, its single processes do
+    not. The CPU each of those spends per committed sample sets the stack's ceiling (one
+    core each); the seed's engines (8 GPUs each) commit SEED_ENGINE_SAMPLES_S samples/s."""
+    cpu = pipe["cpu_ms_per_job"]
+    per = {"Redis": cpu["redis"], "producer": cpu["producer"], "writer": cpu["writer"]}
+    first = max(per, key=lambda k: per[k])
+    ceiling = 1000.0 / per[first] if per[first] > 0 else 0.0
+    return {"cpu_ms_per_sample": per, "saturates_first": first,
+            "ceiling_samples_s": ceiling, "seed_engines": ceiling / SEED_ENGINE_SAMPLES_S,
+            "measured_samples_s": pipe["jobs_s"],
+            "redis_commands_per_sample": pipe["commands_per_job"],
+            "redis_round_trips_per_sample": pipe["round_trips_per_job"]}
 
 
 def _rq_workers(bench: Bench, queue: str, burst: bool) -> list[subprocess.Popen]:
@@ -202,6 +236,7 @@ def run(bench: Bench) -> dict[str, Any]:
     log(f"{NAME}: plain RQ SimpleWorkers in burst mode")
     burst = plain_rq_burst(bench)
     ratio = pipe["jobs_s"] / rq["jobs_s"]
+    scale = scale_model(pipe)
     rows = [
         row(NAME, f"jobs/s, {WORKERS} workers (pipeline vs RQ no-op)", pipe["jobs_s"],
             rq["jobs_s"], "jobs/s", f">= {TARGET}", ratio >= TARGET),
@@ -219,9 +254,19 @@ def run(bench: Bench) -> dict[str, Any]:
             rq["round_trips_per_job"], "rtt"),
         row(NAME, "Redis CPU per job (pipeline vs RQ)", pipe["redis_cpu_ms_per_job"],
             rq["redis_cpu_ms_per_job"], "ms"),
+        *(row(NAME, f"scale: {part} CPU per committed sample (one per stack)",
+              scale["cpu_ms_per_sample"][part], None, "ms", f"<= {SINGLE_TARGET_MS:g} ms",
+              scale["cpu_ms_per_sample"][part] <= SINGLE_TARGET_MS)
+          for part in SINGLE_PROCESSES),
+        row(NAME, f"scale: samples/s one stack can commit (first to saturate: "
+            f"{scale['saturates_first']}) vs measured here", scale["ceiling_samples_s"],
+            pipe["jobs_s"], "samples/s"),
+        row(NAME, f"scale: seed-sized engines one stack serves ({SEED_ENGINE_SAMPLES_S} "
+            "samples/s each)", scale["seed_engines"], None, "engines", ">= 2000",
+            scale["seed_engines"] >= 2000),
     ]
     return {"figures": {"pipeline": pipe, "plain_rq": rq, "plain_rq_burst": burst,
-                        "plain_rq_generate": rq_http,
+                        "plain_rq_generate": rq_http, "scale": scale,
                         "ratio": ratio, "target": f">= {TARGET}"},
             "settings": {"jobs": JOBS, "workers": WORKERS, "poll_s": POLL_S,
                          "sim_time_scale": 1e6, "output_tokens": 2, "prompt_tokens": 8},

@@ -148,10 +148,12 @@ class Pipeline(HarnessPipeline):
     """The harness's pipeline as `tokencap run` drives it: the producer's default tick,
     worker output to `log_path`, workers registered before `start_workers` returns."""
 
-    def __init__(self, cfg: Any, redis_url: str, engine_url: str, log_path: Path) -> None:
+    def __init__(self, cfg: Any, redis_url: str, engine_url: str | list[str],
+                 log_path: Path) -> None:
         from producer.feeder import IDLE_TICK_S
 
-        super().__init__(cfg, redis_url, [engine_url], log_path=log_path, poll_s=IDLE_TICK_S)
+        urls = [engine_url] if isinstance(engine_url, str) else engine_url
+        super().__init__(cfg, redis_url, urls, log_path=log_path, poll_s=IDLE_TICK_S)
         self.budget.init_run(cfg)
 
     def start_workers(self, n: int, wait: bool = True) -> Any:

@@ -23,6 +23,11 @@ class SimSettings:
     max_running_requests: int = 72
     max_total_tokens: int = 4_000_000
     context_length: int = 32_768
+    # the prefix cache's capacity in tokens (None: the simulator's default, its KV pool), and
+    # a tokenizer to answer text with (conversations: the next prompt renders the reply)
+    prefix_cache_tokens: int | None = None
+    tokenizer: str | None = None
+    prefill_s_per_token: float | None = None  # None: the simulator's (50,000 tok/s)
 
     def engine_tok_s(self, batch: int) -> float:
         """The model's decode ceiling at `batch` (prefill ignored), output tok per wall s."""
@@ -57,6 +62,12 @@ class Sim:
                 "--max-total-tokens", str(s.max_total_tokens),
                 "--context-length", str(s.context_length),
                 "--length-profile", str(prof_path), "--log-level", "WARNING"]
+        if s.prefix_cache_tokens is not None:
+            argv += ["--prefix-cache-tokens", str(s.prefix_cache_tokens)]
+        if s.tokenizer is not None:
+            argv += ["--tokenizer", s.tokenizer]
+        if s.prefill_s_per_token is not None:
+            argv += ["--prefill-s-per-token", str(s.prefill_s_per_token)]
         logf = (self.workdir / f"sim-{self.name}.log").open("ab")
         self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=child_env())
