@@ -5,7 +5,10 @@ One simulator with a running batch of BATCH. Fixed settings run FIXED worker cou
 gate; the adaptive run starts 4 x BATCH workers with `adaptive_max_queue = MAX_QUEUE`.
 Throughput = simulator-generated tokens between two /_sim/stats snapshots (WARMUP_S after the
 load starts, WINDOW_S apart) per wall second; the queue is sampled every SAMPLE_S meanwhile.
-Target: adaptive throughput within 3% of the best fixed setting, queue <= a set bound.
+Target: adaptive throughput within 3% of the best fixed setting, queue <= a set bound. The
+queue's max comes from the start: the 32 workers read an empty queue at once and all pass
+(no shared state tells one worker what the others just sent), and that herd drains at the
+engine's pace; the second half of the window shows the gate's steady state.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def measure(bench: Bench, sim: Sim, sources: dict, workers: int,
         queued = [v for _t, v in samples]
         out["queue_max"] = max(queued) if queued else None
         out["queue_mean"] = sum(queued) / len(queued) if queued else None
+        # the window's second half: what is left of the start (every worker reads an empty
+        # queue at once and passes) has drained by then
+        late = queued[len(queued) // 2:]
+        out["queue_max_late"] = max(late) if late else None
     finally:
         pipe.close()
     sim.wait_idle()
@@ -88,6 +95,10 @@ def run(bench: Bench) -> dict[str, Any]:
             adapt["queue_max"], figures["fixed_16"]["queue_max"], "req",
             f"<= {QUEUE_BOUND}", adapt["queue_max"] is not None
             and adapt["queue_max"] <= QUEUE_BOUND),
+        row(NAME, "engine queue max in the window's second half (the start drained)",
+            adapt["queue_max_late"], figures["fixed_16"]["queue_max_late"], "req"),
+        row(NAME, "engine queue mean, adaptive vs no gate at 16 workers", adapt["queue_mean"],
+            figures["fixed_16"]["queue_mean"], "req"),
     ]
     return {"figures": figures, "rows": rows,
             "settings": {"batch": BATCH, "fixed": FIXED, "adaptive_workers": ADAPTIVE_WORKERS,

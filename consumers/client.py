@@ -146,6 +146,14 @@ class EngineClient:
                  decode_tok_s: float = 0.0, prefer: str = "", affinity: str = "") -> Generation:
         """One generation, from the engine `EnginePool.order` puts first (`prefer`, then
         `affinity`'s, unless loaded well above another), the next ones if it is unreachable."""
+        try:
+            return self._generate(input_ids, sampling, category, decode_tok_s, prefer,
+                                  affinity)
+        finally:
+            self.pool.done()
+
+    def _generate(self, input_ids: list[int], sampling: dict[str, Any], category: str,
+                  decode_tok_s: float, prefer: str, affinity: str) -> Generation:
         last: EngineError | None = None
         for url in self.pool.order(prefer, affinity):
             waits = self.pool.gate(url)

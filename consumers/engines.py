@@ -44,6 +44,11 @@ AFFINITY_SLACK = 4  # requests: the preferred engine may be this much busier tha
 AFFINITY_SLACK_FRAC = 0.125  # ... or this share of that one's load, whichever is more
 GATE_REFRESH_S = 0.1
 GATE_WAIT_S = 0.2
+# a worker that has sent nothing for this long (idle, or just started) reads the
+# engine's queue after a random part of GATE_WAIT_S: workers that wake together (a start, a
+# burst of jobs after a lull) then read one after another, each seeing the requests of those
+# before it, instead of all reading the same empty queue and all passing
+GATE_IDLE_S = 1.0
 DOWN_S = 5.0
 PROBE_TIMEOUT_S = (1.0, 2.0)
 
@@ -77,6 +82,7 @@ class EnginePool:
         self.headers = headers or {}
         self.loads = LoadReader(self.http.get)
         self._rng = random.Random()
+        self._free_at = float("-inf")  # when this worker's last request ended
 
     def _refresh(self, e: EngineState, max_age_s: float) -> None:
         now = time.monotonic()
@@ -155,20 +161,33 @@ class EnginePool:
         slack = max(AFFINITY_SLACK, AFFINITY_SLACK_FRAC * other.load)
         return target if target.load <= other.load + slack else None
 
+    def done(self) -> None:
+        """This worker's request ended (answered or not): it is not idle."""
+        self._free_at = time.monotonic()
+
     def gate(self, url: str) -> int:
         """Adaptive concurrency: wait while the engine's waiting queue is at its bound.
 
         What it guarantees: a request passes only on a reading of the engine's queue (at
         most GATE_REFRESH_S old) below the bound, counting the requests this worker passed
         since that reading. Workers read independently, so several may pass on readings
-        taken before each other's requests arrive. Returns how many times it waited."""
+        taken before each other's requests arrive; to thin that race, a reading of `queued`
+        below the bound `m` lets a worker pass with probability (m - queued) / m (all pass on
+        an empty queue, fewer as it fills: the waiting workers that read one freed slot do
+        not all take it), and a worker back from idle reads after a random delay
+        (`GATE_IDLE_S`). Returns how many times it waited."""
         if self.adaptive_max_queue is None:
             return 0
         e = next(x for x in self.engines if x.url == url)
         waits = 0
+        if time.monotonic() - self._free_at > GATE_IDLE_S:
+            time.sleep(GATE_WAIT_S * self._rng.random())
+            e.load_at = float("-inf")  # read after the delay
         while True:
             self._refresh(e, GATE_REFRESH_S)
-            if not e.has_metrics or e.queued < self.adaptive_max_queue:
+            bound = self.adaptive_max_queue
+            if not e.has_metrics or (e.queued < bound and
+                                     self._rng.random() * bound < bound - e.queued):
                 e.queued += 1  # count ourselves until the next refresh
                 return waits
             waits += 1

@@ -210,17 +210,40 @@ def test_an_engine_without_v1_loads_is_asked_for_it_once_per_reader() -> None:
     assert asked[-2:] == ["loads", "metrics"]
 
 
+class _Draw:
+    """A stand-in for the pool's random source: random() always gives `r`."""
+
+    def __init__(self, r: float) -> None:
+        self.r = r
+
+    def random(self) -> float:
+        return self.r
+
+
 def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> None:
     from consumers import engines
 
     monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # every look is a new reading
     for loads in (False, True):
-        metrics = _Metrics([2, 3, 2, 2, 1], loads)
+        metrics = _Metrics([2, 3, 2, 2, 0], loads)
         pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
         # queue at the bound (2), above (3), at it twice more: four waits, through on the fifth
         assert pool.gate("http://e") == 4 and metrics.reads == 5
     assert EnginePool(["http://e"], session=_Metrics([50])).gate("http://e") == 0  # no gate
+
+
+def test_adaptive_gate_thins_the_passes_as_the_queue_fills(monkeypatch) -> None:
+    from consumers import engines
+
+    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
+    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)
+    # bound 4: a reading of q passes a worker whose draw r has r * 4 < 4 - q
+    for queue, r, waits in (([0], 0.99, 0), ([3, 0], 0.3, 1), ([3, 3, 1], 0.3, 2),
+                            ([2, 1], 0.6, 1)):
+        pool = EnginePool(["http://e"], adaptive_max_queue=4, session=_Metrics(queue))
+        pool._rng = _Draw(r)  # type: ignore[assignment]
+        assert pool.gate("http://e") == waits, (queue, r)
 
 
 def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatch) -> None:
@@ -230,10 +253,30 @@ def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatc
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)  # the first reading stays
     metrics = _Metrics([0])
     pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
-    assert pool.gate("http://e") == 0 and pool.gate("http://e") == 0  # 0, then 0 + 1 < 2
-    assert metrics.reads == 1
-    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # a third send needs a new reading
+    pool._rng = _Draw(0.0)  # type: ignore[assignment]
+    assert pool.gate("http://e") == 0  # 0 < 2
+    pool.done()  # the request ended: the next one is not back from idle
+    assert pool.gate("http://e") == 0 and metrics.reads == 1  # 0 + 1 < 2 on the same reading
+    pool.done()
+    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # 0 + 2 is the bound: a new reading
     assert pool.gate("http://e") == 0 and metrics.reads == 2
+
+
+def test_a_worker_back_from_idle_reads_the_queue_afresh(monkeypatch) -> None:
+    from consumers import engines
+
+    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
+    monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)
+    metrics = _Metrics([0, 1, 2, 3])
+    pool = EnginePool(["http://e"], adaptive_max_queue=8, session=metrics)
+    pool._rng = _Draw(0.0)
+    pool.gate("http://e")
+    pool.done()
+    pool.gate("http://e")  # busy: the old reading serves
+    assert metrics.reads == 1
+    monkeypatch.setattr(engines, "GATE_IDLE_S", 0.0)  # now every gap counts as idle
+    pool.gate("http://e")
+    assert metrics.reads == 2
 
 
 # -- engines as they are: keys, release families, vLLM ---------------------------------------
