@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark: the harness (`tokencap.harness`: a private redis-server and
+"""Shared pieces of the benchmark: the harness (`testing.harness`: a private redis-server and
 a whole pipeline, as the tests use them), the simulator in a subprocess, prompt sources,
 result rows.
 
@@ -24,15 +24,15 @@ import msgspec
 import psutil
 from redis import Redis
 
-from tokencap.harness import (
+from testing.harness import (
     ROOT,
     STOP_TIMEOUT_S,
     RedisServer,
     child_env,
     free_port,
 )
-from tokencap.harness import Pipeline as HarnessPipeline
-from tokencap.harness import wait_until as _wait_until
+from testing.harness import Pipeline as HarnessPipeline
+from testing.harness import wait_until as _wait_until
 
 FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"

@@ -15,18 +15,28 @@ import hashlib
 import time
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from enum import StrEnum
 from typing import Any, NamedTuple, cast
 
 import msgspec
 from redis import Redis
 
+from budget_service import codec
 from budget_service.estimator import bucket_of
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.scripts import Scripts
 from foundation.config import RunConfig, config_from_json, config_to_json
 from foundation.engine import EngineInfo
 from foundation.errors import RunMismatch
-from foundation.wire import DeadLetter, Pending, Result, encode, split_turn_id, turn_id
+from foundation.wire import (
+    DeadLetter,
+    Outcome,
+    Pending,
+    Result,
+    encode,
+    split_turn_id,
+    turn_id,
+)
 
 RATE_EWMA_WEIGHT = 0.1
 REFUSED_STREAM_MAXLEN = 10_000
@@ -86,7 +96,7 @@ def turn_event(rec: Result | DeadLetter, output_ids: list[int] | None = None
     conv = rec.conversation_id
     if conv is None or rec.turn <= 0:
         return None
-    if isinstance(rec, DeadLetter) and rec.outcome == "cut":
+    if isinstance(rec, DeadLetter) and rec.outcome is Outcome.CUT:
         return None
     if isinstance(rec, Result) and rec.turn < rec.turns_total:
         return TurnEvent(rec.id, rec.output_ids if output_ids is None else output_ids,
@@ -161,6 +171,14 @@ class Unparked(NamedTuple):
     leased: list[tuple[str, int]]
 
 
+class CloseAction(StrEnum):
+    """What `close.lua` is asked to do (ARGV[1]): one entry point of `Budget` each."""
+
+    CAP = "cap"  # set_cap: a new cap; the category closes or reopens by it
+    CLOSE = "close"  # close: closed by an operator
+    EXHAUSTED = "exhausted"  # mark_exhausted: the source is used up and everything written
+
+
 class Budget:
     """All reads and writes of one run's budget state."""
 
@@ -213,7 +231,7 @@ class Budget:
         now, or None when Redis's cursor is not `cursor` (nothing written)."""
         args: list[Any] = [cursor, new_cursor, deadline_ms, len(samples)]
         for p in samples:
-            dup = DeadLetter(id=p.sample_id, category=category, outcome="rejected",
+            dup = DeadLetter(id=p.sample_id, category=category, outcome=Outcome.REJECTED,
                              reason="duplicate_prompt", where=p.where,
                              message="same prompt token ids as an earlier sample",
                              conversation_id=p.conversation_id, turn=p.turn,
@@ -330,23 +348,25 @@ class Budget:
         return int(self.scripts.reconcile(keys=self._ck(category), args=args))
 
     # -- caps and states (operators, producer) ------------------------------------------
-    def _close(self, category: str, *args: Any) -> tuple[bool, bool, int | None]:
-        closed, exhausted, old = self.scripts.close(keys=self._ck(category), args=list(args))
+    def _close(self, category: str, action: CloseAction, *args: Any
+               ) -> tuple[bool, bool, int | None]:
+        closed, exhausted, old = self.scripts.close(keys=self._ck(category),
+                                                    args=[action.value, *args])
         return _s(closed) == "1", _s(exhausted) == "1", cap_value(old)
 
     def set_cap(self, category: str, cap: int | None, by: str = "") -> tuple[bool, int | None]:
         """Change the cap (None: uncapped): a category below it (re)opens, and what it held
         back is sent; one at or above it closes. The change goes to the category's event
         log with `by` (who asked). Returns (closed, old cap)."""
-        closed, _exhausted, old = self._close(category, "cap", cap_arg(cap), now_ms(), by)
+        closed, _exhausted, old = self._close(category, CloseAction.CAP, cap_arg(cap),
+                                            now_ms(), by)
         return closed, old
 
     def dead_samples(self, category: str, reason: str = "") -> list[str]:
         """Ids of the category's dead-lettered samples (with `reason`, or any), read with
         HSCAN (Redis is not blocked however many there are)."""
-        want = f"d:{reason}" if reason else None
         return sorted(_s(k) for k, v in self.redis.hscan_iter(self._ck(category).final)
-                      if _s(v).startswith("d:") and (want is None or _s(v) == want))
+                      if codec.is_dead(v, reason))
 
     def retried(self, category: str) -> set[str]:
         """Samples sent again by `retry` (their dead letters on disk are history)."""
@@ -379,13 +399,13 @@ class Budget:
         return sorted(out, key=lambda e: (e["at"], e["id"]))
 
     def close(self, category: str) -> None:
-        self._close(category, "close")
+        self._close(category, CloseAction.CLOSE)
 
     def mark_exhausted(self, category: str, cursor: int) -> bool:
         """The source is used up at `cursor`, nothing is pending, no conversation waits for
         its next turn and everything is written: the category is done. False (nothing
         marked) otherwise, e.g. when Redis's cursor is not `cursor` (it lost feeds)."""
-        return self._close(category, "exhausted", cursor)[1]
+        return self._close(category, CloseAction.EXHAUSTED, cursor)[1]
 
     # -- per sample (workers) -----------------------------------------------------------
     def admit(

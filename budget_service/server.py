@@ -63,7 +63,9 @@ from prometheus_client.core import (
     Metric,
 )
 
+from budget_service import jobs
 from budget_service.budget import Budget, cap_text, now_ms, parse_cap
+from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.engine import LoadReader, engine_specs
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ PAGE = Path(__file__).with_name("web") / "index.html"
 LOAD_TIMEOUT_S = (1.0, 2.0)
 SERIES_MAX_COUNT = 8640
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8321
+DEFAULT_PORT = DEFAULT_BUDGET_PORT
 MAX_BODY_BYTES = 4096
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 CATEGORY_GAUGES = (
@@ -104,13 +106,10 @@ SAMPLE_OUTCOMES = (("samples", "committed"), ("failed", "failed"), ("rejected", 
 
 def worker_count(budget: Budget) -> int:
     """Workers registered on the run's queues (RQ's registry)."""
-    from rq import Queue, Worker
-
     cfg = budget.load_config()
     if not cfg or not cfg.category:
         return 0
-    q = Queue(budget.keys.queue_name(cfg.category[0].name), connection=budget.redis)
-    return int(Worker.count(connection=budget.redis, queue=q))
+    return jobs.worker_count(budget.redis, budget.keys, cfg.category[0].name)
 
 
 def _category_metrics(status: dict[str, Any]) -> Iterator[Metric]:

@@ -24,7 +24,7 @@ from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
 from foundation.engine import parse_urls
 from foundation.errors import RunNotFound
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
-from foundation.wire import DeadLetter, JobRef, Pending, Result
+from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result
 
 log = logging.getLogger(__name__)
 MODEL_REFRESH_S = 5.0
@@ -211,7 +211,7 @@ def process(ref: dict[str, Any]) -> str:
 def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
     failures = p.failures + 1
     if not exc.retryable or failures >= rc.cfg.max_attempts:
-        outcome = "dead" if exc.retryable else "rejected"
+        outcome = Outcome.DEAD if exc.retryable else Outcome.REJECTED
         log.warning("%s/%s %s after %d attempt(s): %s", cat.name, p.sample_id, outcome,
                     failures, exc)
         rc.budget.fail(DeadLetter(

@@ -16,16 +16,7 @@ import subprocess
 import threading
 import time
 
-from foundation.errors import (
-    ConfigError,
-    EngineUnusable,
-    ProducerBusy,
-    RedisRefused,
-    RedisUnavailable,
-    RunNotFound,
-    TokencapError,
-    WriterBusy,
-)
+from foundation.errors import exit_codes
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +24,7 @@ POLL_S = 0.5
 RESTART_MIN_S = 1.0
 RESTART_MAX_S = 30.0
 STABLE_S = 30.0
-MEANING = {
-    TokencapError.exit_code: "error",
-    ConfigError.exit_code: "bad config",
-    RedisUnavailable.exit_code: "Redis unreachable",
-    RedisRefused.exit_code: "Redis evicts keys",
-    ProducerBusy.exit_code: "another producer",
-    RunNotFound.exit_code: "no such run",
-    WriterBusy.exit_code: "another writer holds the run",
-    EngineUnusable.exit_code: "engine unusable (down, too old, or another model)",
-}
+MEANING = exit_codes()
 
 
 def exit_meaning(code: int) -> str:

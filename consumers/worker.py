@@ -2,8 +2,9 @@
 reads only msgspec JSON payloads.
 
 A job is refused whole unless every field of it that RQ could act on is what the producer
-sets (`refusal`): the function and its one `JobRef` argument, no callbacks, no webhooks, no
-dependencies, no retries or repeats, tokencap's result and failure TTLs. A refused job runs
+sets (`budget_service.jobs.refusal`): the function and its one `JobRef` argument, no
+callbacks, no webhooks, no dependencies, no retries or repeats, tokencap's result and
+failure TTLs. A refused job runs
 nothing: no callback, no webhook, no retry; it is recorded once in the run's refused stream
 (with the field at fault) and deleted.
 
@@ -20,24 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue
 from rq.job import Job
 from rq.worker import DequeueStrategy, SimpleWorker
 
+from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.backoff import Backoff
 from foundation.errors import TokencapError
-from foundation.wire import (
-    JOB_FAILURE_TTL_S,
-    JOB_FUNC,
-    JOB_RESULT_TTL_S,
-    JobRef,
-    MsgspecSerializer,
-)
 
 log = logging.getLogger(__name__)
 
@@ -50,42 +44,8 @@ RESTART_BACKOFF_MAX_S = 10.0
 WORKER_BEAT_MIN_S = 1.0
 
 
-def refusal(job: Job) -> str | None:
-    """Why `job` must not run (the field at fault), or None when it is exactly a job the
-    producer enqueues."""
-    try:
-        name, args, kwargs = job.func_name, job.args, job.kwargs
-    except Exception as exc:  # undecodable payload: pickle, garbage
-        cause = exc.__cause__ or exc.__context__ or exc
-        return f"payload refused: {cause}"
-    if name != JOB_FUNC:
-        return f"function {name!r} is not a tokencap job"
-    if kwargs or len(args) != 1:
-        return "arguments: a tokencap job takes one JobRef and no keyword arguments"
-    try:
-        msgspec.convert(args[0], JobRef)
-    except msgspec.ValidationError as exc:
-        return f"arguments: not a JobRef: {exc}"
-    checks = (
-        ("on_success callback", job._success_callback_name),
-        ("on_failure callback", job._failure_callback_name),
-        ("on_stopped callback", job._stopped_callback_name),
-        ("webhooks", job.webhooks),
-        ("dependencies", job._dependency_ids),
-        ("retry", job.retries_left or job.retry_intervals),
-        ("repeat", job.repeats_left or job.repeat_intervals),
-    )
-    for field, value in checks:
-        if value:
-            return f"{field} set: {value!r}"[:300]
-    if (job.result_ttl, job.failure_ttl) != (JOB_RESULT_TTL_S, JOB_FAILURE_TTL_S):
-        return (f"result/failure TTL {job.result_ttl}/{job.failure_ttl}, not tokencap's "
-                f"{JOB_RESULT_TTL_S}/{JOB_FAILURE_TTL_S}")
-    return None
-
-
 class TokencapWorker(SimpleWorker):
-    """Runs a job only if `refusal` finds nothing in it; refuses the rest whole."""
+    """Runs a job only if `jobs.refusal` finds nothing in it; refuses the rest whole."""
 
     keys: Keys  # the run's keys (set by make_worker): refusals are recorded under them
     _beat_sent_at = float("-inf")
@@ -105,7 +65,7 @@ class TokencapWorker(SimpleWorker):
         self._beat_sent_at = time.monotonic()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        reason = refusal(job)
+        reason = jobs.refusal(job)
         if reason is None:
             super().execute_job(job, queue)
         else:
@@ -117,19 +77,14 @@ class TokencapWorker(SimpleWorker):
         log.error("refused job %s from queue %s: %s", job.id, queue.name, reason)
         record = {"job_id": job.id, "queue": queue.name, "reason": reason, "ts": time.time()}
         Budget(self.connection, self.keys).refuse(record)
-        with self.connection.pipeline() as pipe:
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)  # single-queue dequeues
-            pipe.lrem(queue.key, 0, job.id)
-            pipe.delete(job.key)
-            pipe.execute()
+        jobs.drop(self.connection, queue, job)
 
 
 def make_worker(redis: Redis, keys: Keys, categories: list[str], name: str | None = None,
                 worker_class: type[TokencapWorker] = TokencapWorker) -> TokencapWorker:
     """A worker on the run's category queues (round robin)."""
-    queues = [Queue(q, connection=redis, serializer=MsgspecSerializer)
-              for q in keys.queue_names(categories)]
-    worker = worker_class(queues, connection=redis, serializer=MsgspecSerializer, name=name)
+    worker = worker_class(jobs.queues(redis, keys, categories), connection=redis,
+                          serializer=jobs.MsgspecSerializer, name=name)
     worker.keys = keys
     return worker
 

@@ -32,6 +32,7 @@ import msgspec
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from budget_service import codec
 from budget_service.budget import Budget, TurnEvent, turn_event
 from budget_service.keys import WRITER_GROUP, Keys
 from budget_service.lease import holder_token, writer_lease
@@ -48,7 +49,7 @@ from foundation.outputs import (
     read_results,
     repair_tail,
 )
-from foundation.wire import DeadLetter, Result
+from foundation.wire import DeadLetter, Outcome, Result
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ RECOVER_EVERY_S = 5.0
 MARK_BATCH = 1000
 OUTPUT_LOCK = ".tokencap-writer.lock"
 LOCK_POLL_S = 0.2
-DEAD_MARK = "d"
-CUT = "cut"  # DeadLetter.outcome of a turn held back by a closed category: not an end
+DEAD_MARK = codec.WRITTEN_DEAD
+
 
 
 def output_digest(output_ids: list[int]) -> bytes:
@@ -154,7 +155,8 @@ class CategorySink:
         self.cut_on_disk: set[str] = set()
         for dead in read_dead_letters(self.dir):
             if not isinstance(dead, BadLine):
-                (self.cut_on_disk if dead.outcome == CUT else self.dead_on_disk).add(dead.id)
+                cut = dead.outcome is Outcome.CUT
+                (self.cut_on_disk if cut else self.dead_on_disk).add(dead.id)
         self.part_no = len(parts)
         self._part: tuple[int, Path] | None = None
         self._dead: tuple[int, Path] | None = None
@@ -201,7 +203,7 @@ class CategorySink:
         to_mark: dict[str, int | str] = {}
         events: list[TurnEvent | None] = []
         for (raw, rec), mark in zip(records, marks, strict=True):
-            if isinstance(rec, DeadLetter) and rec.outcome == CUT:
+            if isinstance(rec, DeadLetter) and rec.outcome is Outcome.CUT:
                 if rec.id in self.cut_on_disk:
                     continue
                 self.cut_on_disk.add(rec.id)
@@ -234,7 +236,7 @@ class CategorySink:
                     if isinstance(rec, Result):
                         self.on_disk.pop(rec.id, None)
                         self.turn_digests.pop(rec.id, None)
-                    elif rec.outcome == CUT:
+                    elif rec.outcome is Outcome.CUT:
                         self.cut_on_disk.discard(rec.id)
                     else:
                         self.dead_on_disk.discard(rec.id)

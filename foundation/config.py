@@ -29,6 +29,8 @@ from foundation.sources import SourceMissing, expand_source, resolve_tokenizer
 DEFAULT_CAP_TOKENS = 10_000_000
 # Every Redis key and RQ queue of a run starts with this (budget_service/keys.py).
 DEFAULT_KEY_PREFIX = "tokencap"
+# the budget service's port: `tokencap serve`, `tokencap up` and the stack's run file
+DEFAULT_BUDGET_PORT = 8321
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 Name = Annotated[str, Meta(pattern=NAME_RE)]
 PositiveInt = Annotated[int, Meta(ge=1)]

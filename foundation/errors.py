@@ -23,15 +23,18 @@ from __future__ import annotations
 
 
 class TokencapError(Exception):
-    """Base of all expected errors. `exit_code` is what the CLI exits with."""
+    """Base of all expected errors. `exit_code` is what the CLI exits with, `meaning` what the
+    code says in a word (`exit_codes`)."""
 
     exit_code = 1
+    meaning = "error"
 
 
 class ConfigError(TokencapError):
     """The run config (or a path it names) is invalid. Raised before anything is enqueued."""
 
     exit_code = 2
+    meaning = "bad config or source"
 
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
@@ -44,36 +47,42 @@ class SourceError(TokencapError):
     unreadable Parquet). A single bad record is not this: it is dead-lettered."""
 
     exit_code = 2
+    meaning = "bad config or source"
 
 
 class RedisUnavailable(TokencapError):
     """Redis cannot be reached or refused a command; the budget fails closed."""
 
     exit_code = 3
+    meaning = "Redis unreachable"
 
 
 class RedisRefused(TokencapError):
     """Redis is reachable but configured unsafely (for example an evicting maxmemory-policy)."""
 
     exit_code = 4
+    meaning = "Redis evicts keys"
 
 
 class RunMismatch(TokencapError):
     """Redis holds a run of the same name whose categories differ from the config."""
 
     exit_code = 5
+    meaning = "the run exists with other categories"
 
 
 class ProducerBusy(TokencapError):
     """Another producer holds the run's lock."""
 
     exit_code = 6
+    meaning = "another producer runs the run"
 
 
 class WriterBusy(TokencapError):
     """Another writer holds the run's writer lease or its output folder."""
 
     exit_code = 8
+    meaning = "another writer holds the run"
 
 
 class EngineUnusable(TokencapError):
@@ -82,6 +91,8 @@ class EngineUnusable(TokencapError):
     first sample is fed."""
 
     exit_code = 9
+    meaning = ("an engine unusable (unreachable, too old, or serving another model than the "
+               "tokenizer's)")
 
 
 class EngineNotReady(EngineUnusable):
@@ -99,6 +110,7 @@ class RunNotFound(TokencapError):
     """No such run (or no run at all) under the key prefix in this Redis."""
 
     exit_code = 7
+    meaning = "no such run"
 
 
 class UnknownCategory(TokencapError):
@@ -112,3 +124,25 @@ class UnknownCategory(TokencapError):
 
 class PayloadRefused(TokencapError):
     """A job payload that is not tokencap's msgspec JSON (pickle, garbage, wrong shape)."""
+
+
+SIGNALLED = 130  # stopped by a signal before the end (Ctrl-C, SIGTERM)
+
+
+def exit_codes() -> dict[int, str]:
+    """Every exit code a command can end with and what it means: 0, the codes of
+    `TokencapError` and its subclasses, and `SIGNALLED` (one table: the CLI's help, the worker
+    pool's log lines and the README's list are read from it)."""
+    table = {0: "done"}
+    todo: list[type[TokencapError]] = [TokencapError]
+    while todo:
+        cls = todo.pop(0)
+        table.setdefault(cls.exit_code, cls.meaning)
+        todo.extend(cls.__subclasses__())
+    table[SIGNALLED] = "stopped by a signal"
+    return dict(sorted(table.items()))
+
+
+def exit_codes_text() -> str:
+    """`0 done, 1 error, ...`: the table in one line."""
+    return ", ".join(f"{code} {meaning}" for code, meaning in exit_codes().items())

@@ -1,8 +1,9 @@
-"""Wire structs (frozen msgspec Structs), the RQ serializer and the job function's name.
+"""Wire structs (frozen msgspec Structs): what crosses Redis and lands in the files.
 
 Everything that crosses Redis is msgspec JSON. Structs evolve only by adding optional
 fields. The RQ job itself carries only a `JobRef`; the prompt lives in the category's
-ledger (`pending`) so a reaper can re-enqueue it and the payload stays small in the queue.
+ledger (`pending`) so a reaper can re-enqueue it and the payload stays small in the queue
+(RQ's side of it: `budget_service.jobs`).
 A `Result` is also one line of `<out>/<category>/part-*.jsonl`, a `DeadLetter` one line of
 `dead-letter.jsonl` (`foundation.outputs` reads them back).
 """
@@ -15,15 +16,6 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from foundation.errors import PayloadRefused
-
-# The one function a tokencap worker runs (consumers/job.py); the producer names it in
-# every job it enqueues, the worker refuses any other.
-JOB_FUNC = "consumers.job.process"
-# RQ keeps a finished job this long (tokencap keeps outcomes in its ledger; a short TTL spares
-# RQ its delete path), a failed one this long. The worker refuses a job that asks for others.
-JOB_RESULT_TTL_S = 60
-JOB_FAILURE_TTL_S = 7 * 24 * 3600
 # `<conversation id>#t<turn>`: the sample id of one turn of a conversation
 TURN_MARK = "#t"
 # A token id as stored: non-negative, and within int32 (Parquet export stores int32).
@@ -125,15 +117,23 @@ class Result(Struct, frozen=True):
     out_of_vocab: int = 0
 
 
-class DeadLetter(Struct, frozen=True):
-    """A sample that ended rejected or dead, as written to `<out>/<category>/dead-letter.jsonl`.
+class Outcome(enum.StrEnum):
+    """How a dead letter ended its sample."""
 
-    Outcome "cut" is not an end: a conversation's next turn (`id`) was held back because its
-    category closed (a raised cap sends it, and a row with the same id then follows)."""
+    REJECTED = "rejected"  # refused before it reached an engine (bad input, too long)
+    DEAD = "dead"  # failed on every try
+    # not an end: a conversation's next turn was held back because its category closed (a
+    # raised cap sends it, and a row with the same id then follows)
+    CUT = "cut"
+
+
+class DeadLetter(Struct, frozen=True):
+    """A sample that ended rejected or dead (or a turn cut, `Outcome.CUT`), as written to
+    `<out>/<category>/dead-letter.jsonl`."""
 
     id: str
     category: str
-    outcome: str
+    outcome: Outcome
     reason: str
     message: str = ""
     where: str = ""
@@ -159,18 +159,3 @@ _encoder = msgspec.json.Encoder()
 
 def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
-
-
-class MsgspecSerializer:
-    """RQ serializer: msgspec JSON only. Loading anything else (pickle included) raises."""
-
-    @staticmethod
-    def dumps(obj: Any) -> bytes:
-        return _encoder.encode(obj)
-
-    @staticmethod
-    def loads(data: bytes) -> Any:
-        try:
-            return msgspec.json.decode(data)
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise PayloadRefused(f"job payload is not msgspec JSON: {exc}") from None

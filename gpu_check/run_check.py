@@ -6,7 +6,7 @@ writes a run config with three categories of the shipped demo data, runs the rea
 (in-process), writer (a thread) and N ``python -m tokencap.cli worker`` processes to the end,
 then checks:
 
-- the pipeline invariants of the harness the tests use (``tokencap.harness``
+- the pipeline invariants of the harness the tests use (``testing.harness``
   ``Pipeline.check_category``): exactly one terminal state per fed sample, ``used`` == sum
   of the files, no duplicate ids, nothing pending/reserved/in flight, RQ registries empty,
   Redis and files agree;
@@ -126,7 +126,7 @@ class Checks:
 
 # -- processes ---------------------------------------------------------------------------
 def start_engine(args: argparse.Namespace, work: Path, out: Path) -> tuple[subprocess.Popen, str]:
-    from tokencap.harness import free_port
+    from testing.harness import free_port
 
     port = free_port()
     argv = [sys.executable, str(HERE / "hf_engine.py"), "--port", str(port),
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "args": vars(args), "host": platform.node(), "python": sys.version.split()[0],
         "work_dir": str(work),
     }
-    from tokencap.harness import Pipeline, RedisServer
+    from testing.harness import Pipeline, RedisServer
 
     redis: RedisServer | None = None
     engine_proc = None

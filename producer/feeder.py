@@ -33,22 +33,17 @@ from typing import Any, NamedTuple, cast
 
 import msgspec
 from redis import Redis
-from rq import Queue, Worker
-from rq.job import Job
 
+from budget_service import jobs
 from budget_service.budget import Budget, now_ms
 from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import Category, RunConfig
 from foundation.wire import (
-    JOB_FAILURE_TTL_S,
-    JOB_FUNC,
-    JOB_RESULT_TTL_S,
     DeadLetter,
     ErrorKind,
-    JobRef,
-    MsgspecSerializer,
+    Outcome,
     Pending,
     split_turn_id,
     turn_id,
@@ -131,11 +126,7 @@ class Producer:
         self.context_length = context_length
         self.on_progress = on_progress
         self.feeds: dict[str, CategoryFeed] = {}
-        self.queues = {
-            c.name: Queue(self.keys.queue_name(c.name), connection=redis,
-                          serializer=MsgspecSerializer)
-            for c in cfg.category
-        }
+        self.queues = {c.name: jobs.queue(redis, self.keys, c.name) for c in cfg.category}
         self.lease_ms = int(cfg.lease_s * 1000)
         self._workers = 0
         self._workers_at = 0.0
@@ -292,15 +283,9 @@ class Producer:
         """At the end of a run no job may still be running: drop what RQ's started
         registries and intermediate lists still hold from killed workers."""
         for name, queue in self.queues.items():
-            registry = queue.started_job_registry
-            stale = self.redis.zrange(registry.key, 0, -1)
-            jids = [jid for jid, _eid in registry.get_job_and_execution_ids(cleanup=False)]
-            if jids:
-                self.redis.delete(*(Job.key_for(jid) for jid in jids))
+            stale = jobs.clear_started(self.redis, queue)
             if stale:
-                self.redis.zrem(registry.key, *stale)
-                log.info("%s: cleared %d stale entries of killed workers", name, len(stale))
-            self.redis.delete(queue.intermediate_queue_key)
+                log.info("%s: cleared %d stale entries of killed workers", name, stale)
 
     # -- pieces ------------------------------------------------------------------------
     def _can_feed(self, name: str, st: dict[str, Any]) -> bool:
@@ -316,8 +301,7 @@ class Producer:
         and used-up ones need no share: their workers serve the others)."""
         now = time.monotonic()
         if now - self._workers_at > WORKER_COUNT_REFRESH_S:
-            q = next(iter(self.queues.values()))
-            self._workers = Worker.count(connection=self.redis, queue=q)
+            self._workers = jobs.worker_count(self.redis, self.keys, next(iter(self.queues)))
             self._workers_at = now
         return max(self.cfg.high_water, math.ceil(2 * self._workers / max(1, self._feedable)))
 
@@ -384,7 +368,7 @@ class Producer:
                 log.warning("%s: skipped record at %s: %s", cat.name, where, exc)
                 turn: dict[str, Any] = {"conversation_id": sid, "turn": 1} if feed.turns else {}
                 rejected.append(DeadLetter(id=turn_id(sid, 1) if feed.turns else sid,
-                                           category=cat.name, outcome="rejected",
+                                           category=cat.name, outcome=Outcome.REJECTED,
                                            reason=exc.reason, message=str(exc), where=where,
                                            **turn))
         return samples, rejected
@@ -438,9 +422,9 @@ class Producer:
 
             def reject(reason: str, message: str, k: int = k, s: Sample = s,
                        fields: dict[str, Any] = fields) -> None:
-                rejected.append(DeadLetter(id=ids_of[k], category=cat.name, outcome="rejected",
-                                           reason=reason, message=message, where=s.where,
-                                           **fields))
+                rejected.append(DeadLetter(id=ids_of[k], category=cat.name,
+                                           outcome=Outcome.REJECTED, reason=reason,
+                                           message=message, where=s.where, **fields))
 
             if k in huge:
                 reject("prompt_too_long",
@@ -521,7 +505,8 @@ class Producer:
                     why = "the outputs of its earlier turns are gone from Redis"
                 log.error("%s/%s: conversation cut: %s", name, f.sample_id, why)
                 rejected.append(DeadLetter(
-                    id=f.sample_id, category=name, outcome="rejected", reason="source_changed",
+                    id=f.sample_id, category=name, outcome=Outcome.REJECTED,
+                    reason="source_changed",
                     message=why, where=feed.index.where(f.ordinal) if f.ordinal < len(
                         feed.index) else "", conversation_id=conv_id, turn=turn))
                 continue
@@ -534,7 +519,8 @@ class Producer:
                 log.warning("%s/%s: conversation stops: a reply does not parse (%s)", name,
                             f.sample_id, exc)
                 rejected.append(DeadLetter(
-                    id=f.sample_id, category=name, outcome="rejected", reason="unparsed_reply",
+                    id=f.sample_id, category=name, outcome=Outcome.REJECTED,
+                    reason="unparsed_reply",
                     message=f"the reply of {exc}; kept as generated, the conversation cannot "
                             "go on from it", where=s.where, conversation_id=conv_id, turn=turn,
                     turns_total=conv.turns))
@@ -566,7 +552,7 @@ class Producer:
                 samples.append(feed.read(pos))
             except Rejected as exc:
                 log.error("%s/%s: cannot be sent again: %s", name, sid, exc)
-                rejected.append(DeadLetter(id=sid, category=name, outcome="rejected",
+                rejected.append(DeadLetter(id=sid, category=name, outcome=Outcome.REJECTED,
                                            reason=exc.reason, message=str(exc)))
         prepared, bad = self._render(feed, samples)
         ids_fed = set(self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared,
@@ -601,7 +587,7 @@ class Producer:
                 except Rejected:
                     pass
             letters.append(DeadLetter(
-                id=sid, category=name, outcome="cut", reason="cap", where=where,
+                id=sid, category=name, outcome=Outcome.CUT, reason="cap", where=where,
                 message="the category closed (its cap) before this turn was sent; a raised "
                         "cap sends it", conversation_id=conv, turn=turn, turns_total=total))
         return self.budget.cut(name, letters)
@@ -611,24 +597,8 @@ class Producer:
         """Enqueue one job per (sample id, seq, prompt tokens), in one round trip, at the
         queue's end (or its front). The ledger already holds each sample with a lease: a job
         lost here is enqueued again by the reaper."""
-        if not samples:
-            return
-        jobs = [
-            Queue.prepare_data(
-                JOB_FUNC,
-                args=(msgspec.to_builtins(JobRef(run=self.cfg.run, category=category,
-                                                 sample_id=sid, seq=seq,
-                                                 prompt_tokens=n_prompt)),),
-                job_id=self.keys.job_id(category, sid, seq),
-                timeout=self.cfg.job_timeout_s(),
-                result_ttl=JOB_RESULT_TTL_S,
-                failure_ttl=JOB_FAILURE_TTL_S,
-                description=f"{category}/{sid}#{seq}",
-                at_front=at_front,
-            )
-            for sid, seq, n_prompt in samples
-        ]
-        self.queues[category].enqueue_many(jobs)
+        jobs.enqueue(self.queues[category], self.keys, self.cfg.run, category, samples,
+                     self.cfg.job_timeout_s(), at_front)
 
     def reap(self, feed: CategoryFeed) -> int:
         """Re-enqueue samples whose lease expired and whose job is not waiting in the queue
@@ -638,22 +608,20 @@ class Producer:
         if not expired:
             return 0
         entries = self.budget.entries(name, expired)
-        queue_key = self.queues[name].key
-        pipe = self.redis.pipeline(transaction=False)
-        for sid, entry in zip(expired, entries, strict=True):
-            pipe.lpos(queue_key, self.keys.job_id(name, sid, entry.seq))
-        waiting = pipe.execute()
+        waiting = jobs.waiting(self.redis, self.queues[name], self.keys, name,
+                               [(sid, entry.seq) for sid, entry in zip(expired, entries,
+                                                                       strict=True)])
         again: list[tuple[str, int, int]] = []
         for sid, entry, in_queue in zip(expired, entries, waiting, strict=True):
             deadline = now_ms() + self.lease_ms
             p = entry.pending
-            if p is None or in_queue is not None:
+            if p is None or in_queue:
                 # still waiting in its queue: keep the lease (a stray entry is dropped)
                 self.budget.keep_lease(name, sid, deadline)
                 continue
             failures = p.failures + (1 if entry.in_flight else 0)
             if failures >= self.cfg.max_attempts:
-                self.budget.fail(DeadLetter(id=sid, category=name, outcome="dead",
+                self.budget.fail(DeadLetter(id=sid, category=name, outcome=Outcome.DEAD,
                                             reason=ErrorKind.LOST.value, where=p.where,
                                             message="worker lost the sample too often",
                                             attempts=failures, conversation_id=p.conversation_id,

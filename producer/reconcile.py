@@ -14,9 +14,11 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+from budget_service import codec
 from budget_service.budget import Budget, TurnEvent, turn_event
 from budget_service.estimator import bucket_of
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+from foundation.wire import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,15 @@ def read_records(cat_dir: Path) -> Iterator[Record]:
             log.warning("%s: unreadable result line ignored: %s", r.where, r.error)
             continue
         waste = r.completion_tokens if r.finish_reason == "length" else 0
-        yield (r.id, f"c:{r.counted_tokens}", r.counted_tokens, waste,
+        yield (r.id, codec.committed(r.counted_tokens), r.counted_tokens, waste,
                bucket_of(r.completion_tokens))
     for d in read_dead_letters(cat_dir):
         if isinstance(d, BadLine):
             log.warning("%s: unreadable dead-letter line ignored: %s", d.where, d.error)
             continue
-        if d.outcome == "cut":  # a turn held back, not an end
+        if d.outcome is Outcome.CUT:  # a turn held back, not an end
             continue
-        prefix = "r:" if d.outcome == "rejected" else "d:"
-        yield (d.id, prefix + d.reason, 0, 0, "")
+        yield (d.id, codec.ended(d.outcome, d.reason), 0, 0, "")
 
 
 def reconcile(budget: Budget, out_dir: Path, categories: list[str]) -> dict[str, int]:

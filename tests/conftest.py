@@ -2,7 +2,7 @@
 
 The server is started by us on a free loopback port (never the machine's 6379), so
 `flushdb` between tests only touches our own instance. Everything else of the harness
-(`RedisServer`, `Pipeline`, `wait_until`) is `tokencap.harness`, shared with the benchmark
+(`RedisServer`, `Pipeline`, `wait_until`) is `testing.harness`, shared with the benchmark
 and the GPU check.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from redis import Redis
 
 from foundation.config import RunConfig, load_config
-from tokencap.harness import ROOT, RedisServer, find_redis_server
+from testing.harness import ROOT, RedisServer, find_redis_server
 
 FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from sglang_sim.testing import SimServer
+from testing.harness import started
 from tests.conftest import QWEN, write_config
-from tokencap.harness import started
 
 GOOD = 30
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from producer.formats import Rejected
 from producer.readers import UTF8_BOM, WHITESPACE, SourceIndex, read_sample
 from sglang_sim.testing import SimServer
+from testing.harness import started
 from tests.conftest import QWEN, ROOT, write_config
-from tokencap.harness import started
 
 REASONS = {
     "invalid_json", "invalid_utf8", "not_an_object", "missing_field", "wrong_type",

@@ -76,3 +76,17 @@ def test_every_error_has_an_exit_code_and_the_codes_are_documented() -> None:
 def test_a_run_that_is_not_there_exits_7(redis_url) -> None:
     out = CliRunner().invoke(main, ["status", "--redis-url", redis_url, "--run", "nope"])
     assert out.exit_code == 7 and "run 'nope' not found" in out.output
+
+
+def test_the_exit_codes_are_one_table_shown_in_help_and_the_readme() -> None:
+    from foundation.errors import exit_codes, exit_codes_text
+    from tests.conftest import ROOT
+
+    codes = exit_codes()
+    assert codes[0] == "done" and codes[2] == "bad config or source" and 130 in codes
+    assert len(codes) == len(set(codes.values())), "two codes with one meaning"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"Exit codes of every command: {exit_codes_text()} (" in readme
+    shown = CliRunner().invoke(main, ["--help"])
+    assert shown.exit_code == 0
+    assert exit_codes_text() in " ".join(shown.output.split())

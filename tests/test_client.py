@@ -20,7 +20,7 @@ from consumers.client import (
 from consumers.engines import EnginePool
 from foundation.engine import LoadReader
 from sglang_sim.testing import SimServer
-from tokencap.harness import free_port
+from testing.harness import free_port
 
 PROMPT = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
 SAMPLING = {"max_new_tokens": 64, "temperature": 0.0}

@@ -8,8 +8,8 @@ import pytest
 from rq import Queue, Worker
 
 from sglang_sim.testing import SimServer
+from testing.harness import started, wait_until
 from tests.conftest import write_config
-from tokencap.harness import started, wait_until
 
 pytestmark = pytest.mark.slow
 

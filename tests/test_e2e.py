@@ -6,8 +6,8 @@ import pytest
 from rq import Queue
 
 from sglang_sim.testing import SimServer
+from testing.harness import started
 from tests.conftest import DATASETS, QWEN, write_config
-from tokencap.harness import started
 
 SIM_TIME_SCALE = 400.0
 

@@ -29,9 +29,9 @@ from producer.replies import ReplyParser, reply_parser
 from producer.run import load_renderer
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
+from testing.harness import RedisServer, started
 from tests.conftest import DATASETS, ROOT, write_config
 from tests.family_tokenizers import UPSTREAM_SHA256, folder, kimi_with_code, sha256
-from tokencap.harness import RedisServer, started
 
 pytestmark = pytest.mark.slow
 

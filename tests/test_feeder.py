@@ -6,8 +6,8 @@ import pytest
 
 from producer import feeder
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline
 from tests.faults.common import two_category_config
-from tokencap.harness import Pipeline
 
 
 def test_leases_are_checked_on_an_interval_and_again_while_some_expired(tmp_path,

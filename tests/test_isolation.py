@@ -18,12 +18,12 @@ import pytest
 from redis import Redis
 
 from budget_service.keys import Keys
+from foundation.config import DEFAULT_BUDGET_PORT
 from tests.conftest import ROOT
 from tests.faults.common import FAULT_KNOBS
 from tests.test_stack import STACK_VARS
 
 pytestmark = pytest.mark.slow
-DEFAULT_BUDGET_PORT = 8321
 INNER_TIMEOUT_S = 600
 
 

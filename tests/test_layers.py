@@ -1,6 +1,7 @@
 """The layers hold: every import of a project package, at module level or inside a function,
-points down (foundation <- ledger <- stages <- roof), the two stages never import each other,
-nothing imports the roof, and sglang_sim stands apart."""
+points down (foundation <- ledger <- stages <- roof <- the test harness <- bench, gpu_check),
+two packages of one layer never import each other, nothing of the wheel imports the harness,
+and sglang_sim stands apart."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ LAYER = {
     "producer": 2,
     "consumers": 2,
     "tokencap": 3,
+    # outside the wheel: the harness (tests use it too), and what runs on it
+    "testing": 4,
+    "bench": 5,
+    "gpu_check": 5,
 }
 APART = "sglang_sim"  # imports none of the layers; only the roof imports it
 
@@ -75,6 +80,8 @@ def test_no_import_runs_up_a_layer_or_across_the_stages() -> None:
         ("consumers", "from tokencap.cli import main\n", "up a layer"),
         ("sglang_sim", "from foundation.wire import encode\n", "stands apart"),
         ("producer", "from sglang_sim.testing import SimServer\n", "only the roof"),
+        ("tokencap", "from testing.harness import Pipeline\n", "up a layer"),
+        ("bench", "from gpu_check.run_check import main\n", "one stage imports another"),
     ],
 )
 def test_the_check_catches_each_kind_of_wrong_import(tmp_path: Path, package: str, source: str,

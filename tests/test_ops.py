@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from budget_service.server import render_metrics, worker_count
 from sglang_sim.testing import SimServer, free_port, start_sim_subprocess
+from testing.harness import Pipeline, started, wait_until
 from tests.conftest import write_config
 from tests.faults.common import Background, two_category_config
-from tokencap.harness import Pipeline, started, wait_until
 
 
 def samples_of(text: str, name: str) -> list:

@@ -22,10 +22,10 @@ from producer.preflight import until_ready
 from producer.run import run_to_end
 from sglang_sim.config import FaultConfig, LengthDist
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, free_port
 from tests.conftest import ROOT, write_config
 from tests.faults.common import FAULT_KNOBS
 from tokencap.export import ExportError, export
-from tokencap.harness import Pipeline, free_port
 from tokencap.progress import SIMULATED_TEXT, summary_table
 
 FIXTURES = ROOT / "tests" / "fixtures"

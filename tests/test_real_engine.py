@@ -27,9 +27,9 @@ from foundation.errors import EngineUnusable
 from producer.preflight import preflight
 from producer.render import Renderer
 from producer.run import load_renderer, run_to_end
+from testing.harness import Pipeline, started, wait_until
 from tests.conftest import DATASETS, FIXTURES, write_config
 from tests.engine_protocol import differences, facts
-from tokencap.harness import Pipeline, started, wait_until
 
 pytestmark = pytest.mark.real_engine
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from budget_service.server import Recorder
 from sglang_sim.testing import SimServer
+from testing.harness import started
 from tests.conftest import ROOT
 from tests.faults.common import two_category_config
-from tokencap.harness import started
 from tokencap.report import FIGURES
 
 

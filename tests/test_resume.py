@@ -8,8 +8,8 @@ import json
 import pytest
 
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline
 from tests.conftest import write_config
-from tokencap.harness import Pipeline
 
 PROMPTS = 300
 

@@ -12,9 +12,9 @@ from budget_service.keys import Keys
 from budget_service.lease import producer_lease
 from foundation.errors import ProducerBusy
 from sglang_sim.testing import SimServer
+from testing.harness import wait_until
 from tests.conftest import ROOT
 from tests.faults.common import two_category_config
-from tokencap.harness import wait_until
 
 KEYS = Keys("tokencap", "lock")
 

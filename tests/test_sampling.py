@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from foundation.config import load_config
 from foundation.errors import ConfigError
 from sglang_sim.testing import SimServer
+from testing.harness import started
 from tests.conftest import DATASETS, QWEN, write_config
 from tokencap.cli import main
-from tokencap.harness import started
 from tokencap.plan import preview
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"

@@ -29,7 +29,7 @@ from sglang_sim.testing import (
     throughput_at_batch,
     time_fraction_below,
 )
-from tokencap.harness import wait_until
+from testing.harness import wait_until
 
 FAST = 1000.0  # time scale for tests that only look at protocol behaviour
 TIMEOUT_S = 30.0

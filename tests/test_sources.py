@@ -21,8 +21,8 @@ from foundation.config import load_config
 from foundation.errors import ConfigError
 from producer.readers import SourceIndex, sample_id
 from sglang_sim.testing import SimServer
+from testing.harness import started
 from tests.conftest import DATASETS, QWEN, ROOT
-from tokencap.harness import started
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

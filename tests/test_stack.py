@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from testing.harness import free_port
 from tests.faults.common import FAULT_KNOBS
-from tokencap.harness import free_port
 
 pytestmark = pytest.mark.starts_stack
 

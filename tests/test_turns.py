@@ -26,9 +26,9 @@ from producer.replies import ReplyParser
 from producer.run import load_renderer
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
+from testing.harness import RedisServer, started
 from tests.conftest import DATASETS, QWEN, write_config
 from tokencap.export import SourceMessages, export
-from tokencap.harness import RedisServer, started
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import requests
 
 from budget_service.server import Recorder, make_server, serve_in_thread
 from sglang_sim.testing import SimServer
+from testing.harness import started, wait_until
 from tests.faults.common import two_category_config
-from tokencap.harness import started, wait_until
 
 CHROMIUM = next((b for b in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(b)), None)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from rq import Queue
 from rq.worker import SimpleWorker
 
+from budget_service.jobs import MsgspecSerializer
 from budget_service.keys import Keys
 from consumers import worker as worker_mod
 from consumers.worker import TokencapWorker, make_worker, run_worker
-from foundation.wire import MsgspecSerializer
 
 KEYS = Keys("tokencap", "hb")
 

@@ -18,15 +18,16 @@ from rq import Callback, Queue, Retry
 from rq.job import Job
 from rq.webhook import Webhook
 
-from budget_service.keys import Keys
-from consumers.worker import make_worker, refusal, run_worker
-from foundation.wire import (
+from budget_service.jobs import (
     JOB_FAILURE_TTL_S,
     JOB_FUNC,
     JOB_RESULT_TTL_S,
-    JobRef,
     MsgspecSerializer,
+    refusal,
 )
+from budget_service.keys import Keys
+from consumers.worker import make_worker, run_worker
+from foundation.wire import JobRef
 
 KEYS = Keys("tokencap", "sec")
 REF = msgspec.to_builtins(JobRef(run="sec", category="q", sample_id="s:1"))

@@ -1,9 +1,6 @@
 """The `tokencap` command: wiring only. Every option has an environment twin.
 
-Exit codes: 0 done; 1 error; 2 bad config or source; 3 Redis unreachable; 4 Redis refused
-(evicting policy); 5 run mismatch; 6 another producer holds the run; 7 no such run; 8
-another writer holds the run; 9 an engine unusable; 130 stopped by a signal before the end
-(see `foundation.errors`).
+Exit codes: `foundation.errors.exit_codes()`, shown at the foot of `tokencap --help`.
 """
 
 from __future__ import annotations
@@ -18,8 +15,14 @@ from typing import Any
 
 import click
 
-from foundation.config import DEFAULT_KEY_PREFIX
-from foundation.errors import RunNotFound, TokencapError, UnknownCategory
+from foundation.config import DEFAULT_BUDGET_PORT, DEFAULT_KEY_PREFIX
+from foundation.errors import (
+    SIGNALLED,
+    RunNotFound,
+    TokencapError,
+    UnknownCategory,
+    exit_codes_text,
+)
 from foundation.redisconn import DEFAULT_REDIS_URL
 from tokencap import logs
 
@@ -89,7 +92,7 @@ class _Group(click.Group):
             _fail(exc)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, epilog="Exit codes: " + exit_codes_text() + ".")
 @click.option("--log-level", envvar="TOKENCAP_LOG_LEVEL", default="INFO", show_default=True,
               help="Logging level. Env: TOKENCAP_LOG_LEVEL.")
 @click.version_option(package_name="tokencap")
@@ -179,7 +182,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     click.echo(summary_table(status))
     if stop["flag"]:
         click.echo("stopped before the end; run the same command again to resume", err=True)
-        sys.exit(130)
+        sys.exit(SIGNALLED)
 
 
 @main.command()
@@ -331,7 +334,7 @@ def _event_line(ev: dict[str, Any]) -> str:
 @PREFIX_OPT
 @click.option("--host", envvar="TOKENCAP_HOST", default="127.0.0.1", show_default=True,
               help="Address to bind. Env: TOKENCAP_HOST.")
-@click.option("--port", envvar="TOKENCAP_PORT", default=8321, show_default=True,
+@click.option("--port", envvar="TOKENCAP_PORT", default=DEFAULT_BUDGET_PORT, show_default=True,
               help="Port (0: any free port, logged). Env: TOKENCAP_PORT.")
 @click.option("--token", envvar="TOKENCAP_TOKEN", default=None,
               help="Bearer token for POST /cap; without one caps cannot change over HTTP. "
@@ -468,7 +471,7 @@ def sim(ctx: click.Context) -> None:
 @click.option("--workers", "n_workers", envvar="WORKERS", default=8, show_default=True,
               help="Consumers to start. Env: WORKERS.")
 @STATE_OPT
-@click.option("--budget-port", envvar="BUDGET_PORT", default=8321, show_default=True,
+@click.option("--budget-port", envvar="BUDGET_PORT", default=DEFAULT_BUDGET_PORT, show_default=True,
               help="Port of the budget service on 127.0.0.1 (/status, /metrics, POST /cap); "
               "0: any free port (the run file says which). Env: BUDGET_PORT.")
 @click.option("--sim", "use_sim", is_flag=True,
@@ -510,7 +513,7 @@ def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: b
     except KeyboardInterrupt:
         click.echo("tokencap: stopped (Ctrl-C) before anything was fed; what this `up` "
                    "started is stopped again", err=True)
-        sys.exit(130)
+        sys.exit(SIGNALLED)
     sys.exit(code)
 
 

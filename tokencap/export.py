@@ -60,7 +60,7 @@ from foundation.outputs import (
     read_dead_letters,
     read_results,
 )
-from foundation.wire import Result
+from foundation.wire import Outcome, Result
 from producer.replies import Unparsed
 
 log = logging.getLogger(__name__)
@@ -391,7 +391,7 @@ class ConversationSink(JsonlSink):
         for d in read_dead_letters(cat_dir):
             if isinstance(d, BadLine) or not d.conversation_id:
                 continue
-            why = "cap" if d.outcome == "cut" else f"{d.outcome}:{d.reason}"
+            why = "cap" if d.outcome is Outcome.CUT else f"{d.outcome}:{d.reason}"
             if d.turn >= ends.get(d.conversation_id, (0, ""))[0]:
                 ends[d.conversation_id] = (d.turn, why)
         for conv_id, turns in sorted(self._turns.items()):

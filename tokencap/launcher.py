@@ -27,12 +27,12 @@ from typing import Any
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.server import worker_count
-from foundation.config import load_config
+from foundation.config import DEFAULT_BUDGET_PORT, load_config
 from foundation.engine import healthy, parse_urls
-from foundation.errors import TokencapError
+from foundation.errors import SIGNALLED, TokencapError
 from foundation.redisconn import connect
 from producer.run import run_to_end
-from tokencap.harness import find_redis_server, free_port
+from tokencap.localredis import find_redis_server, free_port
 from tokencap.progress import ProgressPrinter, summary_table
 from tokencap.runfile import RUN_FILE, run_file, stop_hint
 
@@ -41,8 +41,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
-DEFAULT_BUDGET_PORT = 8321
-STOPPED_BY_SIGNAL = 130
+STOPPED_BY_SIGNAL = SIGNALLED
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from rq import Queue
 
+from testing.harness import Pipeline
 from tests.conftest import write_config
-from tokencap.harness import Pipeline
 
 PROMPTS = 200
 # Short leases and timeouts, so that faults are seen and ridden out within seconds; sampling

@@ -18,9 +18,9 @@ import pytest
 from foundation.config import RunConfig
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, RedisServer, started, wait_until
 from tests.conftest import DATASETS, QWEN, ROOT, write_config
 from tests.faults.common import FAULT_KNOBS, Background, worker_killer
-from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from sglang_sim.testing import SimServer
+from testing.harness import started, wait_until
 from tests.conftest import ROOT, write_config
 from tests.faults.common import Background, two_category_config
-from tokencap.harness import started, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, RedisServer, started, wait_until
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 from tests.faults.proxy import Proxy
-from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
 pytestmark = pytest.mark.slow
 

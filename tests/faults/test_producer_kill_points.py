@@ -28,8 +28,8 @@ from foundation.config import RunConfig
 from foundation.wire import Pending
 from producer.run import build_producer
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, wait_until
 from tests.conftest import write_config
-from tokencap.harness import Pipeline, wait_until
 
 pytestmark = pytest.mark.slow
 

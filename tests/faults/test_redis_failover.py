@@ -13,8 +13,8 @@ from redis import Redis
 
 from foundation.redisconn import parse_sentinel_url
 from sglang_sim.testing import SimServer
+from testing.harness import RedisServer, find_redis_server, free_port, started, wait_until
 from tests.faults.common import Background, two_category_config
-from tokencap.harness import RedisServer, find_redis_server, free_port, started, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from budget_service.keys import Keys
 from foundation.errors import RedisRefused
 from foundation.redisconn import connect
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, RedisServer, started, wait_until
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
-from tokencap.harness import Pipeline, RedisServer, started, wait_until
 
 pytestmark = pytest.mark.slow
 

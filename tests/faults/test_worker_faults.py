@@ -12,11 +12,11 @@ import pytest
 from rq import Callback, Queue, Retry
 from rq.webhook import Webhook
 
-from foundation.wire import MsgspecSerializer
+from budget_service.jobs import MsgspecSerializer
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, started, wait_until
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config, worker_killer
-from tokencap.harness import Pipeline, started, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ import pytest
 
 from foundation.config import RunConfig
 from sglang_sim.testing import SimServer
+from testing.harness import Pipeline, wait_until
 from tests.conftest import ROOT, write_config
 from tests.faults.common import Background, two_category_config
-from tokencap.harness import Pipeline, wait_until
 
 pytestmark = pytest.mark.slow
 

