@@ -96,7 +96,7 @@ def turn_event(rec: Result | DeadLetter, output_ids: list[int] | None = None
     conv = rec.conversation_id
     if conv is None or rec.turn <= 0:
         return None
-    if isinstance(rec, DeadLetter) and rec.outcome is Outcome.CUT:
+    if isinstance(rec, DeadLetter) and rec.outcome == Outcome.CUT:
         return None
     if isinstance(rec, Result) and rec.turn < rec.turns_total:
         return TurnEvent(rec.id, rec.output_ids if output_ids is None else output_ids,

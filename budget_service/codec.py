@@ -49,7 +49,7 @@ def committed(tokens: int) -> str:
 def ended(outcome: Outcome, reason: str) -> str:
     """The final value of a sample that ended without a result (a dead letter's outcome:
     rejected, never sent; dead, after its tries)."""
-    return (REJECTED if outcome is Outcome.REJECTED else DEAD) + reason
+    return (REJECTED if outcome == Outcome.REJECTED else DEAD) + reason
 
 
 def dead(reason: str) -> str:

@@ -155,7 +155,7 @@ class CategorySink:
         self.cut_on_disk: set[str] = set()
         for dead in read_dead_letters(self.dir):
             if not isinstance(dead, BadLine):
-                cut = dead.outcome is Outcome.CUT
+                cut = dead.outcome == Outcome.CUT
                 (self.cut_on_disk if cut else self.dead_on_disk).add(dead.id)
         self.part_no = len(parts)
         self._part: tuple[int, Path] | None = None
@@ -203,7 +203,7 @@ class CategorySink:
         to_mark: dict[str, int | str] = {}
         events: list[TurnEvent | None] = []
         for (raw, rec), mark in zip(records, marks, strict=True):
-            if isinstance(rec, DeadLetter) and rec.outcome is Outcome.CUT:
+            if isinstance(rec, DeadLetter) and rec.outcome == Outcome.CUT:
                 if rec.id in self.cut_on_disk:
                     continue
                 self.cut_on_disk.add(rec.id)
@@ -236,7 +236,7 @@ class CategorySink:
                     if isinstance(rec, Result):
                         self.on_disk.pop(rec.id, None)
                         self.turn_digests.pop(rec.id, None)
-                    elif rec.outcome is Outcome.CUT:
+                    elif rec.outcome == Outcome.CUT:
                         self.cut_on_disk.discard(rec.id)
                     else:
                         self.dead_on_disk.discard(rec.id)

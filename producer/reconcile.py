@@ -39,7 +39,7 @@ def read_records(cat_dir: Path) -> Iterator[Record]:
         if isinstance(d, BadLine):
             log.warning("%s: unreadable dead-letter line ignored: %s", d.where, d.error)
             continue
-        if d.outcome is Outcome.CUT:  # a turn held back, not an end
+        if d.outcome == Outcome.CUT:  # a turn held back, not an end
             continue
         yield (d.id, codec.ended(d.outcome, d.reason), 0, 0, "")
 

@@ -391,7 +391,7 @@ class ConversationSink(JsonlSink):
         for d in read_dead_letters(cat_dir):
             if isinstance(d, BadLine) or not d.conversation_id:
                 continue
-            why = "cap" if d.outcome is Outcome.CUT else f"{d.outcome}:{d.reason}"
+            why = "cap" if d.outcome == Outcome.CUT else f"{d.outcome}:{d.reason}"
             if d.turn >= ends.get(d.conversation_id, (0, ""))[0]:
                 ends[d.conversation_id] = (d.turn, why)
         for conv_id, turns in sorted(self._turns.items()):
