@@ -171,6 +171,39 @@ class Unparked(NamedTuple):
     leased: list[tuple[str, int]]
 
 
+class CategoryState(msgspec.Struct, frozen=True):
+    """One category's state as the ledger holds it (`Budget.states`), what the producer
+    steers on; `tokencap status --json` shows the same fields (`Budget.status`)."""
+
+    cap: int | None  # None: uncapped
+    used: int  # tokens counted (committed)
+    reserved: int  # tokens reserved by the samples admitted and not yet committed
+    worst: int  # the most the admitted samples could still add (hard cap)
+    var: int  # variance of the reserved estimates (tokens^2)
+    samples: int  # committed
+    skipped: int  # fed, not sent because the category closed: sent if its cap is raised
+    failed: int
+    rejected: int
+    waste_tokens: int
+    overshoot: int  # used past the cap
+    state: str  # open, closed or exhausted
+    pending: int  # in the ledger, not final (queued, parked, in flight)
+    in_flight: int  # admitted, at an engine
+    parked: int  # deferred by admission until they fit
+    followups: int  # conversations' next turns waiting to be fed
+    duplicate_prompts: int
+    reasons: dict[str, int]  # rejections and dead letters by reason
+    unwritten: int  # results and dead letters the writer has not yet written
+    # samples with output ids past the tokenizer's vocabulary; the prompt tokens committed,
+    # and those the engines served from their prefix cache
+    out_of_vocab: int
+    prompt_tokens: int
+    cached_tokens: int
+    # the prompt tokens shared with the turn before: what a prefix cache could have served
+    # (conversations' later turns)
+    reusable_tokens: int
+
+
 class CloseAction(StrEnum):
     """What `close.lua` is asked to do (ARGV[1]): one entry point of `Budget` each."""
 
@@ -631,13 +664,14 @@ class Budget:
         raw = self.redis.hgetall(self.keys.engines)
         return {_s(k): int(v) for k, v in raw.items()}
 
-    def status(self, categories: list[str] | None = None,
-               by_engine: bool = False) -> dict[str, Any]:
-        """The `tokencap status --json` document; with `by_engine`, each category's prefix
-        cache counters per engine (`engines`: samples, prompt, cached and reusable tokens)."""
-        if categories is None:
-            cfg = self.load_config()
-            categories = [c.name for c in cfg.category] if cfg else []
+    def states(self, categories: Sequence[str]) -> dict[str, CategoryState]:
+        """Each category's state, typed (what the producer steers on), in one round trip."""
+        return self._states(categories, by_engine=False)[0]
+
+    def _states(self, categories: Sequence[str], by_engine: bool
+                ) -> tuple[dict[str, CategoryState], list[Any]]:
+        """The categories' states, and (with `by_engine`) their raw per-engine cache hashes,
+        then the writer lock holder, the writer's state and the engines' info (raw)."""
         pipe = self.redis.pipeline(transaction=False)
         for name in categories:
             ck = self._ck(name)
@@ -656,7 +690,8 @@ class Budget:
         pipe.hgetall(self.keys.engine_info)
         *raw, holder, wstate, engines_raw = pipe.execute()
         per = 9 if by_engine else 8
-        cats: dict[str, Any] = {}
+        states: dict[str, CategoryState] = {}
+        extra: list[Any] = []
         for i, name in enumerate(categories):
             vals, pending, inflight, parked, reasons, results, dead, follow = \
                 raw[per * i : per * i + 8]
@@ -665,38 +700,36 @@ class Budget:
             state = "closed" if st["closed"] == "1" else "open"
             if state == "open" and st["exhausted"] == "1":
                 state = "exhausted"
-            cats[name] = {
-                "cap": cap,
-                "used": used,
-                "reserved": int(st["reserved"]),
-                "worst": int(st["worst"]),
-                "var": int(st["var"]),
-                "samples": int(st["samples"]),
-                # fed, not sent because the category closed: sent if its cap is raised
-                "skipped": int(parked) + int(follow) if state == "closed" else 0,
-                "failed": int(st["failed"]),
-                "rejected": int(st["rejected"]),
-                "waste_tokens": int(st["waste"]),
-                "overshoot": 0 if cap is None else max(0, used - cap),
-                "state": state,
-                "pending": int(pending),
-                "in_flight": int(inflight),
-                "parked": int(parked),
-                "followups": int(follow),
-                "duplicate_prompts": int(st["dup_prompts"]),
-                "reasons": {_s(k): int(v) for k, v in sorted(reasons.items())},
-                "unwritten": int(results) + int(dead),
-                # samples with output ids past the tokenizer's vocabulary; the prompt tokens
-                # committed, and those the engines served from their prefix cache
-                "out_of_vocab": int(st["oov"]),
-                "prompt_tokens": int(st["prompt"]),
-                "cached_tokens": int(st["cached"]),
-                # the prompt tokens shared with the turn before: what a prefix cache could
-                # have served (conversations' later turns)
-                "reusable_tokens": int(st["reusable"]),
-            }
+            states[name] = CategoryState(
+                cap=cap, used=used, reserved=int(st["reserved"]), worst=int(st["worst"]),
+                var=int(st["var"]), samples=int(st["samples"]),
+                skipped=int(parked) + int(follow) if state == "closed" else 0,
+                failed=int(st["failed"]), rejected=int(st["rejected"]),
+                waste_tokens=int(st["waste"]),
+                overshoot=0 if cap is None else max(0, used - cap), state=state,
+                pending=int(pending), in_flight=int(inflight), parked=int(parked),
+                followups=int(follow), duplicate_prompts=int(st["dup_prompts"]),
+                reasons={_s(k): int(v) for k, v in sorted(reasons.items())},
+                unwritten=int(results) + int(dead), out_of_vocab=int(st["oov"]),
+                prompt_tokens=int(st["prompt"]), cached_tokens=int(st["cached"]),
+                reusable_tokens=int(st["reusable"]))
             if by_engine:
-                cats[name]["engines"] = _cache_by_engine(raw[per * i + 8])
+                extra.append(raw[per * i + 8])
+        return states, [extra, holder, wstate, engines_raw]
+
+    def status(self, categories: list[str] | None = None,
+               by_engine: bool = False) -> dict[str, Any]:
+        """The `tokencap status --json` document (each category's `CategoryState` as a dict);
+        with `by_engine`, each category's prefix cache counters per engine (`engines`:
+        samples, prompt, cached and reusable tokens)."""
+        if categories is None:
+            cfg = self.load_config()
+            categories = [c.name for c in cfg.category] if cfg else []
+        states, (caches, holder, wstate, engines_raw) = self._states(categories, by_engine)
+        cats: dict[str, Any] = {name: msgspec.structs.asdict(st) for name, st in states.items()}
+        if by_engine:
+            for name, cache in zip(categories, caches, strict=True):
+                cats[name]["engines"] = _cache_by_engine(cache)
         writer = {"holder": None if holder is None else _s(holder),
                   "error": _s(wstate[b"error"]) if b"error" in wstate else None,
                   "unwritten": sum(c["unwritten"] for c in cats.values())}

@@ -14,6 +14,10 @@ Per tick and category:
 The run ends when every category is closed (holding back only what a raised cap would send)
 or exhausted, and the writer has written every result.
 
+The repairs (reap, a Redis restart, lost feeds, the end's registry cleanup) are
+`producer.recovery`; the category states it steers on are `Budget.states` (typed, the same
+fields `tokencap status --json` shows).
+
 Every change to the ledger is one `Budget` call (one Lua script) made before the RQ job that
 carries it is enqueued: a producer killed between the two leaves a sample pending with a
 lease, which the reaper enqueues again once the lease has passed.
@@ -28,21 +32,19 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import msgspec
 from redis import Redis
 
 from budget_service import jobs
-from budget_service.budget import Budget, now_ms
+from budget_service.budget import Budget, CategoryState, now_ms
 from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import Category, RunConfig
 from foundation.wire import (
     DeadLetter,
-    ErrorKind,
     Outcome,
     Pending,
     split_turn_id,
@@ -50,20 +52,15 @@ from foundation.wire import (
 )
 from producer.formats import Rejected
 from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
-from producer.reconcile import reconcile
+from producer.recovery import Recovery
 from producer.replies import ReplyParser, Unparsed, reply_parser
 
 log = logging.getLogger(__name__)
 
-REAP_BATCH = 256
 FEED_CHUNK = 64  # new samples read and rendered per category per tick, at most
 UNPARK_BATCH = 1024
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
-# Leases are checked for expiry at most this often (and at least 4 times per lease), not
-# every tick: a tick is 20 per second when idle, and each check is a round trip per category.
-REAP_EVERY_S = 0.5
-RUN_ID_CHECK_S = 1.0
 # No tokenizer packs more characters than this into one token: longer prompts are rejected
 # before tokenizing (a 50 MB line must not stall the producer).
 MAX_CHARS_PER_TOKEN = 32
@@ -127,16 +124,13 @@ class Producer:
         self.on_progress = on_progress
         self.feeds: dict[str, CategoryFeed] = {}
         self.queues = {c.name: jobs.queue(redis, self.keys, c.name) for c in cfg.category}
+        self.recovery = Recovery(cfg, redis, self.budget, self.queues, self._enqueue)
         self.lease_ms = int(cfg.lease_s * 1000)
         self._workers = 0
         self._workers_at = 0.0
-        self._run_id: str | None = None
-        self._last_status: dict[str, Any] | None = None
-        self._unpark_mark: dict[str, tuple[int, ...]] = {}
-        self._run_id_at = 0.0
-        self._reaped_at = float("-inf")
+        self._last_status: dict[str, CategoryState] | None = None
+        self._unpark_mark: dict[str, tuple[int | None, ...]] = {}
         self._events_after: dict[str, str] | None = None  # the event log read so far
-        self.reap_every_s = min(REAP_EVERY_S, cfg.lease_s / 4)
         self._replies: ReplyParser | None = None
         self._feedable = len(cfg.category)  # categories that can be fed, as of the last tick
         self._keys_seen: OrderedDict[str, None] = OrderedDict()  # affinity keys, last first
@@ -157,33 +151,28 @@ class Producer:
     def tick(self) -> int:
         """One pass over every category. Returns how much work was done (0 = idle)."""
         work = 0
-        status = self.budget.status(list(self.feeds))["categories"]
+        status = self.budget.states(list(self.feeds))
         self._last_status = status
         self._feedable = sum(1 for name, st in status.items() if self._can_feed(name, st))
-        now = time.monotonic()
-        reap = now - self._reaped_at >= self.reap_every_s
-        if reap:
-            self._reaped_at = now
+        reap = self.recovery.reap_due()
         for name, feed in self.feeds.items():
             st = status[name]
-            reaped = self.reap(feed) if reap else 0
-            if reaped:
-                self._reaped_at = float("-inf")  # more may have expired: look again next tick
+            reaped = self.recovery.reap(name) if reap else 0
             done = reaped + self.unpark(feed, st)
-            if st["state"] == "open":
+            if st.state == "open":
                 # next turns of conversations; in other categories, samples sent again
                 followed = self.follow(feed, st)
-                st = {**st, "pending": st["pending"] + followed}
+                st = msgspec.structs.replace(st, pending=st.pending + followed)
                 done += followed
                 done += self.feed(feed, st)
-                if (feed.exhausted and st["pending"] == 0 and st["followups"] == 0
-                        and st["unwritten"] == 0 and done == 0):
+                if (feed.exhausted and st.pending == 0 and st.followups == 0
+                        and st.unwritten == 0 and done == 0):
                     if self.budget.mark_exhausted(name, feed.cursor):
                         log.info("%s: source exhausted (%d samples committed)", name,
-                                 st["samples"])
+                                 st.samples)
                     elif self.budget.cursor(name) != feed.cursor:
-                        self._lost_feeds(feed)
-            elif st["state"] == "closed" and feed.turns:
+                        self.recovery.lost_feeds(feed)
+            elif st.state == "closed" and feed.turns:
                 self.report_cut(feed, st)
             work += done
         return work
@@ -192,10 +181,10 @@ class Producer:
         """Every category closed (what it still holds is held back by its cap: parked, or a
         conversation's next turn) or exhausted with nothing pending, as of the last tick, and
         every result written by the writer."""
-        status = self._last_status or self.budget.status(list(self.feeds))["categories"]
+        status = self._last_status or self.budget.states(list(self.feeds))
         done = all(
-            (st["state"] == "closed" and st["pending"] == st["parked"])
-            or (st["state"] == "exhausted" and st["pending"] == 0)
+            (st.state == "closed" and st.pending == st.parked)
+            or (st.state == "exhausted" and st.pending == 0)
             for st in status.values()
         )
         return done and self.writer_lag() == 0
@@ -217,7 +206,7 @@ class Producer:
             try:
                 if should_stop():
                     break
-                self.ensure_run()
+                self.recovery.ensure_run(self.feeds)
                 work = self.tick()
                 now = time.monotonic()
                 if self.on_progress and now - last >= progress_s:
@@ -226,7 +215,7 @@ class Producer:
                     self.log_events()
                 if work == 0:
                     if self.finished():
-                        self.finalize()
+                        self.recovery.finalize()
                         break
                     time.sleep(poll_s)
                 backoff.reset()
@@ -234,7 +223,7 @@ class Producer:
                 log.error("Redis unavailable (%s): nothing is fed (fail closed); retry in %.1f s",
                           exc, backoff.delay_s)
                 backoff.wait()
-                self._run_id_at = float("-inf")  # look for a restart as soon as it answers
+                self.recovery.redis_was_down()
         return self.budget.status(list(self.feeds))
 
     def log_events(self) -> None:
@@ -250,50 +239,13 @@ class Producer:
         after.update({ev["category"]: ev["id"] for ev in events})
         self._events_after = after
 
-    def ensure_run(self) -> None:
-        """Rebuild from the output files what a Redis restart lost.
-
-        Restarted empty: the run is created again, counters and done-marks come back from
-        the files, and feeding restarts from the top of the order (final samples are
-        skipped). Restarted from AOF (`appendfsync everysec` may lose the last second):
-        samples on disk but not final in Redis are marked final so they are not redone.
-        Feeds Redis lost are found by the cursor's compare-and-set (`feed`).
-        """
-        if not self.budget.has_run():
-            log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
-                      "counters from %s before feeding again", self.cfg.run,
-                      self.cfg.output_dir)
-            self.budget.init_run(self.cfg)
-            added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
-            log.warning("rebuilt from output files: %s", added)
-            for feed in self.feeds.values():
-                feed.cursor = 0
-            self._run_id = None
-        now = time.monotonic()
-        if self._run_id is None or now - self._run_id_at >= RUN_ID_CHECK_S:
-            self._run_id_at = now
-            run_id = self.redis.info("server").get("run_id")
-            if self._run_id is not None and run_id != self._run_id:
-                log.warning("Redis restarted (run_id changed); reconciling with output files")
-                added = reconcile(self.budget, Path(self.cfg.output_dir), list(self.feeds))
-                log.warning("after the restart, from output files: %s", added)
-            self._run_id = run_id
-
-    def finalize(self) -> None:
-        """At the end of a run no job may still be running: drop what RQ's started
-        registries and intermediate lists still hold from killed workers."""
-        for name, queue in self.queues.items():
-            stale = jobs.clear_started(self.redis, queue)
-            if stale:
-                log.info("%s: cleared %d stale entries of killed workers", name, stale)
-
     # -- pieces ------------------------------------------------------------------------
-    def _can_feed(self, name: str, st: dict[str, Any]) -> bool:
+    def _can_feed(self, name: str, st: CategoryState) -> bool:
         """Whether the category may still be fed: open, with samples left to read or turns
         to follow, and room under its cap."""
-        if st["state"] != "open" or (self.feeds[name].exhausted and not st["followups"]):
+        if st.state != "open" or (self.feeds[name].exhausted and not st.followups):
             return False
-        return st["cap"] is None or st["used"] + st["reserved"] < st["cap"]
+        return st.cap is None or st.used + st.reserved < st.cap
 
     def high_water(self) -> int:
         """How many samples each category keeps waiting: the config's `high_water`, raised
@@ -305,23 +257,23 @@ class Producer:
             self._workers_at = now
         return max(self.cfg.high_water, math.ceil(2 * self._workers / max(1, self._feedable)))
 
-    def _room(self, st: dict[str, Any], follow: bool = False) -> int:
+    def _room(self, st: CategoryState, follow: bool = False) -> int:
         """How many samples may be fed now: none while the cap's worth is used or reserved,
         or while more than half the high-water mark waits (feed in batches, not one job per
         tick), at most FEED_CHUNK (a tick that renders long prompts must not hold up the
         next turns). Next turns (`follow`) are not held back by what waits: they go to the
         queue's front, while their engine's prefix cache holds the turn before; their number
         is bounded by the conversations in flight."""
-        cap = st["cap"]
-        if cap is not None and st["used"] + st["reserved"] >= cap:
+        cap = st.cap
+        if cap is not None and st.used + st.reserved >= cap:
             return 0
         high = self.high_water()
         if follow:
-            return max(high, st["followups"])
-        waiting = st["pending"] - st["in_flight"]
+            return max(high, st.followups)
+        waiting = st.pending - st.in_flight
         return 0 if waiting > high // 2 else min(FEED_CHUNK, high - waiting)
 
-    def feed(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+    def feed(self, feed: CategoryFeed, st: CategoryState) -> int:
         room = self._room(st)
         if room <= 0 or feed.exhausted:
             return 0
@@ -337,7 +289,7 @@ class Producer:
             ids = self.budget.feed(name, start, start + len(positions),
                                    now_ms() + self.lease_ms, prepared, rejected + too_long)
             if ids is None:
-                self._lost_feeds(feed)
+                self.recovery.lost_feeds(feed)
                 return fed
             feed.cursor = start + len(positions)
             recorded = set(ids)
@@ -346,13 +298,6 @@ class Producer:
             fed += len(positions)
             room -= max(1, len(ids))
         return fed
-
-    def _lost_feeds(self, feed: CategoryFeed) -> None:
-        """Redis's cursor is not ours: it lost our last feeds (a restart from an AOF without
-        its last second). Feed again from where Redis is."""
-        ours, feed.cursor = feed.cursor, self.budget.cursor(feed.cat.name)
-        log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); feeding "
-                    "again from there", feed.cat.name, feed.cursor, ours)
 
     def _read(self, feed: CategoryFeed, positions: list[int]
               ) -> tuple[list[Sample], list[DeadLetter]]:
@@ -475,13 +420,13 @@ class Producer:
         return ""
 
     # -- conversations (turns = "all") ---------------------------------------------------
-    def follow(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+    def follow(self, feed: CategoryFeed, st: CategoryState) -> int:
         """Feed the next turns of conversations whose last turn the writer wrote: each
         prompt is the source up to that turn with the model's own earlier turns (decoded
         from their output ids into assistant messages, `producer.replies`). In a category
         of single samples, what waits there are dead samples sent again (`tokencap retry`)."""
         room = self._room(st, follow=True)
-        if room <= 0 or not st["followups"]:
+        if room <= 0 or not st.followups:
             return 0
         name = feed.cat.name
         waiting = self.budget.followups(name, room)
@@ -563,10 +508,10 @@ class Producer:
             log.info("%s: %d dead sample(s) sent again", name, len(ids_fed))
         return len(ids)
 
-    def report_cut(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+    def report_cut(self, feed: CategoryFeed, st: CategoryState) -> int:
         """A closed category holds back conversations' next turns: write one cut record for
         each (once), so the files say why those conversations stopped."""
-        mark = (st["followups"], st["parked"])
+        mark = (st.followups, st.parked)
         if mark == feed._cut_mark or not any(mark):
             return 0
         feed._cut_mark = mark
@@ -600,54 +545,18 @@ class Producer:
         jobs.enqueue(self.queues[category], self.keys, self.cfg.run, category, samples,
                      self.cfg.job_timeout_s(), at_front)
 
-    def reap(self, feed: CategoryFeed) -> int:
-        """Re-enqueue samples whose lease expired and whose job is not waiting in the queue
-        (a worker died with it, or its retry is due); dead-letter one lost too often."""
-        name = feed.cat.name
-        expired = self.budget.expired(name, now_ms(), REAP_BATCH)
-        if not expired:
-            return 0
-        entries = self.budget.entries(name, expired)
-        waiting = jobs.waiting(self.redis, self.queues[name], self.keys, name,
-                               [(sid, entry.seq) for sid, entry in zip(expired, entries,
-                                                                       strict=True)])
-        again: list[tuple[str, int, int]] = []
-        for sid, entry, in_queue in zip(expired, entries, waiting, strict=True):
-            deadline = now_ms() + self.lease_ms
-            p = entry.pending
-            if p is None or in_queue:
-                # still waiting in its queue: keep the lease (a stray entry is dropped)
-                self.budget.keep_lease(name, sid, deadline)
-                continue
-            failures = p.failures + (1 if entry.in_flight else 0)
-            if failures >= self.cfg.max_attempts:
-                self.budget.fail(DeadLetter(id=sid, category=name, outcome=Outcome.DEAD,
-                                            reason=ErrorKind.LOST.value, where=p.where,
-                                            message="worker lost the sample too often",
-                                            attempts=failures, conversation_id=p.conversation_id,
-                                            turn=p.turn, turns_total=p.turns_total))
-                continue
-            if entry.in_flight:
-                log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)
-            seq = self.budget.requeue(name, msgspec.structs.replace(p, failures=failures),
-                                      entry.seq, deadline)
-            if seq >= 0:  # else it moved meanwhile (a worker extended its lease, or it ended)
-                again.append((sid, seq, len(p.prompt_ids)))
-        self._enqueue(name, again)
-        return len(again)
-
-    def unpark(self, feed: CategoryFeed, st: dict[str, Any]) -> int:
+    def unpark(self, feed: CategoryFeed, st: CategoryState) -> int:
         """Re-enqueue deferred samples that now fit; a closed category holds them back (a
         raised cap reopens it)."""
-        if not st["parked"] or st["state"] == "closed":
+        if not st.parked or st.state == "closed":
             return 0
         name = feed.cat.name
         # only when something changed since the last try (else admission answers as before:
         # measured 20 RQ jobs per committed sample in a tapering category when every parked
         # sample was tried again each tick)
-        behind = 0 < self.cfg.max_unwritten <= st["unwritten"]
-        mark = (st["used"], st["reserved"], st["worst"], st["var"], st["in_flight"],
-                st["cap"], st["parked"], behind)
+        behind = 0 < self.cfg.max_unwritten <= st.unwritten
+        mark = (st.used, st.reserved, st.worst, st.var, st.in_flight,
+                st.cap, st.parked, behind)
         if self._unpark_mark.get(name) == mark:
             return 0
         self._unpark_mark[name] = mark

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer import feeder
+from producer import feeder, recovery
 from sglang_sim.testing import SimServer
 from testing.harness import Pipeline
 from tests.faults.common import two_category_config
@@ -15,17 +15,17 @@ def test_leases_are_checked_on_an_interval_and_again_while_some_expired(tmp_path
     cfg = two_category_config(tmp_path)  # lease_s = 1.0
     pipe = Pipeline(cfg, redis_url, ["http://127.0.0.1:9"])
     producer = pipe.build()
-    assert producer.reap_every_s == min(feeder.REAP_EVERY_S, cfg.lease_s / 4)
-    producer.reap_every_s = 3600.0  # only the "found something" rule can bring it back
+    assert producer.recovery.reap_every_s == min(recovery.REAP_EVERY_S, cfg.lease_s / 4)
+    producer.recovery.reap_every_s = 3600.0  # only the "found something" rule can bring it back
     found = {"a": [1, 0], "b": [0, 0]}  # category a finds one expired lease on its first look
     calls: list[str] = []
 
-    def reap(feed) -> int:
-        calls.append(feed.cat.name)
-        left = found[feed.cat.name]
+    def requeue_expired(name: str) -> int:
+        calls.append(name)
+        left = found[name]
         return left.pop(0) if left else 0
 
-    producer.reap = reap
+    producer.recovery._requeue_expired = requeue_expired  # type: ignore[method-assign]
     producer.tick()
     assert calls == ["a", "b"]  # the first tick looks
     producer.tick()

@@ -681,3 +681,11 @@ def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budge
     for _ in range(400):
         budget.record_point(point, keep=10)
     assert 10 <= len(budget.series()) <= 110
+
+
+def test_the_status_document_is_the_typed_state_the_producer_steers_on(budget) -> None:
+    assert feed(budget, "s:1") == 1
+    states = budget.states(["code"])
+    assert states["code"].pending == 1 and states["code"].state == "open"
+    doc = budget.status(["code"])["categories"]
+    assert doc == {k: msgspec.structs.asdict(st) for k, st in states.items()}

@@ -171,7 +171,7 @@ def killed_tick(pipe: Pipeline, die_at: int | None, after: bool) -> int:
     """One producer tick on a client that dies at round trip `die_at`; the trips it made."""
     client = DyingRedis.from_url(pipe.redis_url)
     producer = build_producer(pipe.cfg, client, None)
-    producer._reaped_at = float("-inf")  # this tick reaps
+    producer.recovery.reaped_at = float("-inf")  # this tick reaps
     client.trips, client.die_at, client.after = 0, die_at, after
     try:
         producer.tick()
@@ -201,7 +201,7 @@ def finish(pipe: Pipeline, sim_url: str) -> dict[str, Any]:
         wait_until(step, timeout_s=60, what="the run to finish")
     finally:
         writer.close()
-    producer.finalize()
+    producer.recovery.finalize()
     return pipe.budget.status()
 
 
