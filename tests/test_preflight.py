@@ -78,10 +78,16 @@ def _up(tmp: Path, tokenizer: Path, redis_url: str | None, engine: str,
     env.pop("REDIS_URL", None)
     if redis_url:
         env["REDIS_URL"] = redis_url
-    return subprocess.run(
-        [sys.executable, "-m", "tokencap.cli", "up", str(_config(tmp, tokenizer, head)),
-         "--workers", "1", "--state-dir", str(tmp / "state")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "tokencap.cli", "up", str(_config(tmp, tokenizer, head)),
+             "--workers", "1", "--state-dir", str(tmp / "state")],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=UP_TIMEOUT_S)
+    finally:
+        # a run that finished leaves its stack up (as `make up` does): stop it
+        subprocess.run([sys.executable, "-m", "tokencap.cli", "down", "--state-dir",
+                        str(tmp / "state")], cwd=ROOT, env=env, capture_output=True,
+                       timeout=UP_TIMEOUT_S)
 
 
 def _refused_before_anything(done: subprocess.CompletedProcess, redis: Redis) -> str:
