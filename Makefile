@@ -52,7 +52,7 @@ test-engine: install ## The real-engine tests against vLLM's CPU build (its venv
 soak: install ## Fault tests in a loop beside LOAD busy processes until each passes RUNS times in a row
 	$(BIN)/python -m tests.soak --runs $(RUNS) --load $(LOAD)
 
-bench: install ## Benchmarks side by side with their baselines (~9 min on 2 cores; writes bench/results.json)
+bench: install ## Benchmarks side by side with their baselines (~13 min on 2 cores; writes bench/results.json)
 	$(BIN)/python -m bench
 
 lint: install ## ruff

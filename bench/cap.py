@@ -100,8 +100,9 @@ class _Calls:
 
     def __init__(self, producer: Any) -> None:
         self.stats: dict[str, float] = {}
-        for name in ("feed", "unpark", "reap"):
-            setattr(producer, name, self._wrap(name, getattr(producer, name)))
+        for owner, name in ((producer, "feed"), (producer, "unpark"),
+                            (producer.recovery, "reap")):
+            setattr(owner, name, self._wrap(name, getattr(owner, name)))
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def wrapped(*args: Any) -> int:
