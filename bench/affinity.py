@@ -112,6 +112,21 @@ def _mean_batches(sims: list[Sim]) -> list[float]:
     return out
 
 
+def _started(bench: Bench, cfg: Any, sims: list[Sim], d: Any) -> Pipeline:
+    """The pipeline on `sims`, its writer and WORKERS workers started, the engines idle."""
+    pipe = Pipeline(cfg, bench.redis.url, [s.url for s in sims], d / "workers.log")
+    try:
+        pipe.build()
+        pipe.start_writer()
+        pipe.start_workers(WORKERS)
+        for s in sims:
+            s.wait_idle()
+    except BaseException:
+        pipe.close()
+        raise
+    return pipe
+
+
 def conversations(bench: Bench, sims: list[Sim], affinity: bool) -> dict[str, Any]:
     bench.fresh_redis()
     d = bench.run_dir(f"aff-{'on' if affinity else 'off'}")
@@ -132,13 +147,9 @@ source = "{src}"
 turns = "all"
 sampling = {{ max_new_tokens = {MAX_NEW}, temperature = 0.7 }}
 """)
-    pipe = Pipeline(cfg, bench.redis.url, [s.url for s in sims], d / "workers.log")
+    pipe = _started(bench, cfg, sims, d)
     try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(WORKERS)
         for s in sims:
-            s.wait_idle()
             s.reset()
         deadline = time.monotonic() + RUN_DEADLINE_S
         status = pipe.run(should_stop=lambda: time.monotonic() > deadline)
@@ -201,14 +212,8 @@ def single_turn(bench: Bench, sims: list[Sim], affinity: bool) -> dict[str, Any]
     cfg = load_run_config(d / "run.toml", config_toml(
         f"affs{int(affinity)}", d / "out", cats, sources, seed=saturation.SEED,
         context_length=32768, affinity=affinity))
-    pipe = Pipeline(cfg, bench.redis.url, [s.url for s in sims], d / "workers.log")
+    pipe = _started(bench, cfg, sims, d)
     try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(WORKERS)
-        for s in sims:
-            s.wait_idle()
-
         def snap() -> dict[str, float]:
             stats = [s.stats() for s in sims]
             return {"tokens": sum(x["generated_tokens_total"] for x in stats),
