@@ -1,7 +1,8 @@
 """`tokencap status --watch`: a live board of every category's budget and the engines' load.
 
 Each refresh reads the status document (`Budget.status()`), the number of workers, and each
-engine's `/metrics` page (SGLang's Prometheus text). On a terminal the board is redrawn in
+engine's load (`foundation.engine.LoadReader`: SGLang's `/v1/loads`, else the Prometheus
+`/metrics` page of SGLang or vLLM). On a terminal the board is redrawn in
 place with `rich.live.Live`; otherwise (a pipe, a log file) plain lines without escape codes
 are printed each interval, one per category and one for the engines and workers.
 
