@@ -8,7 +8,8 @@ Layers, from the ground up (tests/test_layers.py holds them):
 - **ledger** (`budget_service`): key table, Lua scripts, `Budget`, RQ's contract (`jobs`),
   status, its HTTP face;
   imports only the foundation;
-- **stages** (`producer`, `consumers`): import the foundation and the ledger, never each other;
+- **stages** (`producer`, `consumers`, `writer`): import the foundation and the ledger, never
+  each other;
 - **roof** (`tokencap`): CLI, launcher, plan, export, watch; imported by nothing of the
   wheel. Outside the wheel, the test harness (`testing`) sits on it, and `bench` and
   `gpu_check` on the harness.

@@ -6,7 +6,7 @@
 <out>/<category>/dead-letter.jsonl   rejected and dead samples, one `wire.DeadLetter` a line
 ```
 
-The writer (consumers/writer.py) is the only one that appends; reconcile, export, plan and
+The writer (writer/writer.py) is the only one that appends; reconcile, export, plan and
 the test harness read through `read_results` / `read_dead_letters`, which yield each line
 decoded or a `BadLine` naming `file:line` (line numbers count every physical line).
 """

@@ -28,7 +28,6 @@ from rq import Queue, Worker
 from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from consumers.writer import Writer
 from foundation.config import RunConfig
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
 from foundation.redisconn import connect
@@ -37,6 +36,7 @@ from producer.feeder import Producer
 from producer.readers import sample_id
 from producer.run import build_producer
 from tokencap.localredis import find_redis_server, free_port
+from writer.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 30.0

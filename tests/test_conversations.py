@@ -271,8 +271,8 @@ def test_a_turn_generated_again_goes_on_from_the_row_on_disk(tmp_path, redis) ->
     from the first, the one on disk."""
     from budget_service.budget import Budget
     from budget_service.keys import Keys
-    from consumers.writer import Writer
     from tests.test_lua import make_cfg
+    from writer.writer import Writer
 
     keys = Keys("tokencap", "t")
     budget = Budget(redis, keys)

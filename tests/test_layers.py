@@ -18,6 +18,7 @@ LAYER = {
     "budget_service": 1,
     "producer": 2,
     "consumers": 2,
+    "writer": 2,
     "tokencap": 3,
     # outside the wheel: the harness (tests use it too), and what runs on it
     "testing": 4,

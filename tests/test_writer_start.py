@@ -12,9 +12,9 @@ import pytest
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from consumers.writer import Writer
 from foundation.outputs import read_results
 from tests.test_lua import LEASE_MS, feed, make_cfg, result
+from writer.writer import Writer
 
 
 class Killed(Exception):
@@ -29,7 +29,7 @@ def _committed(budget: Budget, ids: list[str]) -> None:
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> str:
-    return "\n".join(r.getMessage() for r in caplog.records if r.name == "consumers.writer")
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "writer.writer")
 
 
 def test_a_writer_killed_between_fsync_and_acknowledge_is_not_reported_as_redis_loss(
@@ -45,7 +45,7 @@ def test_a_writer_killed_between_fsync_and_acknowledge_is_not_reported_as_redis_
     first.close()
     assert sorted(r.id for r in read_results(tmp_path / "code")) == ["a", "b"]
     # When the next writer starts
-    caplog.set_level(logging.WARNING, "consumers.writer")
+    caplog.set_level(logging.WARNING, "writer.writer")
     second = Writer(redis, budget.keys, ["code"], tmp_path)
     second.open()
     # Then it says what happened, and marks them; reading the streams again writes nothing
@@ -70,7 +70,7 @@ def test_a_writer_starting_after_redis_lost_the_marks_says_so(tmp_path: Path, re
     writer.close()
     # Given Redis lost the written marks (its last second of AOF, say)
     redis.delete(budget.keys.cat("code").written)
-    caplog.set_level(logging.WARNING, "consumers.writer")
+    caplog.set_level(logging.WARNING, "writer.writer")
     again = Writer(redis, budget.keys, ["code"], tmp_path)
     again.open()
     again.close()

@@ -259,7 +259,7 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
     then exits 8 naming the holder. A full disk is reported and retried; the run's
     admission pauses meanwhile (max_unwritten).
     """
-    from consumers.writer import Writer
+    from writer.writer import Writer
 
     budget = _budget(redis_url, prefix, run_name)
     cfg = _stored_config(budget)

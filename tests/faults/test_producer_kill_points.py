@@ -23,13 +23,13 @@ from rq import Queue
 from budget_service.budget import now_ms
 from consumers.job import configure
 from consumers.worker import make_worker, run_worker
-from consumers.writer import Writer
 from foundation.config import RunConfig
 from foundation.wire import Pending
 from producer.run import build_producer
 from sglang_sim.testing import SimServer
 from testing.harness import Pipeline, wait_until
 from tests.conftest import write_config
+from writer.writer import Writer
 
 pytestmark = pytest.mark.slow
 
