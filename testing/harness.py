@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +43,7 @@ START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.02
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def wait_until(cond: Callable[[], T], timeout_s: float = 30.0, what: str = "condition",
@@ -238,18 +239,11 @@ class Pipeline:
     # -- checks ------------------------------------------------------------------------
     def results(self, category: str) -> list[Result]:
         """Every result line on disk (an unreadable line fails the check)."""
-        out = []
-        for r in read_results(category_dir(Path(self.cfg.output_dir), category)):
-            assert not isinstance(r, BadLine), f"unreadable result line {r.where}: {r.error}"
-            out.append(r)
-        return out
+        return _readable(read_results(category_dir(Path(self.cfg.output_dir), category)))
 
     def dead(self, category: str) -> list[DeadLetter]:
-        out = []
-        for d in read_dead_letters(category_dir(Path(self.cfg.output_dir), category)):
-            assert not isinstance(d, BadLine), f"unreadable dead letter {d.where}: {d.error}"
-            out.append(d)
-        return out
+        """Every dead-letter line on disk (an unreadable line fails the check)."""
+        return _readable(read_dead_letters(category_dir(Path(self.cfg.output_dir), category)))
 
     def records(self, category: str) -> list[dict[str, Any]]:
         """`results` as plain dicts (every field present)."""
@@ -309,6 +303,15 @@ class Pipeline:
         """`check_category` for every category of the run."""
         for cat in self.cfg.category:
             self.check_category(status, cat.name)
+
+
+def _readable(lines: Iterable[R | BadLine]) -> list[R]:
+    """The records of an output file; an unreadable line fails the check, naming it."""
+    out = []
+    for r in lines:
+        assert not isinstance(r, BadLine), f"unreadable line {r.where}: {r.error}"
+        out.append(r)
+    return out
 
 
 def _text(v: Any) -> str:

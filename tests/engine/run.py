@@ -145,13 +145,21 @@ def stop(proc: subprocess.Popen[bytes] | int) -> None:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
+    if not isinstance(proc, int):  # our child: wait on it
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+            return
+        except subprocess.TimeoutExpired:
+            os.killpg(pid, signal.SIGKILL)
+            proc.wait()
+            return
+    # a server a previous call started (its pid from the state file): not our child, so
+    # its exit can only be polled, up to the deadline
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return
-        if not isinstance(proc, int) and proc.poll() is not None:
             return
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)
