@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import psutil
@@ -107,12 +107,18 @@ def write_ids_source(path: Path, n: int, seed: int, min_len: int, max_len: int) 
 
 
 def ordered_prompts(path: Path, seed: int) -> list[list[int]]:
-    """The prompts of an input_ids source in the producer's seeded shuffled order."""
-    from producer.readers import shuffled_order
+    """The prompts of an input_ids source in the producer's seeded shuffled order, read as
+    the producer reads them (`CategorySource`)."""
+    from producer.source import CategorySource
 
-    dec = msgspec.json.Decoder()
-    lines = [dec.decode(line)["input_ids"] for line in path.read_bytes().splitlines() if line]
-    return [lines[i] for i in shuffled_order(len(lines), seed)]
+    body = "\n".join([
+        'run = "order"', f"output_dir = {json.dumps(str(path.parent))}", f"seed = {seed}",
+        'sampling_defaults = "engine"', "[[category]]", 'name = "c"',
+        f"source = {json.dumps(str(path))}", 'format = "input_ids"', 'cap_tokens = "none"',
+        "sampling = { max_new_tokens = 1 }"]) + "\n"
+    cfg = load_run_config(path.with_suffix(".order.toml"), body)
+    with CategorySource.open(cfg, cfg.category[0]) as source:
+        return [cast(list[int], source.read(i).prompt) for i in source.order]
 
 
 def config_toml(run: str, out: Path, cats: list[Cat], sources: dict[str, Path],

@@ -8,12 +8,13 @@ Each variant runs ROUNDS times interleaved with the others; the best round count
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from bench.common import QWEN, SHAREGPT, Bench, log, row
+from bench.common import QWEN, SHAREGPT, Bench, load_run_config, log, row
 
 NAME = "tokenize"
 PROMPTS = 4000
@@ -21,11 +22,19 @@ BATCH = 32
 ROUNDS = 5
 
 
-def _prompts(path: Path) -> list[list[dict]]:
-    from producer.readers import SourceIndex, read_sample
+def _prompts(path: Path, work: Path) -> list[list[dict]]:
+    """The first prompts of a ShareGPT source, read as the producer reads them."""
+    from producer.source import CategorySource
 
-    index = SourceIndex.build([path])
-    convs = [read_sample(index, i, "sharegpt", "first", None).prompt for i in range(len(index))]
+    body = "\n".join([
+        'run = "tokenize"', f"output_dir = {json.dumps(str(work))}",
+        f"tokenizer = {json.dumps(str(QWEN))}",
+        'sampling_defaults = "engine"', "[[category]]", 'name = "c"',
+        f"source = {json.dumps(str(path))}", 'format = "sharegpt"', 'cap_tokens = "none"',
+        "sampling = { max_new_tokens = 1 }"]) + "\n"
+    cfg = load_run_config(work / "tokenize.toml", body)
+    with CategorySource.open(cfg, cfg.category[0]) as source:
+        convs = [cast(list[dict], source.read(i).prompt) for i in range(len(source))]
     return [convs[i % len(convs)] for i in range(PROMPTS)]
 
 
@@ -43,7 +52,7 @@ def run(bench: Bench) -> dict[str, Any]:
     t0 = time.perf_counter()
     renderer = Renderer(QWEN)
     load_s = time.perf_counter() - t0
-    prompts = _prompts(SHAREGPT)
+    prompts = _prompts(SHAREGPT, bench.sub(NAME))
     texts = [renderer.render_text(m) for m in prompts]
     tok = renderer.tokenizer
     variants: dict[str, Callable[[list[Any]], Any]] = {

@@ -61,7 +61,7 @@ class Pending(Struct, frozen=True):
     turn: int = 0
     turns_total: int = 0
     # turn j+1 of a conversation: does its prompt start with turn j's prompt + output ids,
-    # and what its history holds that the model did not say (`producer.feeder._prefix`)
+    # and what its history holds that the model did not say (`producer.source.prefix`)
     prefix_consistent: bool | None = None
     history_notes: list[str] = []
     # the prompt tokens it shares with turn j's prompt + output: what the engine that served

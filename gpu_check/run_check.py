@@ -197,25 +197,25 @@ def engine_gauges(url: str) -> dict[str, float | None]:
 
 
 # -- data: the expected prompt text of every source record --------------------------------
-def expected_prompts(cfg: Any, tok: Any) -> dict[str, dict[str, str]]:
-    """{category: {sample_id: chat-template text}}, rendered here with the tokenizer's own
-    apply_chat_template (independently of tokencap's renderer)."""
-    from producer.readers import SourceIndex, read_sample
+def expected_prompts(cfg: Any) -> dict[str, dict[str, str]]:
+    """{category: {sample_id: chat-template text}}: each usable record's first prompt as the
+    run renders it (`producer.source.CategorySource`, field and role maps included); the
+    rows are then checked to hold exactly it, tokenized by the model's own tokenizer."""
+    from producer.formats import Rejected
+    from producer.run import load_renderer
+    from producer.source import CategorySource
 
+    renderer = load_renderer(cfg)
     out: dict[str, dict[str, str]] = {}
     for cat in cfg.category:
-        index = SourceIndex.build([Path(p) for p in cat.paths])
         texts: dict[str, str] = {}
-        for i in range(len(index)):
-            try:
-                s = read_sample(index, i, cat.format, cat.turns, cat.system_prompt,
-                                cat.field_map)
-            except Exception:  # noqa: BLE001 - bad records are dead-lettered by tokencap
-                continue
-            kwargs = {**cfg.chat_template_kwargs, **(cat.chat_template_kwargs or {})}
-            texts[s.sample_id] = tok.apply_chat_template(
-                s.prompt, tokenize=False, add_generation_prompt=True, **kwargs)
-        index.close()
+        with CategorySource.open(cfg, cat, renderer) as source:
+            for i in range(len(source)):
+                try:
+                    s = source.read(i)
+                    texts[s.sample_id] = source.prompt(s).text or ""
+                except Rejected:  # bad records are dead-lettered by tokencap
+                    continue
         out[cat.name] = texts
     return out
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         caps: dict[str, int] = {}
         draft = write_config(args, work, {c[0]: 1 for c in CATEGORIES})
         cfg0 = load_config(draft)
-        expected = expected_prompts(cfg0, tok)
+        expected = expected_prompts(cfg0)
         unique = {}
         for cat in cfg0.category:
             seen = {tuple(tok(t, add_special_tokens=False)["input_ids"])

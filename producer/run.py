@@ -23,6 +23,7 @@ from producer.preflight import preflight
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
 from producer.replies import reply_parser
+from producer.source import CategorySource
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,10 @@ def build_producer(
     added = reconcile(budget, out, [c.name for c in cfg.category])
     if created and any(added.values()):
         log.warning("run %s was not in Redis; rebuilt from %s: %s", cfg.run, out, added)
-    producer = Producer(cfg, redis, renderer, context_len, on_progress)
+    producer = Producer(cfg, redis, renderer, on_progress)
     for cat in cfg.category:
-        producer.add_feed(CategoryFeed(cfg, cat, indexes[cat.name]))
+        producer.add_feed(CategoryFeed(CategorySource(cfg, cat, indexes[cat.name], renderer,
+                                                      context_len)))
     return producer
 
 

@@ -232,17 +232,17 @@ MessagesFor = Callable[[Result], list[dict] | None]
 class SourceMessages:
     """`MessagesFor` over a run config: re-reads a result's prompt from its source.
 
-    A result's ``ordinal`` is its record's position in the category's `SourceIndex`; the
-    record is read again and normalised as the producer did. When the source changed (the
-    record's sample id is no longer the result's id) or the record is pre-tokenized, there
-    are no messages and `unmatched` counts it.
+    A result's ``ordinal`` is its record's position in the category's source; the record is
+    read again and normalised as the producer did (`CategorySource.read`). When the source
+    changed (the record's sample id is no longer the result's id) or the record is
+    pre-tokenized, there are no messages and `unmatched` counts it.
     """
 
     def __init__(self, cfg: Any, renderer: Any = None) -> None:
         self.cfg = cfg
         self.renderer = renderer
         self.unmatched = 0
-        self._indexes: dict[str, Any] = {}
+        self._sources: dict[str, Any] = {}
         self._opened: dict[str, bool] = {}
 
     def __call__(self, row: Result) -> list[dict] | None:
@@ -284,47 +284,45 @@ class SourceMessages:
                     cat = self.cfg.by_name(category)
                 except UnknownCategory:
                     cat = None
-                kwargs = {**self.cfg.chat_template_kwargs,
-                          **(cat.chat_template_kwargs if cat else {})}
+                from producer.source import template_kwargs
+
+                kwargs = template_kwargs(self.cfg, cat) if cat else self.cfg.chat_template_kwargs
                 opened = self.renderer.opens_reasoning(replies.reasoning.start, kwargs or None)
             self._opened[category] = opened
         return self._opened[category]
 
     def _sample(self, row: Result) -> Any:
         from producer.formats import Rejected
-        from producer.readers import read_sample
 
         try:
-            cat = self.cfg.by_name(row.category)
-            index = self._index(cat)
-            if 0 <= row.ordinal < len(index):
-                return read_sample(index, row.ordinal, cat.format, cat.turns,
-                                   cat.system_prompt, cat.field_map or None,
-                                   cat.role_map or None)
+            source = self._source(self.cfg.by_name(row.category))
+            if 0 <= row.ordinal < len(source):
+                return source.read(row.ordinal)
         except (UnknownCategory, KeyError, OSError, SourceError, Rejected) as exc:
             log.debug("%s/%s: no source messages: %s", row.category, row.id, exc)
         return None
 
-    def _index(self, cat: Any) -> Any:
-        from producer.readers import SourceIndex
+    def _source(self, cat: Any) -> Any:
+        """The category's `CategorySource` (KeyError: its files cannot be indexed)."""
+        from producer.source import CategorySource
 
-        if cat.name not in self._indexes:
+        if cat.name not in self._sources:
             try:
-                self._indexes[cat.name] = SourceIndex.build(cat.paths)
+                self._sources[cat.name] = CategorySource.open(self.cfg, cat)
             except SourceError as exc:
                 log.warning("%s: cannot index the source, no prompt messages: %s", cat.name, exc)
-                self._indexes[cat.name] = None
-        index = self._indexes[cat.name]
-        if index is None:
+                self._sources[cat.name] = None
+        source = self._sources[cat.name]
+        if source is None:
             raise KeyError(cat.name)
-        return index
+        return source
 
     def close(self) -> None:
         """Close the source files."""
-        for index in self._indexes.values():
-            if index is not None:
-                index.close()
-        self._indexes.clear()
+        for source in self._sources.values():
+            if source is not None:
+                source.close()
+        self._sources.clear()
 
 
 def conversation_row(

@@ -173,87 +173,62 @@ def measure(out_dir: Path, categories: list[str]) -> dict[str, Measured]:
 
 def count_available(cfg: RunConfig) -> dict[str, int]:
     """Records in each category's sources (rejected records included)."""
-    from producer.readers import SourceIndex
+    from producer.source import CategorySource
 
     counts = {}
     for cat in cfg.category:
-        with SourceIndex.build(cat.paths) as index:
-            counts[cat.name] = len(index)
+        with CategorySource.open(cfg, cat) as source:
+            counts[cat.name] = len(source)
     return counts
 
 
 def check_sources(cfg: RunConfig, renderer: Any,
                   on_progress: Callable[[str, int, int], None] | None = None
                   ) -> dict[str, SourceCheck]:
-    """Read and render every record of every category as the producer does (the first
-    prompt of a conversation; with `context_length` known, its fit with max_new_tokens) and
-    count the usable ones, the generations they ask for, and the rejects by reason.
-    `on_progress(category, done, total)` is called now and then."""
+    """Read, render and check every record of every category as the producer does
+    (`CategorySource.prompt`: the first prompt of a conversation, every fit check, with
+    `context_length` as the engine's context) and count the usable ones, the generations
+    they ask for, and the rejects by reason. `on_progress(category, done, total)` is called
+    now and then."""
     from producer.formats import Rejected
-    from producer.readers import SourceIndex, read_sample
+    from producer.source import CategorySource
 
     out = {}
     for cat in cfg.category:
-        kwargs = template_kwargs(cfg, cat) or None
         rejected: dict[str, int] = {}
         usable = generations = 0
-        with SourceIndex.build(cat.paths) as index:
-            for i in range(len(index)):
+        with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
+            for i in range(len(source)):
                 try:
-                    s = read_sample(index, i, cat.format, cat.turns, cat.system_prompt,
-                                    cat.field_map or None, cat.role_map or None)
-                    if s.prompt and isinstance(s.prompt[0], dict):
-                        ids = renderer.render(s.prompt, kwargs, s.tools)[1]
-                    else:
-                        ids = list(s.prompt)
-                    ctx = cfg.context_length
-                    if not ids:
-                        raise Rejected("empty_prompt")
-                    if ctx is not None and len(ids) + cat.sampling.max_new_tokens > ctx:
-                        raise Rejected("prompt_too_long")
+                    s = source.read(i)
+                    source.prompt(s)
                 except Rejected as exc:
                     rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
                     continue
                 usable += 1
                 generations += s.conversation.turns if s.conversation else 1
                 if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
-                    on_progress(cat.name, i + 1, len(index))
-            out[cat.name] = SourceCheck(len(index), usable, generations,
+                    on_progress(cat.name, i + 1, len(source))
+            out[cat.name] = SourceCheck(len(source), usable, generations,
                                         dict(sorted(rejected.items())))
     return out
-
-
-def template_kwargs(cfg: RunConfig, cat: Category) -> dict[str, Any]:
-    """The chat-template keyword arguments of `cat`: its own merged over the run's."""
-    return {**cfg.chat_template_kwargs, **cat.chat_template_kwargs}
 
 
 def _first_prompts(cfg: RunConfig, cat: Category, renderer: Any, want: int):
     """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
     stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
     from producer.formats import Rejected
-    from producer.readers import SourceIndex, read_sample, shuffled_order
+    from producer.source import CategorySource
 
-    kwargs = template_kwargs(cfg, cat) or None
-    with SourceIndex.build(cat.paths) as index:
-        order = shuffled_order(len(index), cfg.seed)
-        good = 0
-        for pos in order[:PREVIEW_SCAN_LIMIT]:
-            try:
-                s = read_sample(index, pos, cat.format, cat.turns, cat.system_prompt,
-                                cat.field_map or None, cat.role_map or None)
-                if s.prompt and isinstance(s.prompt[0], dict):
-                    text, ids = renderer.render(s.prompt, kwargs, s.tools)
-                else:
-                    ids = list(s.prompt)
-                    text = renderer.decode(ids) if renderer is not None else None
-            except Rejected as exc:
-                yield (exc.where or index.where(pos), exc)
+    with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
+        for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT):
+            if isinstance(prompt, Rejected):
+                yield (first, prompt)
                 continue
-            yield (s, text, ids)
-            good += 1
-            if good >= want:
-                return
+            text = prompt.text
+            if text is None and renderer is not None:
+                text = renderer.decode(prompt.ids)
+            yield (first, text, prompt.ids)
 
 
 def estimate_prompt_tokens(
@@ -315,6 +290,8 @@ def preview(
         from producer.run import load_renderer
 
         renderer = load_renderer(cfg)
+    from producer.source import template_kwargs
+
     parsers = ""
     if renderer is not None:  # the stop ids and reply parsers the run would use
         from foundation.config import with_stop_ids

@@ -1,0 +1,180 @@
+"""What the producer feeds besides new records: conversations' next turns, retried samples,
+and the cut records of conversations a closed category holds back.
+
+With ``turns = "all"`` a record is one generation per assistant turn. Once the writer wrote
+turn j (`Budget.followups` lists it), turn j+1's prompt is the source up to that turn with
+the model's own earlier turns (decoded from their output ids into assistant messages by
+`producer.replies`), rendered and checked against turn j's by `CategorySource.prepare`.
+It goes to the queue's front: the engine that served turn j still holds its prefix.
+
+In a category of single samples, what waits there are dead samples `tokencap retry` sent
+back; they are fed again from their records, found by id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from budget_service.budget import Budget, CategoryState, now_ms
+from foundation.config import RunConfig
+from foundation.wire import DeadLetter, Outcome, split_turn_id
+from producer.formats import Rejected
+from producer.readers import Sample
+from producer.replies import ReplyParser, Unparsed, reply_parser
+from producer.source import NextTurn
+
+if TYPE_CHECKING:
+    from producer.feeder import CategoryFeed
+
+log = logging.getLogger(__name__)
+
+
+class Conversations:
+    """Feeds next turns and retried samples, and reports cut conversations, per category.
+
+    `enqueue(category, [(sample id, seq, prompt tokens)], at_front)` enqueues the jobs of
+    what the ledger recorded; `affinity(ids)` gives a prompt's affinity key (None: off)."""
+
+    def __init__(self, cfg: RunConfig, budget: Budget, renderer: Any,
+                 enqueue: Callable[[str, list[tuple[str, int, int]], bool], None],
+                 affinity: Callable[[list[int]], str] | None) -> None:
+        self.cfg = cfg
+        self.budget = budget
+        self.renderer = renderer
+        self.enqueue = enqueue
+        self.affinity = affinity
+        self.lease_ms = int(cfg.lease_s * 1000)
+        self._replies: ReplyParser | None = None
+
+    @property
+    def replies(self) -> ReplyParser:
+        """How generated turns enter the next turn's history (`turns = "all"`)."""
+        if self._replies is None:
+            self._replies = reply_parser(self.cfg, self.renderer)
+        return self._replies
+
+    def opened(self, feed: CategoryFeed) -> bool:
+        """Whether the category's generation prompt opens a reasoning block (`replies`)."""
+        if feed.opened is None:
+            parser = self.replies.reasoning
+            feed.opened = parser is not None and self.renderer.opens_reasoning(
+                parser.start, feed.source.kwargs or None)
+        return feed.opened
+
+    def follow(self, feed: CategoryFeed, st: CategoryState, room: int) -> int:
+        """Feed up to `room` next turns of conversations whose last turn the writer wrote.
+        In a category of single samples, what waits there are dead samples sent again."""
+        if room <= 0 or not st.followups:
+            return 0
+        source = feed.source
+        name = source.cat.name
+        waiting = self.budget.followups(name, room)
+        if not source.turns:
+            return self.feed_retried(feed, [f.sample_id for f in waiting])
+        samples: list[Sample] = []
+        turns: list[NextTurn] = []
+        rejected: list[DeadLetter] = []
+        for f in waiting:
+            conv_id, turn = split_turn_id(f.sample_id) or (f.sample_id, 1)
+            try:
+                s = source.read(f.ordinal)
+            except Rejected as exc:
+                s = None
+                why = f"the record cannot be read any more: {exc}"
+            else:
+                why = "the source changed: the record at its position is another one"
+            if s is None or s.sample_id != conv_id or s.conversation is None \
+                    or turn > s.conversation.turns or any(o is None for o in f.outputs):
+                if s is not None and any(o is None for o in f.outputs):
+                    why = "the outputs of its earlier turns are gone from Redis"
+                log.error("%s/%s: conversation cut: %s", name, f.sample_id, why)
+                rejected.append(DeadLetter(
+                    id=f.sample_id, category=name, outcome=Outcome.REJECTED,
+                    reason="source_changed", message=why, where=source.where(f.ordinal),
+                    conversation_id=conv_id, turn=turn))
+                continue
+            conv = s.conversation
+            try:
+                generated = self.replies.messages(f.outputs, conv.tools, conv_id, feed.stop_ids,
+                                                  self.opened(feed))
+            except Unparsed as exc:
+                # the turn stays as generated; there is no call to answer and no content
+                log.warning("%s/%s: conversation stops: a reply does not parse (%s)", name,
+                            f.sample_id, exc)
+                rejected.append(DeadLetter(
+                    id=f.sample_id, category=name, outcome=Outcome.REJECTED,
+                    reason="unparsed_reply",
+                    message=f"the reply of {exc}; kept as generated, the conversation cannot "
+                            "go on from it", where=s.where, conversation_id=conv_id, turn=turn,
+                    turns_total=conv.turns))
+                continue
+            samples.append(s)
+            ids = self.replies.result_ids(conv_id)
+            turns.append(NextTurn(conv.prompt(generated, ids), turn,
+                                  conv.prompt(generated[:-1], ids), list(f.outputs[-1] or []),
+                                  generated[-1], conv.replay_notes(generated), f.engine))
+        prepared, bad = source.prepare(samples, turns, self.affinity)
+        recorded = set(self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared,
+                                               rejected + bad))
+        # ahead of the new samples waiting: the engine that served the turn before still
+        # holds its prefix
+        self.enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
+                            if p.sample_id in recorded], True)
+        return len(waiting)
+
+    def feed_retried(self, feed: CategoryFeed, ids: list[str]) -> int:
+        """Feed again the dead samples `tokencap retry` sent back, found by their ids."""
+        source = feed.source
+        name = source.cat.name
+        samples: list[Sample] = []
+        rejected: list[DeadLetter] = []
+        for sid in ids:
+            pos = source.locate(sid)
+            try:
+                if pos is None:
+                    raise Rejected("source_changed", "no record has this id any more")
+                samples.append(source.read(pos))
+            except Rejected as exc:
+                log.error("%s/%s: cannot be sent again: %s", name, sid, exc)
+                rejected.append(DeadLetter(id=sid, category=name, outcome=Outcome.REJECTED,
+                                           reason=exc.reason, message=str(exc)))
+        prepared, bad = source.prepare(samples, None, self.affinity)
+        ids_fed = set(self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared,
+                                              rejected + bad))
+        self.enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
+                            if p.sample_id in ids_fed], False)
+        if ids_fed:
+            log.info("%s: %d dead sample(s) sent again", name, len(ids_fed))
+        return len(ids)
+
+    def report_cut(self, feed: CategoryFeed, st: CategoryState) -> int:
+        """A closed category holds back conversations' next turns: write one cut record for
+        each (once), so the files say why those conversations stopped."""
+        mark = (st.followups, st.parked)
+        if mark == feed.cut_mark or not any(mark):
+            return 0
+        feed.cut_mark = mark
+        source = feed.source
+        name = source.cat.name
+        turns = [(sid, ordinal, split) for sid, ordinal in self.budget.held(name)
+                 if (split := split_turn_id(sid)) is not None and split[1] >= 2]
+        parked = self.budget.entries(name, [sid for sid, ordinal, _ in turns if ordinal is None])
+        pending = {e.pending.sample_id: e.pending for e in parked if e.pending is not None}
+        letters = []
+        for sid, ordinal, (conv, turn) in turns:  # turn 1 held: not a conversation yet
+            p = pending.get(sid)
+            where, total = (p.where, p.turns_total) if p is not None else ("", 0)
+            if ordinal is not None and ordinal < len(source):
+                where = source.where(ordinal)
+                try:
+                    conversation = source.read(ordinal).conversation
+                    total = conversation.turns if conversation else 0
+                except Rejected:
+                    pass
+            letters.append(DeadLetter(
+                id=sid, category=name, outcome=Outcome.CUT, reason="cap", where=where,
+                message="the category closed (its cap) before this turn was sent; a raised "
+                        "cap sends it", conversation_id=conv, turn=turn, turns_total=total))
+        return self.budget.cut(name, letters)
