@@ -160,7 +160,7 @@ class Pipeline(HarnessPipeline):
 
         urls = [engine_url] if isinstance(engine_url, str) else engine_url
         super().__init__(cfg, redis_url, urls, log_path=log_path, poll_s=IDLE_TICK_S)
-        self.budget.init_run(cfg)
+        self.budget.feeding.init_run(cfg)
 
     def start_workers(self, n: int, wait: bool = True) -> Any:
         return super().start_workers(n, wait=wait)

@@ -17,7 +17,8 @@ from redis.commands.core import Script
 LUA_DIR = Path(__file__).with_name("lua")
 CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
-    "lease", "unpark", "close", "reconcile", "acknowledge", "feed_follow", "cut", "retry",
+    "lease", "unpark", "set_cap", "close", "exhausted", "reconcile", "acknowledge",
+    "feed_follow", "cut", "retry",
 )  # fmt: skip
 OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "series")
 PRELUDE = "_lib.lua"
@@ -45,7 +46,9 @@ class Scripts:
     requeue: Script
     lease: Script
     unpark: Script
+    set_cap: Script
     close: Script
+    exhausted: Script
     reconcile: Script
     acknowledge: Script
     feed_follow: Script

@@ -4,7 +4,7 @@ asset), `GET /status` (JSON), `GET /series?after=ID&count=N` (the run's time ser
 while the run goes on; needs the bearer token).
 
 With `record_s`, a recorder thread appends a point of the run's time series every `record_s`
-seconds (`Budget.record_point`, the last 8,640 kept): per category used, samples, cap and
+seconds (`TelemetryLedger.record_point`, the last 8,640 kept): per category used, samples, cap and
 state; per engine running and queued requests (its `/v1/loads` or `/metrics`); workers;
 results not yet written. The page's rates and ETAs, and the report's charts, come from it.
 
@@ -64,7 +64,8 @@ from prometheus_client.core import (
 )
 
 from budget_service import jobs
-from budget_service.budget import Budget, cap_text, now_ms, parse_cap
+from budget_service.budget import Budget
+from budget_service.ledger import cap_text, now_ms, parse_cap
 from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.engine import LoadReader, engine_specs
 
@@ -215,10 +216,10 @@ class BudgetCollector:
         self.budget = budget
 
     def collect(self) -> Iterator[Metric]:
-        status = self.budget.status(by_engine=True)
+        status = self.budget.telemetry.status(by_engine=True)
         yield from _category_metrics(status)
         yield from _writer_metrics(status["run"], status["writer"])
-        yield from _engine_metrics(status["run"], self.budget.engine_counts(),
+        yield from _engine_metrics(status["run"], self.budget.telemetry.engine_counts(),
                                    worker_count(self.budget))
 
 
@@ -233,7 +234,7 @@ def take_point(budget: Budget, loads: LoadReader | None = None) -> dict[str, Any
     """One point of the run's time series, as the recorder appends it (`loads`: the
     recorder's reader, which remembers the engines without /v1/loads)."""
     loads = loads or LoadReader()
-    st = budget.status()
+    st = budget.telemetry.status()
     cats = {name: {k: c[k] for k in ("used", "samples", "cap", "state")}
             for name, c in st["categories"].items()}
     keyed = {s.url: s for s in engine_specs(os.environ.get("SGLANG_URL"))}
@@ -261,7 +262,7 @@ class Recorder(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.budget.record_point(take_point(self.budget, self.loads))
+                self.budget.telemetry.record_point(take_point(self.budget, self.loads))
             except Exception as exc:  # Redis away, an engine odd: the next point will do
                 log.debug("time series point not recorded: %s", exc)
             self.stop_event.wait(self.every_s)
@@ -293,11 +294,11 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             if url.path == "/":
                 self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
             elif url.path == "/status":
-                self._json(200, budget.status(by_engine=True))
+                self._json(200, budget.telemetry.status(by_engine=True))
             elif url.path == "/series":
                 query = parse_qs(url.query)
                 count = query.get("count", [""])[0]
-                points = budget.series(query.get("after", [""])[0], min(
+                points = budget.telemetry.series(query.get("after", [""])[0], min(
                     int(count), SERIES_MAX_COUNT) if count.isdigit() else None)
                 self._json(200, points)
             elif url.path == "/metrics":
@@ -325,10 +326,11 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             except (ValueError, KeyError, TypeError) as exc:
                 self._json(400, {"error": f"expected {{category, cap_tokens}}: {exc}"})
                 return
-            if cat not in budget.status()["categories"]:
+            if cat not in budget.telemetry.status()["categories"]:
                 self._json(404, {"error": f"no category {cat!r}"})
                 return
-            closed, old = budget.set_cap(cat, cap, by=f"POST /cap from {self.client_address[0]}")
+            closed, old = budget.operating.set_cap(
+                cat, cap, by=f"POST /cap from {self.client_address[0]}")
             log.warning("cap of %s changed from %s to %s over HTTP", cat, cap_text(old),
                         cap_text(cap))
             self._json(200, {"category": cat, "old_cap": old, "cap": cap, "closed": closed})

@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from budget_service.budget import Budget, now_ms
 from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
+from budget_service.ledger import now_ms
+from budget_service.samples import SampleLedger
 from consumers.client import EngineClient, EngineError, Generation
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
 from foundation.engine import parse_urls
@@ -36,7 +37,7 @@ IDLE_WAKE_S = 2.0  # the heartbeat thread's wake-up while no sample is in flight
 class RunContext:
     """What a worker process caches for one run."""
 
-    def __init__(self, budget: Budget, cfg: RunConfig, engines: list[str]) -> None:
+    def __init__(self, budget: SampleLedger, cfg: RunConfig, engines: list[str]) -> None:
         self.budget = budget
         self.cfg = cfg
         self.client = EngineClient(
@@ -82,7 +83,7 @@ class Context:
     def run(self, run: str) -> RunContext:
         key = (self.prefix, run)
         if key not in self._runs:
-            budget = Budget(self.redis, Keys(self.prefix, run))
+            budget = SampleLedger(self.redis, Keys(self.prefix, run))
             cfg = budget.load_config()
             if cfg is None:
                 raise RunNotFound(f"run {run!r} not found in Redis (prefix {self.prefix!r})")

@@ -1,5 +1,5 @@
 """Per-engine request counters and latency histograms, kept per worker process and added
-to the run's totals every `FLUSH_EVERY_S` (`Budget.add_engine_counts`, one Lua call), for
+to the run's totals every `FLUSH_EVERY_S` (`SampleLedger.add_engine_counts`, one Lua call), for
 `/metrics`.
 
 Fields: `<engine>|requests|<outcome>` counts, `<engine>|latency_le|<bucket>` cumulative
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from budget_service.budget import Budget
+from budget_service.samples import SampleLedger
 
 LATENCY_BUCKETS_S = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
 FLUSH_EVERY_S = 5.0
@@ -33,7 +33,7 @@ class EngineStats:
     def gate_waits(self, engine: str, waits: int) -> None:
         self.counts[f"{engine}|gate_waits"] += waits
 
-    def flush(self, budget: Budget, force: bool = False) -> None:
+    def flush(self, budget: SampleLedger, force: bool = False) -> None:
         if not self.counts or (not force and time.monotonic() - self._flushed_at
                                < FLUSH_EVERY_S):
             return

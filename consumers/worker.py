@@ -28,8 +28,8 @@ from rq.job import Job
 from rq.worker import DequeueStrategy, SimpleWorker
 
 from budget_service import jobs
-from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.samples import SampleLedger
 from foundation.backoff import Backoff
 from foundation.errors import TokencapError
 
@@ -76,7 +76,7 @@ class TokencapWorker(SimpleWorker):
         call the job's failure callback, post its webhooks, or retry it)."""
         log.error("refused job %s from queue %s: %s", job.id, queue.name, reason)
         record = {"job_id": job.id, "queue": queue.name, "reason": reason, "ts": time.time()}
-        Budget(self.connection, self.keys).refuse(record)
+        SampleLedger(self.connection, self.keys).refuse(record)
         jobs.drop(self.connection, queue, job)
 
 

@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         checks.add("all_workers_alive_at_end", alive == len(run.workers),
                    f"{alive}/{len(run.workers)}")
         run.close()
-        status = run.budget.status([c.name for c in cfg.category])
+        status = run.budget.telemetry.status([c.name for c in cfg.category])
         report["status"] = status
 
         # engine throughput over the pipeline

@@ -2,7 +2,7 @@
 and the cut records of conversations a closed category holds back.
 
 With ``turns = "all"`` a record is one generation per assistant turn. Once the writer wrote
-turn j (`Budget.followups` lists it), turn j+1's prompt is the source up to that turn with
+turn j (`FeedingLedger.followups` lists it), turn j+1's prompt is the source up to that turn with
 the model's own earlier turns (decoded from their output ids into assistant messages by
 `producer.replies`), rendered and checked against turn j's by `CategorySource.prepare`.
 It goes to the queue's front: the engine that served turn j still holds its prefix.
@@ -17,7 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from budget_service.budget import Budget, CategoryState, now_ms
+from budget_service.budget import Budget
+from budget_service.ledger import CategoryState, now_ms
 from foundation.config import RunConfig
 from foundation.wire import DeadLetter, Outcome, split_turn_id
 from producer.formats import Rejected
@@ -70,7 +71,7 @@ class Conversations:
             return 0
         source = feed.source
         name = source.cat.name
-        waiting = self.budget.followups(name, room)
+        waiting = self.budget.feeding.followups(name, room)
         if not source.turns:
             return self.feed_retried(feed, [f.sample_id for f in waiting])
         samples: list[Sample] = []
@@ -116,7 +117,7 @@ class Conversations:
                                   conv.prompt(generated[:-1], ids), list(f.outputs[-1] or []),
                                   generated[-1], conv.replay_notes(generated), f.engine))
         prepared, bad = source.prepare(samples, turns, self.affinity)
-        recorded = set(self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared,
+        recorded = set(self.budget.feeding.feed_follow(name, now_ms() + self.lease_ms, prepared,
                                                rejected + bad))
         # ahead of the new samples waiting: the engine that served the turn before still
         # holds its prefix
@@ -141,7 +142,7 @@ class Conversations:
                 rejected.append(DeadLetter(id=sid, category=name, outcome=Outcome.REJECTED,
                                            reason=exc.reason, message=str(exc)))
         prepared, bad = source.prepare(samples, None, self.affinity)
-        ids_fed = set(self.budget.feed_follow(name, now_ms() + self.lease_ms, prepared,
+        ids_fed = set(self.budget.feeding.feed_follow(name, now_ms() + self.lease_ms, prepared,
                                               rejected + bad))
         self.enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
                             if p.sample_id in ids_fed], False)
@@ -158,7 +159,7 @@ class Conversations:
         feed.cut_mark = mark
         source = feed.source
         name = source.cat.name
-        turns = [(sid, ordinal, split) for sid, ordinal in self.budget.held(name)
+        turns = [(sid, ordinal, split) for sid, ordinal in self.budget.feeding.held(name)
                  if (split := split_turn_id(sid)) is not None and split[1] >= 2]
         parked = self.budget.entries(name, [sid for sid, ordinal, _ in turns if ordinal is None])
         pending = {e.pending.sample_id: e.pending for e in parked if e.pending is not None}
@@ -177,4 +178,4 @@ class Conversations:
                 id=sid, category=name, outcome=Outcome.CUT, reason="cap", where=where,
                 message="the category closed (its cap) before this turn was sent; a raised "
                         "cap sends it", conversation_id=conv, turn=turn, turns_total=total))
-        return self.budget.cut(name, letters)
+        return self.budget.feeding.cut(name, letters)

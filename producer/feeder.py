@@ -15,7 +15,7 @@ The run ends when every category is closed (holding back only what a raised cap 
 or exhausted, and the writer has written every result.
 
 The repairs (reap, a Redis restart, lost feeds, the end's registry cleanup) are
-`producer.recovery`; the category states it steers on are `Budget.states` (typed, the same
+`producer.recovery`; the category states it steers on are `Ledger.states` (typed, the same
 fields `tokencap status --json` shows).
 
 Every change to the ledger is one `Budget` call (one Lua script) made before the RQ job that
@@ -38,9 +38,10 @@ import msgspec
 from redis import Redis
 
 from budget_service import jobs
-from budget_service.budget import Budget, CategoryState, now_ms
+from budget_service.budget import Budget
 from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
+from budget_service.ledger import CategoryState, now_ms
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import RunConfig
 from producer.conversations import Conversations
@@ -116,7 +117,7 @@ class Producer:
     # -- setup -------------------------------------------------------------------------
     def add_feed(self, feed: CategoryFeed) -> None:
         self.feeds[feed.cat.name] = feed
-        feed.cursor = self.budget.cursor(feed.cat.name)
+        feed.cursor = self.budget.feeding.cursor(feed.cat.name)
 
     # -- the loop ----------------------------------------------------------------------
     def tick(self) -> int:
@@ -138,10 +139,10 @@ class Producer:
                 done += self.feed(feed, st)
                 if (feed.exhausted and st.pending == 0 and st.followups == 0
                         and st.unwritten == 0 and done == 0):
-                    if self.budget.mark_exhausted(name, feed.cursor):
+                    if self.budget.feeding.mark_exhausted(name, feed.cursor):
                         log.info("%s: source exhausted (%d samples committed)", name,
                                  st.samples)
-                    elif self.budget.cursor(name) != feed.cursor:
+                    elif self.budget.feeding.cursor(name) != feed.cursor:
                         self.recovery.lost_feeds(feed)
             elif st.state == "closed" and feed.turns:
                 self.conversations.report_cut(feed, st)
@@ -182,7 +183,7 @@ class Producer:
                 now = time.monotonic()
                 if self.on_progress and now - last >= progress_s:
                     last = now
-                    self.on_progress(self.budget.status(list(self.feeds)))
+                    self.on_progress(self.budget.telemetry.status(list(self.feeds)))
                     self.log_events()
                 if work == 0:
                     if self.finished():
@@ -195,12 +196,12 @@ class Producer:
                           exc, backoff.delay_s)
                 backoff.wait()
                 self.recovery.redis_was_down()
-        return self.budget.status(list(self.feeds))
+        return self.budget.telemetry.status(list(self.feeds))
 
     def log_events(self) -> None:
         """Log the event log's entries (cap changes) written since the last call, so the
         shell running the run sees a cap another shell changed (none on the first call)."""
-        events = self.budget.events(list(self.feeds), self._events_after)
+        events = self.budget.operating.events(list(self.feeds), self._events_after)
         if self._events_after is not None:
             for ev in events:
                 log.warning("%s: cap changed from %s to %s by %s (%s tokens used)",
@@ -254,10 +255,10 @@ class Producer:
             start = feed.cursor
             positions = list(feed.order[start : start + room])
             samples, rejected = feed.source.read_many(positions)
-            known = self.budget.known(name, [feed.source.first_id(s) for s in samples])
+            known = self.budget.feeding.known(name, [feed.source.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume
             prepared, too_long = feed.source.prepare(samples, None, self._affinity)
-            ids = self.budget.feed(name, start, start + len(positions),
+            ids = self.budget.feeding.feed(name, start, start + len(positions),
                                    now_ms() + self.lease_ms, prepared, rejected + too_long)
             if ids is None:
                 self.recovery.lost_feeds(feed)
@@ -312,7 +313,7 @@ class Producer:
                             feed.cat.sampling.max_new_tokens)
         est, var = model.moments(0)
         max_add = feed.cat.sampling.max_new_tokens if self.cfg.hard_cap else 0
-        got = self.budget.unpark(name, est, var, max_add, self.cfg.margin_sigmas,
+        got = self.budget.feeding.unpark(name, est, var, max_add, self.cfg.margin_sigmas,
                                  now_ms() + self.lease_ms, UNPARK_BATCH, self.cfg.max_unwritten)
         prompts = [0] * len(got.leased)
         if self.cfg.count == "total":  # the worker reserves for the prompt too

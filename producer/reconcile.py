@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from budget_service import codec
-from budget_service.budget import Budget, TurnEvent, turn_event
+from budget_service.budget import Budget
 from budget_service.estimator import bucket_of
+from budget_service.ledger import TurnEvent, turn_event
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
 from foundation.wire import Outcome
 
@@ -56,9 +57,9 @@ def reconcile(budget: Budget, out_dir: Path, categories: list[str]) -> dict[str,
         for rec in read_records(cat_dir):
             batch.append(rec)
             if len(batch) >= BATCH:
-                n += budget.reconcile(name, batch)
+                n += budget.feeding.reconcile(name, batch)
                 batch = []
-        n += budget.reconcile(name, batch)
+        n += budget.feeding.reconcile(name, batch)
         if n:
             log.warning("%s: %d samples found on disk but not in Redis; counted them", name, n)
         added[name] = n
@@ -92,9 +93,9 @@ def restore_followups(budget: Budget, cat_dir: Path, category: str) -> int:
         if ev is not None and ev.next_id is not None:
             events.append(ev)
         if len(events) >= BATCH:
-            budget.restore_followups(category, events)
+            budget.feeding.restore_followups(category, events)
             events = []
-    budget.restore_followups(category, events)
+    budget.feeding.restore_followups(category, events)
     log.info("%s: %d conversations on disk go on (their next turn waits unless known)",
              category, len(going))
     return len(going)

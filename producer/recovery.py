@@ -21,8 +21,9 @@ from redis import Redis
 from rq import Queue
 
 from budget_service import jobs
-from budget_service.budget import Budget, now_ms
+from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.ledger import now_ms
 from foundation.config import RunConfig
 from foundation.wire import DeadLetter, ErrorKind, Outcome
 from producer.reconcile import reconcile
@@ -76,7 +77,7 @@ class Recovery:
             log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
                       "counters from %s before feeding again", self.cfg.run,
                       self.cfg.output_dir)
-            self.budget.init_run(self.cfg)
+            self.budget.feeding.init_run(self.cfg)
             added = reconcile(self.budget, Path(self.cfg.output_dir), list(feeds))
             log.warning("rebuilt from output files: %s", added)
             for feed in feeds.values():
@@ -95,7 +96,7 @@ class Recovery:
     def lost_feeds(self, feed: CategoryFeed) -> None:
         """Redis's cursor is not ours: it lost our last feeds (a restart from an AOF without
         its last second). Feed again from where Redis is."""
-        ours, feed.cursor = feed.cursor, self.budget.cursor(feed.cat.name)
+        ours, feed.cursor = feed.cursor, self.budget.feeding.cursor(feed.cat.name)
         log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); feeding "
                     "again from there", feed.cat.name, feed.cursor, ours)
 
@@ -117,7 +118,7 @@ class Recovery:
         return again
 
     def _requeue_expired(self, name: str) -> int:
-        expired = self.budget.expired(name, now_ms(), REAP_BATCH)
+        expired = self.budget.feeding.expired(name, now_ms(), REAP_BATCH)
         if not expired:
             return 0
         entries = self.budget.entries(name, expired)
@@ -130,11 +131,11 @@ class Recovery:
             p = entry.pending
             if p is None or in_queue:
                 # still waiting in its queue: keep the lease (a stray entry is dropped)
-                self.budget.keep_lease(name, sid, deadline)
+                self.budget.feeding.keep_lease(name, sid, deadline)
                 continue
             failures = p.failures + (1 if entry.in_flight else 0)
             if failures >= self.cfg.max_attempts:
-                self.budget.fail(DeadLetter(id=sid, category=name, outcome=Outcome.DEAD,
+                self.budget.samples.fail(DeadLetter(id=sid, category=name, outcome=Outcome.DEAD,
                                             reason=ErrorKind.LOST.value, where=p.where,
                                             message="worker lost the sample too often",
                                             attempts=failures, conversation_id=p.conversation_id,
@@ -142,7 +143,7 @@ class Recovery:
                 continue
             if entry.in_flight:
                 log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)
-            seq = self.budget.requeue(name, msgspec.structs.replace(p, failures=failures),
+            seq = self.budget.feeding.requeue(name, msgspec.structs.replace(p, failures=failures),
                                       entry.seq, deadline)
             if seq >= 0:  # else it moved meanwhile (a worker extended its lease, or it ended)
                 again.append((sid, seq, len(p.prompt_ids)))

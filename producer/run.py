@@ -56,7 +56,7 @@ def build_producer(
                  time.monotonic() - t0)
     keys = Keys(cfg.key_prefix, cfg.run)
     budget = Budget(redis, keys)
-    created = budget.init_run(cfg)
+    created = budget.feeding.init_run(cfg)
     out = Path(cfg.output_dir)
     added = reconcile(budget, out, [c.name for c in cfg.category])
     if created and any(added.values()):
@@ -119,7 +119,7 @@ def run_to_end(
         known = [i.context_length for i in infos if i.context_length]
         ctx = cfg.context_length or (min(known) if known else None)
         producer = build_producer(cfg, redis, ctx, on_progress, renderer)
-        producer.budget.record_engines(infos)
+        producer.budget.telemetry.record_engines(infos)
         if before_feed is not None:
             before_feed(producer)
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, cast
 
 import msgspec
 
-from budget_service.budget import now_ms
+from budget_service.ledger import now_ms
 from foundation.config import Category, RunConfig
 from foundation.wire import DeadLetter, Outcome, Pending, turn_id
 from producer.formats import Rejected

@@ -164,7 +164,7 @@ class Pipeline:
 
     def start_workers(self, n: int, wait: bool = False) -> list[subprocess.Popen[bytes]]:
         """Start `n` worker processes; with `wait`, return once RQ has them registered."""
-        self.budget.init_run(self.cfg)
+        self.budget.feeding.init_run(self.cfg)
         out = self.log_path.open("ab") if self.log_path else None
         new = [subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker"], env=self.env(),
                                 cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=out,
@@ -180,7 +180,7 @@ class Pipeline:
         return new
 
     def start_writer(self) -> Writer:
-        self.budget.init_run(self.cfg)
+        self.budget.feeding.init_run(self.cfg)
         self.writer = Writer(self.redis, self.keys, [c.name for c in self.cfg.category],
                              Path(self.cfg.output_dir), lease_ttl_s=self.cfg.lock_ttl_s)
         self._writer_thread = threading.Thread(target=self.writer.run, daemon=True,
@@ -208,7 +208,7 @@ class Pipeline:
         return producer.run(poll_s=self.poll_s, progress_s=progress_s, should_stop=should_stop)
 
     def status(self) -> dict[str, Any]:
-        return self.budget.status([c.name for c in self.cfg.category])["categories"]
+        return self.budget.telemetry.status([c.name for c in self.cfg.category])["categories"]
 
     def kill_workers(self, sig: int = signal.SIGKILL) -> None:
         for p in self.workers:
@@ -273,7 +273,7 @@ class Pipeline:
         assert st["reserved"] == 0 and st["in_flight"] == 0, \
             f"{name}: reserved {st['reserved']} in_flight {st['in_flight']}"
         assert not waiting or st["state"] == "closed", f"{name}: turns still waiting {waiting}"
-        final = self.budget.final_marks(name)
+        final = self.budget.writing.final_marks(name)
         committed = {k for k, v in final.items() if codec.is_committed(v)}
         assert committed == set(ids), f"{name}: Redis and files disagree on committed ids"
         letters = self.dead(name)

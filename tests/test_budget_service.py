@@ -20,10 +20,10 @@ TOKEN = "t0ken-for-tests"
 @pytest.fixture
 def service(redis):
     budget = Budget(redis, Keys("tokencap", "t"))
-    budget.init_run(make_cfg(cats=("code", "math")))
+    budget.feeding.init_run(make_cfg(cats=("code", "math")))
     feed(budget, "a")
-    budget.admit("code", "a", 50, 30_000)
-    budget.commit(result("a", 123), 0, 0.0)
+    budget.samples.admit("code", "a", 50, 30_000)
+    budget.samples.commit(result("a", 123), 0, 0.0)
     server = make_server(budget, port=0, token=TOKEN)
     serve_in_thread(server)
     yield budget, f"http://127.0.0.1:{server.server_address[1]}", server
@@ -40,7 +40,7 @@ def test_binds_loopback_by_default(service) -> None:
 def test_status_is_the_cli_document(service) -> None:
     budget, url, _ = service
     body = requests.get(f"{url}/status", timeout=5).json()
-    assert body == json.loads(json.dumps(budget.status(by_engine=True)))
+    assert body == json.loads(json.dumps(budget.telemetry.status(by_engine=True)))
     assert body["categories"]["code"]["used"] == 123
 
 
@@ -51,7 +51,7 @@ def test_metrics_parse_with_prometheus_client(service) -> None:
     used = {s.labels["category"]: s.value
             for fam in parser.text_string_to_metric_families(text)
             for s in fam.samples if s.name == "tokencap_used_tokens"}
-    assert used == {c: st["used"] for c, st in budget.status()["categories"].items()}
+    assert used == {c: st["used"] for c, st in budget.telemetry.status()["categories"].items()}
 
 
 def test_cap_change_needs_the_token(service) -> None:
@@ -60,16 +60,16 @@ def test_cap_change_needs_the_token(service) -> None:
     assert requests.post(f"{url}/cap", json=body, timeout=5).status_code == 401
     bad = {"Authorization": "Bearer nope"}
     assert requests.post(f"{url}/cap", json=body, headers=bad, timeout=5).status_code == 401
-    assert budget.status()["categories"]["code"]["cap"] == 1000
+    assert budget.telemetry.status()["categories"]["code"]["cap"] == 1000
     ok = requests.post(f"{url}/cap", json=body, timeout=5,
                        headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and ok.json()["closed"] is True
-    assert budget.status()["categories"]["code"]["state"] == "closed"
+    assert budget.telemetry.status()["categories"]["code"]["state"] == "closed"
 
 
 def test_no_token_configured_refuses_every_change(redis) -> None:
     budget = Budget(redis, Keys("tokencap", "t"))
-    budget.init_run(make_cfg())
+    budget.feeding.init_run(make_cfg())
     server = make_server(budget, port=0, token=None)
     serve_in_thread(server)
     try:
@@ -83,7 +83,7 @@ def test_no_token_configured_refuses_every_change(redis) -> None:
 
 
 def _page(budget: Budget) -> str:
-    budget.add_engine_counts({
+    budget.samples.add_engine_counts({
         'http://gpu-a:30000/"quoted"\\path|requests|ok': 2,
         "http://gpu-b:30000|requests|timeout": 1,
         "http://gpu-b:30000|latency_le|1": 1, "http://gpu-b:30000|latency_le|inf": 1,
@@ -129,7 +129,7 @@ def test_a_cap_of_none_uncaps_and_leaves_no_cap_series(service) -> None:
     r = requests.post(f"{url}/cap", json={"category": "math", "cap_tokens": "none"},
                       headers=auth, timeout=5)
     assert r.status_code == 200 and r.json()["cap"] is None
-    assert budget.status()["categories"]["math"]["cap"] is None
+    assert budget.telemetry.status()["categories"]["math"]["cap"] is None
     bad = requests.post(f"{url}/cap", json={"category": "math", "cap_tokens": "lots"},
                         headers=auth, timeout=5)
     assert bad.status_code == 400

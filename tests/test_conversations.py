@@ -276,19 +276,19 @@ def test_a_turn_generated_again_goes_on_from_the_row_on_disk(tmp_path, redis) ->
 
     keys = Keys("tokencap", "t")
     budget = Budget(redis, keys)
-    budget.init_run(make_cfg())
+    budget.feeding.init_run(make_cfg())
     on_disk = turn_row(1, [11, 12, 13])
     writer = Writer(redis, keys, ["code"], tmp_path)
-    budget.commit(on_disk, 0, 0.0)
+    budget.samples.commit(on_disk, 0, 0.0)
     assert writer.drain_once(block_ms=None) == 1
-    assert budget.followups("code", 10)[0].outputs == [[11, 12, 13]]
+    assert budget.feeding.followups("code", 10)[0].outputs == [[11, 12, 13]]
     redis.flushdb()  # Redis restarted empty: the commit, the marks, the follow-up are gone
-    budget.init_run(make_cfg())
+    budget.feeding.init_run(make_cfg())
     again = turn_row(1, [21, 22])
-    budget.commit(again, 0, 0.0)
+    budget.samples.commit(again, 0, 0.0)
     writer2 = Writer(redis, keys, ["code"], tmp_path)  # a writer starting on the files
     assert writer2.drain_once(block_ms=None) == 0  # not written twice
-    [f] = budget.followups("code", 10)
+    [f] = budget.feeding.followups("code", 10)
     assert (f.sample_id, f.ordinal, f.outputs) == ("c#t2", 4, [[11, 12, 13]])
     assert budget.state("code")["used"] == 3  # corrected to what the file holds
     writer.close()

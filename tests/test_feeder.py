@@ -64,9 +64,10 @@ def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url, prompts: int
             restore(redis, before)  # ... that Redis lost, the producer not knowing
             producer.tick()  # When the producer goes on (feeds, or ends a used-up source)
             assert [producer.feeds[c].cursor for c in ("a", "b")] == [0, 0]
-            assert pipe.budget.status()["categories"]["a"]["state"] == "open"
-            assert pipe.budget.cursor("a") == 0 and pipe.budget.status()["categories"][
-                "a"]["pending"] == 0  # nothing was written from the stale cursor
+            assert pipe.budget.telemetry.status()["categories"]["a"]["state"] == "open"
+            assert pipe.budget.feeding.cursor("a") == 0
+            # nothing was written from the stale cursor
+            assert pipe.budget.telemetry.status()["categories"]["a"]["pending"] == 0
             pipe.start_writer()
             pipe.start_workers(2)
             status = pipe.run()
@@ -81,10 +82,10 @@ def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url, prompts: int
 def test_the_producer_logs_a_cap_another_shell_changed(tmp_path, redis_url, caplog) -> None:
     pipe = Pipeline(two_category_config(tmp_path), redis_url, ["http://127.0.0.1:9"])
     producer = pipe.build()
-    pipe.budget.set_cap("a", 4000, by="before the start")
+    pipe.budget.operating.set_cap("a", 4000, by="before the start")
     producer.log_events()  # what was there before it started is not news
     assert "cap changed" not in caplog.text
-    pipe.budget.set_cap("b", 9000, by="tokencap cap set (ann)")
+    pipe.budget.operating.set_cap("b", 9000, by="tokencap cap set (ann)")
     producer.log_events()
     producer.log_events()  # each change once
     assert caplog.text.count("cap changed") == 1
@@ -112,6 +113,6 @@ def test_feeding_depth_is_shared_by_the_categories_that_can_still_be_fed(
     producer._workers, producer._workers_at = 72, float("inf")  # 72 workers registered
     producer.tick()
     assert producer.high_water() == 72  # 2 x 72 over two open categories
-    pipe.budget.close("b")
+    pipe.budget.operating.close("b")
     producer.tick()
     assert producer.high_water() == 144  # b closed: a gets every worker's share

@@ -87,8 +87,8 @@ def test_every_metric_name_is_exported(dashboard: dict[str, Any], redis) -> None
     """tokencap_* against the budget service's page for a real run; sglang:* against the
     simulator's page."""
     budget = Budget(redis, Keys("tokencap", "t"))
-    budget.init_run(make_cfg(cats=("code", "math")))
-    budget.add_engine_counts({"http://e|requests|ok": 1, "http://e|latency_le|1": 1,
+    budget.feeding.init_run(make_cfg(cats=("code", "math")))
+    budget.samples.add_engine_counts({"http://e|requests|ok": 1, "http://e|latency_le|1": 1,
                               "http://e|latency_le|inf": 1, "http://e|latency_sum_ms": 300})
     tokencap_page = render_metrics(budget).decode()
     with SimServer(time_scale=100) as sim:

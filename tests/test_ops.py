@@ -55,15 +55,15 @@ def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
         pipe = Pipeline(cfg, redis_url, [sim.url])
 
         def operator() -> bool:
-            st = pipe.budget.status()["categories"]
+            st = pipe.budget.telemetry.status()["categories"]
             if "raised" not in events and st["a"]["state"] == "closed":
                 # a closed category gets more budget: it must reopen and finish at 5,000
-                events["raised"] = pipe.budget.set_cap("a", 5000)
+                events["raised"] = pipe.budget.operating.set_cap("a", 5000)
             if "lowered" not in events and st["b"]["used"] >= 2000:
                 ck = pipe.keys.cat("b")
                 committed = {k.decode() for k in pipe.redis.hkeys(ck.final)}
                 in_flight = {k.decode() for k in pipe.redis.hkeys(ck.reserved)}
-                pipe.budget.set_cap("b", st["b"]["used"])
+                pipe.budget.operating.set_cap("b", st["b"]["used"])
                 events["lowered"] = (committed, in_flight)
             return False
 
@@ -110,7 +110,7 @@ def test_two_engines_one_killed_midway_and_back(tmp_path, redis_url) -> None:
                        .json()["finished_total"] >= 3, timeout_s=60,
                        what="engine A to receive work again")
             for c in ("a", "b"):  # end the run now
-                pipe.budget.set_cap(c, int(pipe.budget.state(c)["used"]))
+                pipe.budget.operating.set_cap(c, int(pipe.budget.state(c)["used"]))
             status = bg.join(120)
         finally:
             pipe.close()
@@ -156,7 +156,7 @@ sampling = {{ max_new_tokens = 256 }}
     # (workers read independently; on a loaded machine a reading ages before its request
     # lands), so the queue is held to well below what ungated workers make of it: all
     # `workers - batch` of them waiting in the engine.
-    waits = pipe.budget.engine_counts().get(f"{sim.url}|gate_waits", 0)
+    waits = pipe.budget.telemetry.engine_counts().get(f"{sim.url}|gate_waits", 0)
     assert waits > 0
     assert statistics.median(queued) <= bound and max(queued) < workers - batch
     # (that the gate keeps the engine's batch full is a throughput figure: `make bench`,
@@ -186,7 +186,7 @@ def test_worker_pool_restarts_a_dead_worker_and_stops_on_sigterm(tmp_path, redis
     cfg = two_category_config(tmp_path)
     sim = SimServer(time_scale=1000.0).start()  # a worker starts only on a usable engine
     pipe = Pipeline(cfg, redis_url, [sim.url])
-    pipe.budget.init_run(cfg)
+    pipe.budget.feeding.init_run(cfg)
     queue = Queue(pipe.keys.queue_name("a"), connection=pipe.redis)
     pool = subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker", "--pool", "3"],
                             env=pipe.env(), cwd=ROOT)

@@ -165,8 +165,8 @@ def test_a_worker_refuses_an_engine_serving_another_model_than_the_producer_chec
         tmp_path, redis, redis_url) -> None:
     cfg = _ids_config(tmp_path, "w")
     budget = Budget(redis, Keys(cfg.key_prefix, cfg.run))
-    budget.init_run(cfg)
-    budget.record_engines([EngineInfo(url="http://gpu-1:30000", api="sglang",
+    budget.feeding.init_run(cfg)
+    budget.telemetry.record_engines([EngineInfo(url="http://gpu-1:30000", api="sglang",
                                       model="Qwen/Qwen3-8B", version="0.5.23")])
     with SimServer(time_scale=1000.0) as sim:
         env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sim.url,

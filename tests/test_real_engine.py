@@ -239,7 +239,7 @@ sampling = {{ max_new_tokens = 48, {FAST} }}""", head="lease_s = 4.0")
         t = threading.Thread(target=lambda: done.setdefault("st", pipe.run(
             should_stop=stop.is_set)))
         t.start()
-        wait_until(lambda: pipe.budget.status()["categories"]["math"]["samples"] >= 5,
+        wait_until(lambda: pipe.budget.telemetry.status()["categories"]["math"]["samples"] >= 5,
                    timeout_s=240, what="samples to commit")
         stop.set()  # the producer stops mid-way
         t.join(60)

@@ -23,7 +23,7 @@ def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
     with SimServer(time_scale=200.0) as sim, started(cfg, redis_url, [sim.url], 4) as pipe:
         recorder = Recorder(pipe.budget, 0.1)
         recorder.start()
-        pipe.budget.set_cap("b", 5000, by="test")
+        pipe.budget.operating.set_cap("b", 5000, by="test")
         try:
             status = pipe.run()
         finally:

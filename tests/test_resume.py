@@ -52,14 +52,14 @@ def test_stop_midway_and_restart(tmp_path, redis_url, flavor: str) -> None:
         cap_a = cfg.cap_for(cfg.by_name("a"))
 
         def midway() -> bool:
-            st = first.budget.status()["categories"]["a"]
+            st = first.budget.telemetry.status()["categories"]["a"]
             return st["used"] >= 0.4 * cap_a and st["in_flight"] > 0
 
         mid = first.run(should_stop=midway)
         assert mid["categories"]["a"]["state"] == "open"
         first.kill_workers()  # SIGKILL: requests in flight are lost mid-way
         first.stop_writer()
-        in_flight = first.budget.status()["categories"]["a"]["in_flight"]
+        in_flight = first.budget.telemetry.status()["categories"]["a"]["in_flight"]
 
         # When everything is started again from scratch
         second = Pipeline(cfg, redis_url, [url])

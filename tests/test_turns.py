@@ -302,19 +302,20 @@ def test_a_raised_cap_sends_what_the_closed_category_held(tmp_path, redis_url, s
     with started(cfg, redis_url, [sim_qwen.url], 6) as pipe:
         status = pipe.run()
         pipe.check_invariants(status)
-        held = {name: {sid for sid, _ in pipe.budget.held(name)} | {
+        held = {name: {sid for sid, _ in pipe.budget.feeding.held(name)} | {
             d.id for d in pipe.dead(name) if d.outcome == "cut"} for name in ("chat", "qa")}
         for name in ("chat", "qa"):
             st = status["categories"][name]
             assert st["state"] == "closed" and st["skipped"] > 0, (name, st)
-        assert pipe.budget.final_marks("qa").keys().isdisjoint(held["qa"])
+        assert pipe.budget.writing.final_marks("qa").keys().isdisjoint(held["qa"])
         cut = [d for d in pipe.dead("chat") if d.outcome == "cut"]
         assert cut and all(d.reason == "cap" and d.turn >= 2 for d in cut)  # why they stopped
         assert all(d.where and d.turns_total >= d.turn for d in cut)
         # When both caps are raised (by more than all that is held can use: each sample adds
         # at most max_new_tokens) and the producer runs again
         for name, cap in (("chat", 4500), ("qa", 4000)):
-            assert pipe.budget.set_cap(name, cap) == (False, cfg.cap_for(cfg.by_name(name)))
+            old = cfg.cap_for(cfg.by_name(name))
+            assert pipe.budget.operating.set_cap(name, cap) == (False, old)
         status = pipe.run()
         # Then what they held was sent, and each closed again at its new cap
         pipe.check_invariants(status)

@@ -221,15 +221,15 @@ def test_plain_output_without_a_tty(redis, monkeypatch: pytest.MonkeyPatch) -> N
     for name in RICH_TTY_ENV:
         monkeypatch.delenv(name, raising=False)
     budget = Budget(redis, Keys("tokencap", "t"))
-    budget.init_run(make_cfg(cap=1000, cats=("code", "math")))
+    budget.feeding.init_run(make_cfg(cap=1000, cats=("code", "math")))
     committed = []
 
     def fetch_status() -> dict:
         sid = f"s{len(committed)}"
         feed(budget, sid)
-        budget.admit("code", sid, 100, LEASE_MS)
-        committed.append(budget.commit(result(sid, 40), 0, 0.0))
-        return budget.status()
+        budget.samples.admit("code", sid, 100, LEASE_MS)
+        committed.append(budget.samples.commit(result(sid, 40), 0, 0.0))
+        return budget.telemetry.status()
 
     buf = io.StringIO()
     down = refused_url()

@@ -52,14 +52,14 @@ def test_the_live_page_shows_every_category_and_its_progress(tmp_path, redis_url
                                daemon=True)
         run.start()
         try:
-            wait_until(lambda: pipe.budget.status()["categories"]["a"]["used"] > 0,
+            wait_until(lambda: pipe.budget.telemetry.status()["categories"]["a"]["used"] > 0,
                        what="a first commit")
             first, _ = _page(url)
             seen = first["a"] + first["b"]
-            wait_until(lambda: sum(c["used"] for c in pipe.budget.status()[
+            wait_until(lambda: sum(c["used"] for c in pipe.budget.telemetry.status()[
                 "categories"].values()) > seen, what="more tokens")
             second, dom = _page(url)
-            st = pipe.budget.status(by_engine=True)["categories"]
+            st = pipe.budget.telemetry.status(by_engine=True)["categories"]
             shot = tmp_path / "page.png"
             _chromium("--window-size=1000,700", "--virtual-time-budget=4000",
                       f"--screenshot={shot}", url)

@@ -24,8 +24,8 @@ class Killed(Exception):
 def _committed(budget: Budget, ids: list[str]) -> None:
     for sid in ids:
         feed(budget, sid)
-        budget.admit("code", sid, 10, LEASE_MS)
-        budget.commit(result(sid, 20), 0, 0.0)
+        budget.samples.admit("code", sid, 10, LEASE_MS)
+        budget.samples.commit(result(sid, 20), 0, 0.0)
 
 
 def _messages(caplog: pytest.LogCaptureFixture) -> str:
@@ -35,7 +35,7 @@ def _messages(caplog: pytest.LogCaptureFixture) -> str:
 def test_a_writer_killed_between_fsync_and_acknowledge_is_not_reported_as_redis_loss(
         tmp_path: Path, redis, caplog: pytest.LogCaptureFixture) -> None:
     budget = Budget(redis, Keys("tokencap", "t"))
-    budget.init_run(make_cfg())
+    budget.feeding.init_run(make_cfg())
     _committed(budget, ["a", "b"])
     # Given a writer that appended and fsynced both results, then died before acknowledging
     first = Writer(redis, budget.keys, ["code"], tmp_path)
@@ -52,18 +52,18 @@ def test_a_writer_killed_between_fsync_and_acknowledge_is_not_reported_as_redis_
     text = _messages(caplog)
     assert "2 results on disk were not acknowledged" in text and "fsync" in text
     assert "Redis lost" not in text
-    assert budget.written("code", ["a", "b"]) == ["20", "20"]
+    assert budget.writing.written("code", ["a", "b"]) == ["20", "20"]
     second.recover()
     second.close()
     assert sorted(r.id for r in read_results(tmp_path / "code")) == ["a", "b"]
-    assert budget.unacknowledged("code") == set()
+    assert budget.writing.unacknowledged("code") == set()
 
 
 def test_a_writer_starting_after_redis_lost_the_marks_says_so(tmp_path: Path, redis,
                                                              caplog: pytest.LogCaptureFixture
                                                              ) -> None:
     budget = Budget(redis, Keys("tokencap", "t"))
-    budget.init_run(make_cfg())
+    budget.feeding.init_run(make_cfg())
     _committed(budget, ["a", "b", "c"])
     writer = Writer(redis, budget.keys, ["code"], tmp_path)
     writer.drain_once(block_ms=None)  # written and acknowledged
@@ -77,4 +77,4 @@ def test_a_writer_starting_after_redis_lost_the_marks_says_so(tmp_path: Path, re
     text = _messages(caplog)
     assert "3 samples on disk had no written mark in Redis" in text and "lost" in text
     assert "not acknowledged" not in text
-    assert budget.written("code", ["a", "b", "c"]) == ["20", "20", "20"]
+    assert budget.writing.written("code", ["a", "b", "c"]) == ["20", "20", "20"]

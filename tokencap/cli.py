@@ -233,7 +233,7 @@ def _check_engines(infos: list[Any], budget: Any) -> None:
     else it would feed the run another model's outputs."""
     from foundation.errors import EngineUnusable
 
-    seen = {i.model for i in budget.engines_seen().values()}
+    seen = {i.model for i in budget.samples.engines_seen().values()}
     for info in infos:
         if seen and info.model not in seen:
             raise EngineUnusable(f"engine {info.url} serves {info.model!r}; the run's producer "
@@ -303,7 +303,7 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
 
     budget = _budget(redis_url, prefix, run_name)
     if events_flag:
-        events = budget.events(list(budget.status()["categories"]))
+        events = budget.operating.events(list(budget.telemetry.status()["categories"]))
         click.echo(json.dumps(events, indent=2) if as_json else "\n".join(
             _event_line(e) for e in events) or "no events")
         return
@@ -312,11 +312,11 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
         from foundation.engine import parse_urls
         from tokencap.watch import watch
 
-        watch(budget.status, parse_urls(sglang_url), lambda: worker_count(budget),
+        watch(budget.telemetry.status, parse_urls(sglang_url), lambda: worker_count(budget),
               interval_s=interval,
-              fetch_series=lambda: budget.series(count=SERIES_FOR_RATES))
+              fetch_series=lambda: budget.telemetry.series(count=SERIES_FOR_RATES))
         return
-    st = budget.status(by_engine=True)
+    st = budget.telemetry.status(by_engine=True)
     click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
 
 
@@ -373,7 +373,7 @@ class CapType(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> int | None:
-        from budget_service.budget import parse_cap
+        from budget_service.ledger import parse_cap
 
         if value is None or isinstance(value, int):
             return value
@@ -392,13 +392,13 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
     """Set CATEGORY's cap to TOKENS ("none": uncapped, the whole source): raising it
     reopens a closed category and sends what it held back, lowering it below what is used
     closes it at once."""
-    from budget_service.budget import cap_text
+    from budget_service.ledger import cap_text
 
     budget = _budget(redis_url, prefix, run_name)
-    if category not in budget.status()["categories"]:
+    if category not in budget.telemetry.status()["categories"]:
         raise UnknownCategory(budget.keys.run, category)
     who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
-    closed, old = budget.set_cap(category, tokens, by=f"tokencap cap set ({who})")
+    closed, old = budget.operating.set_cap(category, tokens, by=f"tokencap cap set ({who})")
     log.warning("cap of %s changed from %s to %s", category, cap_text(old), cap_text(tokens))
     click.echo(f"{category}: cap {cap_text(old)} -> {cap_text(tokens)} "
                f"({'closed' if closed else 'open'})")
@@ -439,15 +439,15 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     from foundation.wire import split_turn_id
 
     budget = _budget(redis_url, prefix, run_name)
-    known = list(budget.status()["categories"])
+    known = list(budget.telemetry.status()["categories"])
     for name in categories:
         if name not in known:
             raise UnknownCategory(budget.keys.run, name)
     total = 0
     for name in categories or known:
-        dead = budget.dead_samples(name, reason)
+        dead = budget.operating.dead_samples(name, reason)
         turns = [i for i in dead if split_turn_id(i)]
-        moved = budget.retry(name, [i for i in dead if not split_turn_id(i)], reason)
+        moved = budget.operating.retry(name, [i for i in dead if not split_turn_id(i)], reason)
         total += moved
         left = f"; {len(turns)} conversation turn(s) stay dead" if turns else ""
         click.echo(f"{name}: {moved} dead sample(s) sent again{left}")

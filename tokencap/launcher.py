@@ -275,7 +275,7 @@ class Stack:
             # after the config, tokenizer and sources were checked and the run created; what
             # runs is found in Redis (the writer's lease, the workers on the run's queues),
             # not in this state dir: a rerun from anywhere joins what is there
-            holder = budget.writer_holder()
+            holder = budget.writing.writer_holder()
             if holder:
                 print(f"[up] the run's writer is running ({holder})", flush=True)
             else:

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from budget_service.budget import cap_text
+from budget_service.ledger import cap_text
 
 
 class ProgressPrinter:

@@ -3,7 +3,7 @@ the PNG figures beside it.
 
 What it shows, and where each number comes from:
 
-- a summary table per category (`Budget.status`: cap, used, samples, overshoot, state,
+- a summary table per category (`TelemetryLedger.status`: cap, used, samples, overshoot, state,
   skipped/failed/rejected);
 - output lengths: a histogram per category of the rows' `completion_tokens` (the part files),
   `max_new_tokens` marked;
@@ -34,7 +34,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from budget_service.budget import Budget, cap_text
+from budget_service.budget import Budget
+from budget_service.ledger import cap_text
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
 
 FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
@@ -194,14 +195,14 @@ def _esc(v: Any) -> str:
 def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
     """Write `<dest>/<run>-report.html` and `<dest>/<run>-<figure>.png`; return the HTML
     file's path."""
-    status = budget.status()
+    status = budget.telemetry.status()
     cfg = budget.load_config()
     names = list(status["categories"])
     max_new = {c.name: c.sampling.max_new_tokens for c in cfg.category} if cfg else {}
     max_new = {n: max_new.get(n, 0) for n in names}
     data = _collect(budget, out_dir, names)
-    series = budget.series()
-    events = budget.events(names)
+    series = budget.telemetry.series()
+    events = budget.operating.events(names)
     pngs = _figures(status, data, max_new, series)
     dest.mkdir(parents=True, exist_ok=True)
     run = status["run"]

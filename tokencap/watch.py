@@ -1,6 +1,6 @@
 """`tokencap status --watch`: a live board of every category's budget and the engines' load.
 
-Each refresh reads the status document (`Budget.status()`), the number of workers, and each
+Each refresh reads the status document (`TelemetryLedger.status()`), the number of workers, and each
 engine's load (`foundation.engine.LoadReader`: SGLang's `/v1/loads`, else the Prometheus
 `/metrics` page of SGLang or vLLM). On a terminal the board is redrawn in
 place with `rich.live.Live`; otherwise (a pipe, a log file) plain lines without escape codes

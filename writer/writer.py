@@ -5,7 +5,7 @@ that loses it stops) and an exclusive lock on `<out>/.tokencap-writer.lock`, so 
 stopped past its lease (SIGSTOP) and a new one never append to the same files at once.
 
 Per batch: decode, drop the samples already written (their written mark in Redis, or their id
-in the files read at start), append the rest, fsync, then one `Budget.acknowledge` call marks
+in the files read at start), append the rest, fsync, then one `WritingLedger.acknowledge` call marks
 them written, acks and deletes the stream entries and corrects `used`. A crash between the
 fsync and that call leaves the entries to be read again: the files read at the next start
 have them, so no id is written twice. A write that fails (disk full) is cut back to where the
@@ -26,16 +26,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import msgspec
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from budget_service import codec
-from budget_service.budget import Budget, TurnEvent, turn_event
-from budget_service.keys import WRITER_GROUP, Keys
+from budget_service.keys import Keys
 from budget_service.lease import holder_token, writer_lease
+from budget_service.ledger import TurnEvent, turn_event
+from budget_service.writing import StreamEntries, WritingLedger
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.errors import WriterBusy
 from foundation.outputs import (
@@ -53,8 +53,6 @@ from foundation.wire import DeadLetter, Outcome, Result
 
 log = logging.getLogger(__name__)
 
-# XREADGROUP's reply: (stream, [(entry id, {field: value})])
-StreamEntries = tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]
 READ_COUNT = 512
 BLOCK_MS = 500
 RECOVER_EVERY_S = 5.0
@@ -257,7 +255,7 @@ class CategorySink:
                 return turn_event(row)
         return turn_event(rec)
 
-    def unmarked(self, budget: Budget) -> dict[str, int | str]:
+    def unmarked(self, budget: WritingLedger) -> dict[str, int | str]:
         """Ids in the files that Redis has no written mark for (it lost them). A dead
         letter of a sample sent again (`tokencap retry`) is history: its mark was dropped on
         purpose, for the result to come."""
@@ -286,7 +284,7 @@ class Writer:
                  consumer: str = "writer-1", lease_ttl_s: float = 15.0) -> None:
         self.redis = redis
         self.keys = keys
-        self.budget = Budget(redis, keys)
+        self.budget = WritingLedger(redis, keys)
         self.out_dir = out_dir
         self.consumer = consumer
         self.categories = categories
@@ -322,10 +320,8 @@ class Writer:
             self.budget.mark_written(c, missing)
 
     def _read(self, start: str, block_ms: int | None) -> list[StreamEntries]:
-        reply = self.redis.xreadgroup(WRITER_GROUP, self.consumer,
-                                      {s: start for s in self.streams}, count=READ_COUNT,
-                                      block=block_ms)
-        return cast(list[StreamEntries], reply or [])
+        return self.budget.read_batch(self.consumer, list(self.streams), start, READ_COUNT,
+                                      block_ms)
 
     def drain_once(self, block_ms: int | None = BLOCK_MS, pending: bool = False) -> int:
         """One XREADGROUP round over every stream. `pending` re-reads unacked entries."""

@@ -98,7 +98,7 @@ class Background:
 
     def diagnose(self) -> str:
         pipe = self.pipe
-        out = {"status": pipe.budget.status()["categories"],
+        out = {"status": pipe.budget.telemetry.status()["categories"],
                "writer_lag": pipe.producer.writer_lag() if pipe.producer else None,
                "workers_alive": sum(1 for p in pipe.workers if p.poll() is None)}
         for c in pipe.cfg.category:

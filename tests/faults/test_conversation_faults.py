@@ -112,7 +112,7 @@ def test_producer_killed_and_restarted_on_conversations(tmp_path, redis_url, sim
         second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert second.returncode == 0, second.stderr[-2000:]
         pipe.build()  # for the shuffled order and cursor of the gap check
-        status = pipe.budget.status()
+        status = pipe.budget.telemetry.status()
     finally:
         pipe.close()
     check(pipe, status)

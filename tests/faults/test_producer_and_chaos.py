@@ -42,7 +42,7 @@ def test_producer_sigkill_and_restart(tmp_path, redis_url) -> None:
                                     capture_output=True, text=True, timeout=180)
             assert second.returncode == 0, second.stderr[-2000:]
             pipe.build()  # to read the shuffled order and cursor for the gap check
-            status = pipe.budget.status()
+            status = pipe.budget.telemetry.status()
         finally:
             pipe.close()
     pipe.check_invariants(status)

@@ -20,7 +20,7 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from budget_service.budget import now_ms
+from budget_service.ledger import now_ms
 from consumers.job import configure
 from consumers.worker import make_worker, run_worker
 from foundation.config import RunConfig
@@ -127,14 +127,14 @@ def workers_died_and_retries_are_due(pipe: Pipeline) -> None:
     a = [s.decode() for s in fed_ids(pipe, "a")]
     take_jobs(pipe, "a", a[:3])
     for sid in a[:2]:
-        assert pipe.budget.admit("a", sid, 64, lease_ms=1)[0] == "ok"
+        assert pipe.budget.samples.admit("a", sid, 64, lease_ms=1)[0] == "ok"
     raw = pipe.redis.hget(pipe.keys.cat("a").pending, a[2])
     p = msgspec.json.decode(raw, type=Pending)
-    pipe.budget.release("a", msgspec.structs.replace(p, failures=1), now_ms() - 1)
-    pipe.budget.keep_lease("b", fed_ids(pipe, "b")[0].decode(), now_ms() - 1)
+    pipe.budget.samples.release("a", msgspec.structs.replace(p, failures=1), now_ms() - 1)
+    pipe.budget.feeding.keep_lease("b", fed_ids(pipe, "b")[0].decode(), now_ms() - 1)
     # the three leases expire at once; a's fourth sample (its job still queued) expires
     # after lease_s, maybe before this check on a loaded machine: either way the tick reaps
-    wait_until(lambda: set(a[:3]) <= set(pipe.budget.expired("a", now_ms(), 100)),
+    wait_until(lambda: set(a[:3]) <= set(pipe.budget.feeding.expired("a", now_ms(), 100)),
                what="the leases to expire")
 
 
@@ -149,15 +149,15 @@ def samples_parked_with_room_now(pipe: Pipeline) -> None:
     b = [s.decode() for s in fed_ids(pipe, "b")]
     take_jobs(pipe, "a", a[:4])
     take_jobs(pipe, "b", b[:3])
-    assert pipe.budget.admit("a", a[0], 900_000, lease_ms=1)[0] == "ok"
-    assert pipe.budget.admit("b", b[0], 64, lease_ms=1)[0] == "ok"
+    assert pipe.budget.samples.admit("a", a[0], 900_000, lease_ms=1)[0] == "ok"
+    assert pipe.budget.samples.admit("b", b[0], 64, lease_ms=1)[0] == "ok"
     for sid in a[1:4]:
-        assert pipe.budget.admit("a", sid, 900_000, lease_ms=1)[0] == "wait"
+        assert pipe.budget.samples.admit("a", sid, 900_000, lease_ms=1)[0] == "wait"
     for sid in b[1:3]:
-        assert pipe.budget.admit("b", sid, 2_000_000, lease_ms=1)[0] == "wait"
-    assert pipe.budget.heartbeat("a", a[0], 64, lease_ms=1)  # room for the parked ones now
-    pipe.budget.set_cap("b", 0)
-    assert pipe.budget.status()["categories"]["a"]["parked"] == 3
+        assert pipe.budget.samples.admit("b", sid, 2_000_000, lease_ms=1)[0] == "wait"
+    assert pipe.budget.samples.heartbeat("a", a[0], 64, lease_ms=1)  # room for the parked ones now
+    pipe.budget.operating.set_cap("b", 0)
+    assert pipe.budget.telemetry.status()["categories"]["a"]["parked"] == 3
 
 
 SCENARIOS = {
@@ -202,7 +202,7 @@ def finish(pipe: Pipeline, sim_url: str) -> dict[str, Any]:
     finally:
         writer.close()
     producer.recovery.finalize()
-    return pipe.budget.status()
+    return pipe.budget.telemetry.status()
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

@@ -69,7 +69,7 @@ def test_password_urls_work_and_never_leak(tmp_path) -> None:
     try:
         cfg = two_category_config(tmp_path)
         budget = Budget(connect(server.url), Keys("tokencap", cfg.run))
-        budget.init_run(cfg)
+        budget.feeding.init_run(cfg)
         ok = subprocess.run([sys.executable, "-m", "tokencap.cli", "status", "--json",
                              "--redis-url", server.url], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)

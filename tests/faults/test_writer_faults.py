@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ def start_writer(pipe: Pipeline, *extra: str, log: Path | None = None
 
 
 def unwritten(pipe: Pipeline) -> int:
-    return int(pipe.budget.status()["writer"]["unwritten"])
+    return int(pipe.budget.telemetry.status()["writer"]["unwritten"])
 
 
 def used_total(pipe: Pipeline) -> int:
@@ -50,7 +51,7 @@ def test_two_writers_started_at_once_one_writes_the_other_exits_8(tmp_path, redi
     cfg = two_category_config(tmp_path, cap_a=8000, cap_b=6000)  # lock_ttl_s = 2
     with SimServer(time_scale=100.0) as sim:
         pipe = Pipeline(cfg, redis_url, [sim.url])
-        pipe.budget.init_run(cfg)
+        pipe.budget.feeding.init_run(cfg)
         logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
         writers = [start_writer(pipe, log=log) for log in logs]
         try:
@@ -76,23 +77,23 @@ def test_a_writer_stopped_past_its_lease_then_resumed_writes_no_id_twice(tmp_pat
     cfg = two_category_config(tmp_path, cap_a=12000, cap_b=8000)  # lock_ttl_s = 2
     with SimServer(time_scale=60.0) as sim:
         pipe = Pipeline(cfg, redis_url, [sim.url])
-        pipe.budget.init_run(cfg)
+        pipe.budget.feeding.init_run(cfg)
         first = start_writer(pipe, log=tmp_path / "first.log")
         second: subprocess.Popen[bytes] | None = None
         try:
             pipe.build()
             pipe.start_workers(3)
             bg = Background(pipe).start()
-            wait_until(lambda: used_total(pipe) >= 3000 and pipe.budget.writer_holder(),
+            wait_until(lambda: used_total(pipe) >= 3000 and pipe.budget.writing.writer_holder(),
                        timeout_s=60, what="progress")
             # Given the writer stopped (SIGSTOP) until its lease has passed, and a second
             # writer started meanwhile (it takes the lease and waits for the folder)
             os.killpg(first.pid, signal.SIGSTOP)
-            held_by = pipe.budget.writer_holder()
-            wait_until(lambda: pipe.budget.writer_holder() != held_by, timeout_s=30,
+            held_by = pipe.budget.writing.writer_holder()
+            wait_until(lambda: pipe.budget.writing.writer_holder() != held_by, timeout_s=30,
                        what="the stopped writer's lease to pass")
             second = start_writer(pipe, log=tmp_path / "second.log")
-            wait_until(lambda: pipe.budget.writer_holder() not in (None, held_by),
+            wait_until(lambda: pipe.budget.writing.writer_holder() not in (None, held_by),
                        timeout_s=30, what="the second writer to take the lease")
             # When the first goes on: it finds its lease gone and stops (exit 8) before it
             # appends, then the second one writes
@@ -112,15 +113,15 @@ def test_a_writer_killed_under_its_supervisor_is_started_again(tmp_path, redis_u
     cfg = two_category_config(tmp_path, cap_a=12000, cap_b=8000)
     with SimServer(time_scale=60.0) as sim:
         pipe = Pipeline(cfg, redis_url, [sim.url])
-        pipe.budget.init_run(cfg)
+        pipe.budget.feeding.init_run(cfg)
         supervisor = start_writer(pipe, "--supervise", log=tmp_path / "supervisor.log")
         try:
             pipe.build()
             pipe.start_workers(3)
             bg = Background(pipe).start()
-            wait_until(lambda: used_total(pipe) >= 3000 and pipe.budget.writer_holder(),
+            wait_until(lambda: used_total(pipe) >= 3000 and pipe.budget.writing.writer_holder(),
                        timeout_s=60, what="progress")
-            child = int(pipe.budget.writer_holder().split(":")[1])  # host:pid:...
+            child = int(pipe.budget.writing.writer_holder().split(":")[1])  # host:pid:...
             os.kill(child, signal.SIGKILL)
             # the lag shows while nothing writes (the new writer waits out the lease)
             wait_until(lambda: unwritten(pipe) > 0, timeout_s=30, what="a lag to show")
@@ -168,24 +169,26 @@ sampling = {{ max_new_tokens = 512 }}
 """)
     with SimServer(time_scale=100.0) as sim:
         pipe = Pipeline(cfg, redis_url, [sim.url])
-        pipe.budget.init_run(cfg)
+        pipe.budget.feeding.init_run(cfg)
         writer = start_writer(pipe, log=tmp_path / "writer.log")
         try:
             pipe.build()
             pipe.start_workers(3)
             bg = Background(pipe).start()
             # Given a disk that fills up: the writer says so, and the run stops sending
-            error = wait_until(lambda: pipe.budget.status()["writer"]["error"], timeout_s=90,
-                               what="the writer to report the full disk")
+            error = wait_until(lambda: pipe.budget.telemetry.status()["writer"]["error"],
+                               timeout_s=90, what="the writer to report the full disk")
             assert "No space left on device" in error and "bytes free" in error
-            st = wait_until(lambda: (s := pipe.budget.status()["categories"]["a"])["in_flight"]
-                            == 0 and s["unwritten"] >= cfg.max_unwritten and s, timeout_s=60,
-                            what="admission to pause")
+            def paused() -> Any:
+                s = pipe.budget.telemetry.status()["categories"]["a"]
+                return s["in_flight"] == 0 and s["unwritten"] >= cfg.max_unwritten and s
+
+            st = wait_until(paused, timeout_s=60, what="admission to pause")
             assert st["state"] == "open"
             # When space returns, the run goes on to its end, nothing lost
             subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
             status = bg.join(180)
-            assert pipe.budget.status()["writer"]["error"] is None
+            assert pipe.budget.telemetry.status()["writer"]["error"] is None
         finally:
             pipe.close()
             stop(writer)
@@ -213,7 +216,7 @@ def test_up_run_again_from_another_folder_takes_over_with_one_writer(tmp_path,
         try:
             wait_until(lambda: pipe.budget.has_run() and used_total(pipe) >= 3000,
                        timeout_s=90, what="the first stack to make progress")
-            holder = pipe.budget.writer_holder()
+            holder = pipe.budget.writing.writer_holder()
             first.kill()  # the first `up` (its producer) dies; its writer and workers live
             first.wait(30)
             # `up` again, from another folder: it waits out the dead producer's lease, finds
@@ -223,9 +226,9 @@ def test_up_run_again_from_another_folder_takes_over_with_one_writer(tmp_path,
             assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
             assert "the run's writer is running" in second.stdout
             assert "worker(s) already on run faults" in second.stdout
-            assert pipe.budget.writer_holder() == holder  # still the first one's writer
+            assert pipe.budget.writing.writer_holder() == holder  # still the first one's writer
             pipe.build()  # to read the order and cursor for the invariants
-            status = pipe.budget.status()
+            status = pipe.budget.telemetry.status()
         finally:
             for folder in (here, there):
                 subprocess.run([sys.executable, "-m", "tokencap.cli", "down"], cwd=folder,

@@ -1,0 +1,207 @@
+"""The feeding ledger: what the producer writes (one Lua call each)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+import msgspec
+
+from budget_service.keys import WRITER_GROUP
+from budget_service.ledger import (
+    FollowUp,
+    Ledger,
+    TurnEvent,
+    Unparked,
+    as_str,
+    cap_arg,
+    now_ms,
+    prompt_digest,
+)
+from foundation.config import RunConfig, config_to_json
+from foundation.errors import RunMismatch
+from foundation.wire import (
+    DeadLetter,
+    Outcome,
+    Pending,
+    encode,
+    split_turn_id,
+    turn_id,
+)
+
+
+class FeedingLedger(Ledger):
+    """The producer's calls: the run created, samples fed with their leases, next turns, leases
+    renewed or given back, parked samples sent, cut records, the source used up."""
+
+    def init_run(self, cfg: RunConfig) -> bool:
+        """Create the run's keys where absent. Returns True if the run was created now.
+
+        An existing run must have the same categories; caps already in Redis win (they
+        may have been changed live), the rest of the stored config is replaced.
+        """
+        existing = self.load_config()
+        if existing is not None:
+            old = sorted(c.name for c in existing.category)
+            new = sorted(c.name for c in cfg.category)
+            if old != new:
+                raise RunMismatch(
+                    f"run {cfg.run!r} already exists in Redis with categories {old}; the config "
+                    f"has {new}. Use another run name, or `tokencap reset {cfg.run}`."
+                )
+        self.scripts.init_run(keys=[self.keys.meta], args=[config_to_json(cfg), cfg.run, now_ms()])
+        for cat in cfg.category:
+            self.scripts.init_category(keys=self._ck(cat.name),
+                                       args=[cap_arg(cfg.cap_for(cat)), WRITER_GROUP])
+        return existing is None
+
+    def feed(self, category: str, cursor: int, new_cursor: int, deadline_ms: int,
+             samples: Sequence[Pending], rejected: Sequence[DeadLetter]) -> list[str] | None:
+        """Record `samples` (pending, leased until `deadline_ms`) and `rejected` (final) and
+        move the cursor from `cursor` to `new_cursor`, in one call. Returns the ids recorded
+        now, or None when Redis's cursor is not `cursor` (nothing written)."""
+        args: list[Any] = [cursor, new_cursor, deadline_ms, len(samples)]
+        for p in samples:
+            dup = DeadLetter(id=p.sample_id, category=category, outcome=Outcome.REJECTED,
+                             reason="duplicate_prompt", where=p.where,
+                             message="same prompt token ids as an earlier sample",
+                             conversation_id=p.conversation_id, turn=p.turn,
+                             turns_total=p.turns_total)
+            args += [p.sample_id, prompt_digest(p.prompt_ids), encode(p), encode(dup)]
+        for d in rejected:
+            args += [d.id, d.reason, encode(d)]
+        out = self.scripts.feed(keys=self._ck(category), args=args)
+        if as_str(out[0]) == "stale":
+            return None
+        return [as_str(v) for v in out[1:]]
+
+    def feed_follow(self, category: str, deadline_ms: int, samples: Sequence[Pending],
+                    rejected: Sequence[DeadLetter]) -> list[str]:
+        """Feed the next turns of conversations waiting in `follow` (pending, leased until
+        `deadline_ms`) and reject those that could not be rendered, in one call. A turn no
+        longer waiting is left alone. Returns the ids fed now."""
+        args: list[Any] = [deadline_ms, len(samples)]
+        for p in samples:
+            args += [p.sample_id, encode(p)]
+        for d in rejected:
+            args += [d.id, d.reason, encode(d)]
+        return [as_str(v) for v in self.scripts.feed_follow(keys=self._ck(category), args=args)]
+
+    def followups(self, category: str, limit: int) -> list[FollowUp]:
+        """Up to `limit` conversations waiting for their next turn, with their history."""
+        ck = self._ck(category)
+        waiting = cast(list[tuple[Any, float]],
+                       self.redis.zrange(ck.follow, 0, limit - 1, withscores=True))
+        if not waiting:
+            return []
+        earlier: list[list[str]] = []
+        pipe = self.redis.pipeline(transaction=False)
+        for raw, _ordinal in waiting:
+            split = split_turn_id(as_str(raw))
+            fields = [turn_id(split[0], j) for j in range(1, split[1])] if split else []
+            earlier.append(fields)
+            pipe.hmget(ck.history, fields or ["-"])
+        pipe.hmget(ck.engine_of, [raw for raw, _ordinal in waiting])
+        *histories, engines = pipe.execute()
+        out = []
+        for (raw, ordinal), fields, outs, engine in zip(waiting, earlier, histories, engines,
+                                                        strict=True):
+            history = [None if v is None else msgspec.json.decode(v, type=list[int])
+                       for v in outs[: len(fields)]]
+            out.append(FollowUp(as_str(raw), int(ordinal), history,  # type: ignore[arg-type]
+                                as_str(engine) if engine else ""))
+        return out
+
+    def restore_followups(self, category: str, events: Sequence[TurnEvent]) -> None:
+        """Put back conversations' next turns and histories found on disk (Redis lost them)."""
+        args: list[Any] = []
+        for ev in events:
+            args += ev.args()
+        if args:
+            self.scripts.acknowledge(keys=self._ck(category),
+                                     args=["results", WRITER_GROUP, 0, 0, 0, *args])
+
+    def cut(self, category: str, letters: Sequence[DeadLetter]) -> int:
+        """Report turns held back by the closed category, once each (cut records)."""
+        args: list[Any] = []
+        for d in letters:
+            args += [d.id, encode(d)]
+        if not args:
+            return 0
+        return int(self.scripts.cut(keys=self._ck(category), args=args))
+
+    def held(self, category: str, limit: int = 10_000) -> list[tuple[str, int | None]]:
+        """Turns and samples a closed category holds back and has not reported cut: those
+        waiting in `follow` with their record's position, then the parked ones (None)."""
+        ck = self._ck(category)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrange(ck.follow, 0, limit - 1, withscores=True)
+        pipe.zrange(ck.parked, 0, limit - 1)
+        pipe.hgetall(ck.cut)
+        follow, parked, cut = pipe.execute()
+        done = {as_str(k) for k in cut}
+        out: list[tuple[str, int | None]] = [(as_str(v), int(o)) for v, o in follow]
+        out += [(as_str(v), None) for v in parked]
+        return [(s, o) for s, o in out if s not in done]
+
+    def requeue(self, category: str, p: Pending, seen_seq: int, deadline_ms: int) -> int:
+        """Give a sample whose lease expired back to its queue: returns its new seq (enqueue
+        its job with it), or -1 when it changed since it was read (nothing done)."""
+        return int(self.scripts.requeue(
+            keys=self._ck(category),
+            args=[p.sample_id, encode(p), now_ms(), deadline_ms, seen_seq],
+        ))
+
+    def keep_lease(self, category: str, sample_id: str, deadline_ms: int) -> bool:
+        """Extend the lease of a sample whose job still waits in its queue (False: it is no
+        longer pending, and its lease entry is dropped)."""
+        return bool(self.scripts.lease(keys=self._ck(category),
+                                       args=[sample_id, deadline_ms]))
+
+    def unpark(self, category: str, estimate: int, variance: int, max_add: int,
+               sigmas: float, deadline_ms: int, limit: int, max_unwritten: int = 0
+               ) -> Unparked:
+        """Lease again, with a new seq, as many parked samples as admission would take now
+        (each counted with `estimate`); none while the category is closed (they are held)."""
+        out = self.scripts.unpark(
+            keys=self._ck(category),
+            args=[deadline_ms, estimate, variance, max_add, sigmas, limit, max_unwritten],
+        )
+        return Unparked([(as_str(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)])
+
+    def reconcile(self, category: str, records: Iterable[tuple[str, str, int, int, int | str]]
+                  ) -> int:
+        args: list[Any] = []
+        for rec in records:
+            args.extend(rec)
+        if not args:
+            return 0
+        return int(self.scripts.reconcile(keys=self._ck(category), args=args))
+
+    def mark_exhausted(self, category: str, cursor: int) -> bool:
+        """The source is used up at `cursor`, nothing is pending, no conversation waits for
+        its next turn and everything is written: the category is done. False (nothing
+        marked) otherwise, e.g. when Redis's cursor is not `cursor` (it lost feeds)."""
+        return self._close(self.scripts.exhausted, category, cursor)[1]
+
+    def cursor(self, category: str) -> int:
+        return int(self.redis.hget(self._ck(category).state, "cursor") or 0)
+
+    def expired(self, category: str, now: int, limit: int) -> list[str]:
+        """Samples whose lease ended before `now` (ms), oldest first."""
+        raw = self.redis.zrangebyscore(self._ck(category).leases, "-inf", now, start=0,
+                                       num=limit)
+        return [as_str(v) for v in raw]
+
+    def known(self, category: str, sample_ids: Sequence[str]) -> list[bool]:
+        """For each id: is the sample final or pending already?"""
+        if not sample_ids:
+            return []
+        ck = self._ck(category)
+        pipe = self.redis.pipeline(transaction=False)
+        for sid in sample_ids:
+            pipe.hexists(ck.final, sid)
+            pipe.hexists(ck.pending, sid)
+        flags = pipe.execute()
+        return [bool(flags[2 * i] or flags[2 * i + 1]) for i in range(len(sample_ids))]
+
