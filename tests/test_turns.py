@@ -28,7 +28,8 @@ from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import RedisServer, started
 from tests.conftest import DATASETS, QWEN, write_config
-from tokencap.export import SourceMessages, export
+from tokencap.export import export
+from tokencap.export_conversations import SourceMessages
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,157 @@
+"""The export's files and rows: each file written under a temporary name and published by a
+rename (`tokencap.export`), the SpecForge row of a result, the per-category counts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from foundation.wire import Result
+
+log = logging.getLogger(__name__)
+
+TRUNCATED = "length"  # SGLang's finish_reason for an output cut at max_new_tokens
+
+PARQUET_ROW_GROUP_ROWS = 1024  # rows buffered before a Parquet row group is written
+
+
+class SpecforgeRow(msgspec.Struct):
+    """SpecForge's pre-tokenized row: loss on exactly the generated tokens."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class CategoryStats:
+    """Per-category counts of one export. `tokens` counts input_ids, `output_tokens` the
+    supervised ones (loss_mask 1)."""
+
+    rows: int = 0
+    tokens: int = 0
+    output_tokens: int = 0
+    dropped_truncated: int = 0
+    dropped_after_truncated: int = 0
+    dropped_inconsistent: int = 0
+    duplicates: int = 0
+    bad_lines: int = 0
+    conversations: int = 0
+    conversations_complete: int = 0
+    conversations_in_progress: int = 0
+    bad: list[dict] = field(default_factory=list)
+
+    def add(self, other: CategoryStats) -> None:
+        for name in ("rows", "tokens", "output_tokens", "dropped_truncated",
+                     "dropped_after_truncated", "dropped_inconsistent", "duplicates",
+                     "bad_lines", "conversations", "conversations_complete",
+                     "conversations_in_progress"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class TmpFile:
+    """A file written under a temporary name; `publish` renames it over `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def publish(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def fsync_path(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+class JsonlSink(TmpFile):
+    """Writes one JSON line per row, made by `make_row(row, row_id)`."""
+
+    def __init__(self, path: Path, make_row: Callable[[Result, str], Any]) -> None:
+        super().__init__(path)
+        self.make_row = make_row
+        self._enc = msgspec.json.Encoder()
+        self._f = self.tmp.open("wb")
+
+    def write(self, row: Result, row_id: str) -> None:
+        self._f.write(self._enc.encode(self.make_row(row, row_id)) + b"\n")
+
+    def finish(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def discard(self) -> None:
+        self._f.close()
+        super().discard()
+
+
+class ParquetSink(TmpFile):
+    """Writes SpecForge rows plus category, finish_reason and counted_tokens to Parquet."""
+
+    def __init__(self, path: Path, loss_mask: str = "generated") -> None:
+        super().__init__(path)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.loss_mask = loss_mask
+        self._pa = pa
+        self.schema = pa.schema([
+            ("id", pa.string()),
+            ("category", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int32())),
+            ("finish_reason", pa.string()),
+            ("counted_tokens", pa.int64()),
+        ])
+        self._writer = pq.ParquetWriter(str(self.tmp), self.schema)
+        self._rows: dict[str, list] = {name: [] for name in self.schema.names}
+
+    def write(self, row: Result, row_id: str) -> None:
+        sf = specforge_row(row, row_id, self.loss_mask)
+        for name, value in (("id", row_id), ("category", row.category),
+                            ("input_ids", sf.input_ids), ("loss_mask", sf.loss_mask),
+                            ("finish_reason", row.finish_reason),
+                            ("counted_tokens", row.counted_tokens)):
+            self._rows[name].append(value)
+        if len(self._rows["id"]) >= PARQUET_ROW_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows["id"]:
+            self._writer.write_table(self._pa.table(self._rows, schema=self.schema))
+            self._rows = {name: [] for name in self.schema.names}
+
+    def finish(self) -> None:
+        self._flush()
+        self._writer.close()
+        fsync_path(self.tmp)
+
+    def discard(self) -> None:
+        self._writer.close()
+        super().discard()
+
+
+def specforge_row(row: Result, row_id: str, loss_mask: str = "generated") -> SpecforgeRow:
+    """``input_ids = prompt + output``; loss 0 over the prompt, 1 over every generated
+    token (reasoning and end-of-turn tokens included): `loss_mask` "generated". "shifted" moves
+    that span one position left, for a trainer that shifts the ids and targets by one but not
+    the mask (SpecForge at a6b6b02, issue #885): each supervised position then predicts a
+    generated token."""
+    n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
+    if loss_mask == "shifted" and n_prompt:
+        mask = [0] * (n_prompt - 1) + [1] * n_out + [0]
+    else:
+        mask = [0] * n_prompt + [1] * n_out
+    return SpecforgeRow(id=row_id, input_ids=row.prompt_ids + row.output_ids, loss_mask=mask)
