@@ -26,7 +26,7 @@ from budget_service.estimator import bucket_of
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.scripts import Scripts
 from foundation.config import RunConfig, config_from_json, config_to_json
-from foundation.engine import EngineInfo
+from foundation.engine_info import EngineInfo
 from foundation.errors import RunMismatch
 from foundation.wire import (
     DeadLetter,
