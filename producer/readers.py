@@ -33,7 +33,9 @@ from typing import IO, Any, NamedTuple, Self
 
 from foundation.errors import SourceError
 from foundation.sources import SUPPORTED, logical_stem, source_type
-from producer.formats import Conversation, Rejected, to_conversation
+from producer.formats import Rejected
+from producer.formats_conversation import Conversation
+from producer.formats_turns import to_conversation
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +305,7 @@ def read_sample(
     field_map: dict[str, str] | None = None,
     role_map: dict[str, str] | None = None,
 ) -> Sample:
-    """Read record `i` and normalise it with `formats.to_conversation`.
+    """Read record `i` and normalise it with `formats_turns.to_conversation`.
 
     Raises `Rejected` with `where` and `sample_id` filled in. `source_id` is the record's
     own ``id`` field as a string (None when absent or not a string or integer).
