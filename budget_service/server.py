@@ -67,7 +67,8 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.ledger import cap_text, now_ms, parse_cap
 from foundation.config import DEFAULT_BUDGET_PORT
-from foundation.engine import LoadReader, engine_specs
+from foundation.engine import engine_specs
+from foundation.engine_load import LoadReader
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from budget_service.ledger import (
     as_str,
     cache_by_engine,
 )
-from foundation.engine import EngineInfo
+from foundation.engine_info import EngineInfo
 from foundation.wire import (
     encode,
 )

@@ -34,7 +34,6 @@ from foundation.engine import (
     RETRY_STATUSES,
     BadRequest,
     EngineError,
-    EngineInfo,
     EngineTimeout,
     Generation,
     InvalidResponse,
@@ -42,12 +41,12 @@ from foundation.engine import (
     ServerError,
     Unreachable,
     auto_read_timeout,
-    discover,
     engine_specs,
     error_message,
     parse,
     request,
 )
+from foundation.engine_info import EngineInfo, discover
 from foundation.errors import EngineUnusable, TokencapError
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""Engines: how they are named, what they serve, how they are asked for one generation and
-how their replies, errors and load are read. The one place that knows SGLang's native API
+"""Engines: how they are named, how they are asked for one generation and how their replies
+and errors are read. The one place that knows SGLang's native API
 (`POST /generate`) and the OpenAI-compatible one (`POST /v1/completions`, vLLM).
 
 Naming (`SGLANG_URL`, comma separated): ``http://host:30000``; a prefix picks the API,
@@ -8,11 +8,8 @@ Naming (`SGLANG_URL`, comma separated): ``http://host:30000``; a prefix picks th
 or, per engine, from the URL's password (``http://:KEY@host:30000``). A key is never
 printed: `EngineSpec.url` has none.
 
-What an engine serves (`discover`): the served model name and context length from
-``/v1/models`` (SGLang and vLLM alike), SGLang's version from ``/server_info`` (0.5.9 and
-later; ``/get_server_info`` before), vLLM's from ``/version``; a simulator says so
-(``"simulator": true``, model ``tokencap-sglang-sim``). SGLang tells its vocabulary size only
-in the message that refuses an out-of-range ``logit_bias`` key (`vocab_size`).
+What an engine serves (`discover`, `vocab_size`) is `foundation/engine_info.py`; its load
+(`/v1/loads`, `/metrics`) is `foundation/engine_load.py`.
 
 Versions handled (read in their source: SGLang 0.4.10 to 0.5.23, vLLM 0.10.1 to 0.33):
 
@@ -24,27 +21,20 @@ Versions handled (read in their source: SGLang 0.4.10 to 0.5.23, vLLM 0.10.1 to 
   before 0.5.23): all read by `error_message`;
 - vLLM returns token ids only with ``return_token_ids`` (0.10.2 and later); an older vLLM
   ignores the field and is refused (`InvalidResponse`);
-- load from ``/v1/loads`` (0.5.9 and later: read on request, one entry per DP rank;
-  `parse_loads`), else ``/metrics`` (`parse_metrics`; SGLang refreshes those gauges only
-  every few dozen decode steps).
+- load from ``/v1/loads`` (0.5.9 and later), else ``/metrics``
+  (`foundation/engine_load.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
-import re
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
-import requests
 
-from foundation.errors import EngineNotReady, EngineUnusable
 from foundation.wire import ErrorKind, TokenId
 
 log = logging.getLogger(__name__)
@@ -348,267 +338,3 @@ def _checked(ids: list[int], n_prompt_engine: int, n: int, n_prompt: int, reason
     return Generation(output_ids=ids, text=text, prompt_tokens=n_prompt_engine,
                       completion_tokens=n, finish_reason=reason, finish=fr,
                       latency_s=latency_s, engine=engine, cached_tokens=cached)
-
-
-# -- what an engine serves -------------------------------------------------------------------
-class EngineInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What an engine says it serves (`discover`)."""
-
-    url: str
-    api: str
-    model: str = ""
-    version: str = ""
-    context_length: int | None = None
-    simulated: bool = False
-    metrics: bool = True
-
-
-def _get(spec: EngineSpec, path: str, timeout: tuple[float, float] = INFO_TIMEOUT_S
-         ) -> requests.Response:
-    """GET `path`; an answer that may change by itself (no connection, a timeout, 429 or
-    5xx) raises `EngineNotReady`, a refused key `EngineUnusable`."""
-    try:
-        r = requests.get(f"{spec.url}{path}", headers=spec.headers(), timeout=timeout)
-    except requests.RequestException as exc:
-        why = why_unreachable(exc, timeout)
-        raise EngineNotReady(f"engine {spec.url}: cannot reach it ({why})", why) from None
-    if r.status_code == 401:
-        raise EngineUnusable(f"engine {spec.url}: refuses the request without a valid API key "
-                             f"(HTTP 401); set {API_KEY_ENV} or http://:KEY@host in SGLANG_URL")
-    if transient_status(r.status_code):
-        raise EngineNotReady(f"engine {spec.url}: answers HTTP {r.status_code} to GET {path}: "
-                             f"{error_message(r.content)}", str(r.status_code))
-    return r
-
-
-def why_unreachable(exc: requests.RequestException, timeout: tuple[float, float]) -> str:
-    """A connection failure in a few words (urllib3's own text runs to hundreds)."""
-    text = str(exc)
-    if isinstance(exc, requests.ConnectTimeout):
-        return f"no connection within {timeout[0]:g} s"
-    if isinstance(exc, requests.ReadTimeout):
-        return f"no answer within {timeout[1]:g} s"
-    for needle, words in (("Connection refused", "connection refused"),
-                          ("Name or service not known", "unknown host"),
-                          ("nodename nor servname", "unknown host"),
-                          ("No route to host", "no route to host"),
-                          ("Connection reset", "connection reset")):
-        if needle in text:
-            return words
-    return type(exc).__name__
-
-
-def _json(r: requests.Response) -> dict[str, Any]:
-    try:
-        doc = r.json()
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def discover(spec: EngineSpec) -> EngineInfo:
-    """What `spec` serves: API, model, version, context length, whether it is a simulator.
-    Raises `EngineNotReady` when it cannot be reached or is busy (429, 5xx), `EngineUnusable`
-    when it refuses the key."""
-    models = _json(_get(spec, "/v1/models"))
-    data = models.get("data") or [{}]
-    card = data[0] if isinstance(data[0], dict) else {}
-    api = spec.api
-    if api == API_AUTO:
-        owner = str(card.get("owned_by") or "")
-        api = API_OPENAI if owner == "vllm" else API_SGLANG if owner == "sglang" else ""
-    model = str(card.get("id") or "")
-    ctx = card.get("max_model_len")
-    version, simulated = "", False
-    if api != API_OPENAI:
-        r = _get(spec, "/server_info")
-        if r.status_code == 404:
-            r = _get(spec, "/get_server_info")
-        info = _json(r) if r.ok else {}
-        if not api:
-            api = API_SGLANG if r.ok else API_OPENAI
-        version = str(info.get("version") or "")
-        simulated = info.get("simulator") is True
-        model = model or str(info.get("served_model_name") or info.get("model_path") or "")
-        ctx = ctx or info.get("context_length")
-    if api == API_OPENAI:
-        r = _get(spec, "/version")
-        version = str(_json(r).get("version") or "") if r.ok else ""
-    simulated = simulated or model == SIM_MODEL
-    metrics = _get(spec, "/metrics").status_code != 404
-    return EngineInfo(url=spec.url, api=api, model=model, version=version,
-                      context_length=int(ctx) if ctx else None, simulated=simulated,
-                      metrics=metrics)
-
-
-_VOCAB_RE = re.compile(r"\[0,\s*(\d+)\s*([\])])")
-
-
-def vocab_size(spec: EngineSpec) -> int | None:
-    """SGLang's vocabulary size, from the message refusing an out-of-range `logit_bias` key
-    ("keys in [0, V-1]"); None when the engine does not say (vLLM, or another message)."""
-    body = msgspec.json.encode({"input_ids": [0], "sampling_params": {
-        "max_new_tokens": 1, "logit_bias": {str(2**31 - 1): 0.0}}})
-    try:
-        r = requests.post(f"{spec.url}{GENERATE_PATH}", data=body, timeout=INFO_TIMEOUT_S,
-                          headers={"Content-Type": "application/json", **spec.headers()})
-    except requests.RequestException:
-        return None
-    m = _VOCAB_RE.search(error_message(r.content)) if r.status_code == 400 else None
-    if m is None:
-        return None
-    return int(m[1]) + (1 if m[2] == "]" else 0)
-
-
-def context_length(specs: list[EngineSpec]) -> int | None:
-    """The smallest context length the engines report, or None if none says."""
-    found = []
-    for spec in specs:
-        try:
-            n = discover(spec).context_length
-        except EngineUnusable as exc:
-            log.warning("could not read the context length: %s", exc)
-            continue
-        if n:
-            found.append(n)
-    return min(found) if found else None
-
-
-def healthy(url: str, timeout_s: float = 5.0, key: str | None = None) -> bool:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    try:
-        return requests.get(f"{url}/health", timeout=(timeout_s, timeout_s),
-                            headers=headers).status_code == 200
-    except requests.RequestException:
-        return False
-
-
-# -- load -------------------------------------------------------------------------------------
-LOADS_PATH = "/v1/loads?include=core"
-
-
-NO_LOAD_READINGS = ("no load readings (a router, or SGLang before 0.5.9 without "
-                    "--enable-metrics): no load balancing across it")
-
-
-def read_load(get: Callable[..., requests.Response], url: str,
-              headers: dict[str, str] | None, timeout: tuple[float, float],
-              try_loads: bool = True) -> tuple[dict[str, float | None] | None, str]:
-    """An engine's load and where it was read: ``/v1/loads`` ("loads", unless `try_loads` is
-    false), else ``/metrics`` ("metrics"); (None, "") when it has neither. `get` is
-    `requests.get` or a session's; its errors (and an HTTP error status) are raised as
-    `requests.RequestException`. `LoadReader` remembers which engines have no /v1/loads."""
-    if try_loads:
-        r = get(f"{url}{LOADS_PATH}", timeout=timeout, headers=headers)
-        if r.status_code != 404:
-            r.raise_for_status()
-            try:
-                return parse_loads(r.json()), "loads"
-            except ValueError:
-                pass
-    r = get(f"{url}/metrics", timeout=timeout, headers=headers)
-    if r.status_code == 404:
-        return None, ""
-    r.raise_for_status()
-    return parse_metrics(r.text), "metrics"
-
-
-class LoadReader:
-    """One reader's view of engines' load (a worker's pool, the budget service's recorder, the
-    board): ``/v1/loads`` is asked of an engine until one reading came from elsewhere (a 404:
-    vLLM, SGLang before 0.5.9, a router), then only ``/metrics``."""
-
-    def __init__(self, get: Callable[..., requests.Response] = requests.get) -> None:
-        self.get = get
-        self.without_loads: set[str] = set()
-
-    def read(self, url: str, headers: dict[str, str] | None,
-             timeout: tuple[float, float]) -> tuple[dict[str, float | None] | None, str]:
-        """`read_load` of `url`, /v1/loads skipped where it was missing before."""
-        load, source = read_load(self.get, url, headers, timeout,
-                                 try_loads=url not in self.without_loads)
-        if source != "loads":
-            self.without_loads.add(url)
-        return load, source
-
-
-def parse_loads(doc: Any) -> dict[str, float | None]:
-    """Running and queued requests and KV-cache usage from SGLang's ``/v1/loads`` JSON (one
-    entry per DP rank: they add up; usage: the max); None for what it lacks."""
-    loads = doc.get("loads") if isinstance(doc, dict) else None
-    out: dict[str, float | None] = dict.fromkeys(
-        ("running", "queued", "token_usage", "gen_throughput"))
-    if not isinstance(loads, list):
-        return out
-    ranks = [d for d in loads if isinstance(d, dict)]
-    for key, field, combine in (("running", "num_running_reqs", sum),
-                                ("queued", "num_waiting_reqs", sum),
-                                ("token_usage", "token_usage", max),
-                                ("gen_throughput", "gen_throughput", sum)):
-        values = [float(d[field]) for d in ranks if isinstance(d.get(field), int | float)]
-        out[key] = float(combine(values)) if values else None
-    return out
-
-
-# metric name -> (key of `parse_metrics`' result, how the series of its ranks combine)
-METRICS: dict[str, tuple[str, Callable[[list[float]], float]]] = {
-    "sglang:num_running_reqs": ("running", sum),
-    "sglang:num_queue_reqs": ("queued", sum),
-    "sglang:token_usage": ("token_usage", max),
-    "sglang:gen_throughput": ("gen_throughput", sum),
-    "vllm:num_requests_running": ("running", sum),
-    "vllm:num_requests_waiting": ("queued", sum),
-    "vllm:kv_cache_usage_perc": ("token_usage", max),
-    "vllm:gpu_cache_usage_perc": ("token_usage", max),
-}
-# labels that tell engines apart (their series add up); any other label (tp_rank, pp_rank,
-# moe_ep_rank, ...) repeats one scheduler's value (the max of them is taken)
-ENGINE_LABELS = ("dp_rank", "engine", "model_name")
-# One sample line: name, optional {labels} (quoted values may hold '}' or escaped quotes),
-# value, optional timestamp.
-_SAMPLE_RE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
-    r'(?:\{(?P<labels>(?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?'
-    r'\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$'
-)
-_LABEL_RE = re.compile(r'(\w+)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> dict[str, float | None]:
-    """Running and queued requests, KV-cache usage (0..1) and generation tok/s of an engine,
-    from its Prometheus `/metrics` page (SGLang's or vLLM's names).
-
-    With priority scheduling SGLang exports a total (``priority=""``) beside one series per
-    priority: only the total is read. With several DP ranks (or vLLM engines) each has its
-    series: they add up (usage: the max). Tensor-parallel ranks (all schedulers' metrics)
-    repeat their group's value: one per group is read. Comments, other metrics and
-    unparsable lines are ignored; a metric that is missing (or only NaN) is None.
-    """
-    series: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if m is None or m["name"] not in METRICS:
-            continue
-        try:
-            value = float(m["value"])
-        except ValueError:
-            continue
-        if not math.isnan(value):
-            series[m["name"]].append((dict(_LABEL_RE.findall(m["labels"] or "")), value))
-    out: dict[str, float | None] = dict.fromkeys(
-        ("running", "queued", "token_usage", "gen_throughput"))
-    for metric, (key, combine) in METRICS.items():
-        found = series.get(metric)
-        if not found or out[key] is not None:
-            continue
-        if any("priority" in labels for labels, _ in found):
-            found = [(labels, v) for labels, v in found if labels.get("priority", "") == ""]
-        groups: dict[tuple[str, ...], float] = {}
-        for labels, value in found:
-            group = tuple(labels.get(k, "") for k in ENGINE_LABELS)
-            groups[group] = max(groups.get(group, value), value)
-        out[key] = float(combine(list(groups.values()))) if groups else None
-    return out

@@ -188,7 +188,7 @@ def engine_gauges(url: str) -> dict[str, float | None]:
     """running, queued, token_usage, gen_throughput from the engine's /metrics."""
     import requests
 
-    from foundation.engine import parse_metrics
+    from foundation.engine_load import parse_metrics
 
     try:
         return parse_metrics(requests.get(f"{url}/metrics", timeout=(1, 5)).text)
@@ -267,7 +267,8 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
 
 
 def _context_length(url: str) -> int | None:
-    from foundation.engine import context_length, engine_specs
+    from foundation.engine import engine_specs
+    from foundation.engine_info import context_length
 
     return context_length(engine_specs([url]))
 

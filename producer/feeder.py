@@ -162,7 +162,7 @@ class Producer:
         return done and self.writer_lag() == 0
 
     def writer_lag(self) -> int:
-        return self.budget.unwritten(self.feeds)
+        return self.budget.feeding.unwritten(self.feeds)
 
     def run(self, poll_s: float = IDLE_TICK_S, progress_s: float = 2.0,
             should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:

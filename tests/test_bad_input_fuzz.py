@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from producer.formats import Rejected
-from producer.readers import UTF8_BOM, WHITESPACE, SourceIndex, read_sample
+from producer.readers import SourceIndex, read_sample
+from producer.readers_scan import UTF8_BOM, WHITESPACE
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import QWEN, ROOT, write_config

@@ -18,7 +18,7 @@ from consumers.client import (
     parse_reply,
 )
 from consumers.engines import EnginePool
-from foundation.engine import LoadReader
+from foundation.engine_load import LoadReader
 from sglang_sim.testing import SimServer
 from testing.harness import free_port
 

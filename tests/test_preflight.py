@@ -16,7 +16,7 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.config import RunConfig
-from foundation.engine import EngineInfo
+from foundation.engine_info import EngineInfo
 from foundation.errors import EngineNotReady, EngineUnusable
 from producer.preflight import until_ready
 from producer.run import run_to_end

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundation.errors import SourceError
-from producer import readers
-from producer.formats import FORMATS, Rejected, detect_format, to_prompt
+from producer import readers, readers_scan
+from producer.formats import FORMATS, Rejected, detect_format
+from producer.formats_turns import to_prompt
 from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -178,7 +179,7 @@ def test_json_array_scanner_handles_strings_escapes_and_brackets(
 ) -> None:
     path = tmp_path / "tricky.json"
     path.write_text(TRICKY_ARRAY, encoding="utf-8")
-    monkeypatch.setattr(readers, "SCAN_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(readers_scan, "SCAN_CHUNK_BYTES", chunk_bytes)
     expected = json.loads(TRICKY_ARRAY)
     with SourceIndex.build([path]) as index:
         assert len(index) == len(expected)
@@ -297,7 +298,7 @@ def test_jsonl_and_json_array_index_to_the_same_records(
         starts.append(line)
         line += element.count("\n") + separator.count("\n")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(readers, "SCAN_CHUNK_BYTES", chunk_bytes)
+        mp.setattr(readers_scan, "SCAN_CHUNK_BYTES", chunk_bytes)
         with SourceIndex.build([jsonl]) as a, SourceIndex.build([array_file]) as b:
             assert len(a) == len(b) == len(records)
             assert [a.read(i) for i in range(len(a))] == records
@@ -307,7 +308,7 @@ def test_jsonl_and_json_array_index_to_the_same_records(
             assert len({sample_id(b, i) for i in range(len(b))}) == len(records)
 
 
-# --- formats.to_prompt on records built in place ---
+# --- formats_turns.to_prompt on records built in place ---
 
 
 def test_single_turn_formats() -> None:

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from foundation.engine import parse_metrics as parse_sglang_metrics
+from foundation.engine_load import parse_metrics as parse_sglang_metrics
 from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
 from tests.test_lua import LEASE_MS, feed, make_cfg, result

@@ -28,7 +28,8 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.server import worker_count
 from foundation.config import DEFAULT_BUDGET_PORT, load_config
-from foundation.engine import healthy, parse_urls
+from foundation.engine import parse_urls
+from foundation.engine_info import healthy
 from foundation.errors import SIGNALLED, TokencapError
 from foundation.redisconn import connect
 from producer.run import run_to_end

@@ -1,7 +1,8 @@
 """`tokencap status --watch`: a live board of every category's budget and the engines' load.
 
-Each refresh reads the status document (`TelemetryLedger.status()`), the number of workers, and each
-engine's load (`foundation.engine.LoadReader`: SGLang's `/v1/loads`, else the Prometheus
+Each refresh reads the status document (`TelemetryLedger.status()`), the number of workers,
+and each engine's load (`foundation.engine_load.LoadReader`: SGLang's `/v1/loads`, else the
+Prometheus
 `/metrics` page of SGLang or vLLM). On a terminal the board is redrawn in
 place with `rich.live.Live`; otherwise (a pipe, a log file) plain lines without escape codes
 are printed each interval, one per category and one for the engines and workers.
@@ -28,7 +29,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from foundation.engine import NO_LOAD_READINGS, LoadReader, engine_spec
+from foundation.engine import engine_spec
+from foundation.engine_load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
 from tokencap.progress import SIMULATED_TEXT
 

@@ -1,0 +1,99 @@
+"""What the `tokencap` commands share: the options that find a run (--state-dir, --redis-url,
+--sglang-url, --run, --prefix; each falls back on the stack's run file) and the lookup of the
+run and its `Budget` in Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from foundation.config import DEFAULT_KEY_PREFIX
+from foundation.errors import RunNotFound, TokencapError
+from foundation.redisconn import DEFAULT_REDIS_URL
+
+STATE_META = "tokencap.state_dir"
+
+
+def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    ctx.meta[STATE_META] = value
+    return value
+
+
+def _from_run_file(key: str, default: str | None = None) -> Any:
+    """An option's value when it is not given: the run file of the stack (`tokencap.runfile`),
+    else `default`."""
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value:
+            return value
+        from tokencap.runfile import run_file, state_dir
+
+        return run_file(state_dir(ctx.meta.get(STATE_META))).get(key) or default
+    return callback
+
+
+STATE_OPT = click.option("--state-dir", envvar="TOKENCAP_STATE_DIR", default=".run",
+                         show_default=True, is_eager=True, callback=_remember_state_dir,
+                         help="The stack `tokencap up` keeps there (pids, logs, Redis data, "
+                         "and the run file that gives Redis, engines, run and token to the "
+                         "other commands). Env: TOKENCAP_STATE_DIR.")
+REDIS_OPT = click.option("--redis-url", envvar="REDIS_URL", default=None,
+                         callback=_from_run_file("REDIS_URL", DEFAULT_REDIS_URL),
+                         help="Redis URL (redis://, rediss://, unix://). Env: REDIS_URL. "
+                         f"Default: the stack's run file, else {DEFAULT_REDIS_URL}.")
+SGLANG_OPT = click.option("--sglang-url", envvar="SGLANG_URL", default=None,
+                          callback=_from_run_file("SGLANG_URL", ""),
+                          help="Engine URL(s), comma separated (sglang+/openai+ prefixes, "
+                          "http://:KEY@host for a key). Env: SGLANG_URL. Default: the "
+                          "stack's run file.")
+RUN_OPT = click.option("--run", "run_name", envvar="TOKENCAP_RUN", default=None,
+                       callback=_from_run_file("TOKENCAP_RUN"),
+                       help="Run name (default: the stack's, else the only run in Redis). "
+                       "Env: TOKENCAP_RUN.")
+PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default=DEFAULT_KEY_PREFIX,
+                          show_default=True, help="Redis key prefix. Env: TOKENCAP_PREFIX.")
+
+
+def stack_run_options(command: Any) -> Any:
+    """--state-dir, --run, --redis-url and --prefix: the run of the stack `up` started here,
+    for the commands that act on a running or finished run."""
+    for option in (PREFIX_OPT, REDIS_OPT, RUN_OPT, STATE_OPT):
+        command = option(command)
+    return command
+
+
+def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
+    from budget_service.keys import Keys
+
+    if run_name:
+        return run_name
+    runs = sorted(
+        Keys.run_of_meta(prefix, k.decode())
+        for k in redis.scan_iter(match=Keys.runs_pattern(prefix), count=1000)
+    )
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        raise RunNotFound(f"no tokencap run in this Redis (prefix {prefix!r})")
+    raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")
+
+
+def _stored_config(budget: Any) -> Any:
+    cfg = budget.load_config()
+    if cfg is None:
+        raise RunNotFound(f"run {budget.keys.run!r} has no stored config in Redis")
+    return cfg
+
+
+def _budget(redis_url: str, prefix: str, run_name: str | None) -> Any:
+    from budget_service.budget import Budget
+    from budget_service.keys import Keys
+    from foundation.redisconn import connect
+
+    redis = connect(redis_url)
+    run = _resolve_run(redis, prefix, run_name)
+    budget = Budget(redis, Keys(prefix, run))
+    if not budget.has_run():
+        raise RunNotFound(f"run {run!r} not found in Redis (prefix {prefix!r})")
+    return budget
+

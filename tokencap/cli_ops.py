@@ -1,0 +1,169 @@
+"""The commands that look at or steer a running or finished run: `tokencap status`, `cap set`,
+`report` and `retry`: wiring only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from foundation.errors import UnknownCategory
+from tokencap.cli_common import (
+    PREFIX_OPT,
+    REDIS_OPT,
+    RUN_OPT,
+    SGLANG_OPT,
+    STATE_OPT,
+    _budget,
+    _stored_config,
+    stack_run_options,
+)
+
+log = logging.getLogger("tokencap")
+
+SERIES_FOR_RATES = 30  # the series' last points a board reads (a minute at one every 2-5 s)
+
+
+@click.command()
+@STATE_OPT
+@RUN_OPT
+@REDIS_OPT
+@SGLANG_OPT
+@PREFIX_OPT
+@click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
+@click.option("--watch", "watch_flag", is_flag=True,
+              help="Live board (redrawn in place on a terminal, plain lines otherwise), with "
+              "tok/s over the last minute, ETA, engine load from SGLANG_URL and workers.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between redraws.")
+@click.option("--events", "events_flag", is_flag=True,
+              help="Print the run's event log instead (cap changes: when, old and new cap, "
+              "who, tokens used then; the last 1,000 per category).")
+def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str, prefix: str,
+           as_json: bool, watch_flag: bool, interval: float, events_flag: bool) -> None:
+    """Show each category's cap, used, reserved, samples and state."""
+    from tokencap.progress import summary_table
+
+    budget = _budget(redis_url, prefix, run_name)
+    if events_flag:
+        events = budget.operating.events(list(budget.telemetry.status()["categories"]))
+        click.echo(json.dumps(events, indent=2) if as_json else "\n".join(
+            _event_line(e) for e in events) or "no events")
+        return
+    if watch_flag:
+        from budget_service.server import worker_count
+        from foundation.engine import parse_urls
+        from tokencap.watch import watch
+
+        watch(budget.telemetry.status, parse_urls(sglang_url), lambda: worker_count(budget),
+              interval_s=interval,
+              fetch_series=lambda: budget.telemetry.series(count=SERIES_FOR_RATES))
+        return
+    st = budget.telemetry.status(by_engine=True)
+    click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
+
+
+def _event_line(ev: dict[str, Any]) -> str:
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev["at"] / 1000))
+    return (f"{when}  {ev['category']}  {ev.get('kind')} {ev.get('old')} -> {ev.get('new')}  "
+            f"by {ev.get('by') or '?'}  ({ev.get('used')} tokens used)")
+
+
+@click.group()
+def cap() -> None:
+    """Change a category's cap while the run goes on."""
+
+
+class CapType(click.ParamType):
+    """Tokens (>= 0), or "none" for uncapped."""
+
+    name = "TOKENS|none"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int | None:
+        from budget_service.ledger import parse_cap
+
+        if value is None or isinstance(value, int):
+            return value
+        try:
+            return parse_cap(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a number of tokens >= 0 or \"none\"", param, ctx)
+
+
+@cap.command("set")
+@click.argument("category")
+@click.argument("tokens", type=CapType())
+@stack_run_options
+def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | None,
+            redis_url: str, prefix: str) -> None:
+    """Set CATEGORY's cap to TOKENS ("none": uncapped, the whole source): raising it
+    reopens a closed category and sends what it held back, lowering it below what is used
+    closes it at once."""
+    from budget_service.ledger import cap_text
+
+    budget = _budget(redis_url, prefix, run_name)
+    if category not in budget.telemetry.status()["categories"]:
+        raise UnknownCategory(budget.keys.run, category)
+    who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
+    closed, old = budget.operating.set_cap(category, tokens, by=f"tokencap cap set ({who})")
+    log.warning("cap of %s changed from %s to %s", category, cap_text(old), cap_text(tokens))
+    click.echo(f"{category}: cap {cap_text(old)} -> {cap_text(tokens)} "
+               f"({'closed' if closed else 'open'})")
+
+
+@click.command()
+@stack_run_options
+@click.option("--out", "out_dir", default=None,
+              help="The run's output folder (default: the run config's output_dir).")
+@click.option("--dest", default=None, help="Where to write the report (default: --out).")
+def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
+           out_dir: str | None, dest: str | None) -> None:
+    """Write <dest>/<run>-report.html (self-contained) and its PNG figures: output lengths,
+    finish reasons, tokens against caps, throughput and engine batch over time, the tail,
+    rejected/dead by reason, cap changes. `up` writes one at the end of a run."""
+    from tokencap.report import build_report
+
+    budget = _budget(redis_url, prefix, run_name)
+    out = Path(out_dir or _stored_config(budget).output_dir)
+    path = build_report(budget, out, Path(dest) if dest else out)
+    click.echo(f"report: {path}")
+
+
+@click.command()
+@stack_run_options
+@click.option("--category", "categories", multiple=True,
+              help="Only this category (repeat for several; default: all).")
+@click.option("--reason", default="",
+              help="Only samples dead for this reason (e.g. server_error, timeout; default: "
+              "any). Rejected samples (bad records) are never sent again.")
+def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
+          categories: tuple[str, ...], reason: str) -> None:
+    """Send dead-lettered samples again, e.g. after an engine outage: each stops being dead
+    (counted once whatever happens next) and waits for the producer, which feeds it again;
+    with no producer running, `tokencap up CONFIG` (or `run`) again finishes them. Their
+    lines in dead-letter.jsonl stay, as history. Conversation turns are not sent again (a
+    turn needs the turns before it)."""
+    from foundation.wire import split_turn_id
+
+    budget = _budget(redis_url, prefix, run_name)
+    known = list(budget.telemetry.status()["categories"])
+    for name in categories:
+        if name not in known:
+            raise UnknownCategory(budget.keys.run, name)
+    total = 0
+    for name in categories or known:
+        dead = budget.operating.dead_samples(name, reason)
+        turns = [i for i in dead if split_turn_id(i)]
+        moved = budget.operating.retry(name, [i for i in dead if not split_turn_id(i)], reason)
+        total += moved
+        left = f"; {len(turns)} conversation turn(s) stay dead" if turns else ""
+        click.echo(f"{name}: {moved} dead sample(s) sent again{left}")
+    if total and not budget.redis.exists(budget.keys.producer_lock):
+        click.echo("no producer runs this run: `tokencap up CONFIG` (or `tokencap run CONFIG`) "
+                   "feeds them again")

@@ -1,0 +1,199 @@
+"""The commands that run one stage of a run: `tokencap run` (the producer), `worker`,
+`writer` and `serve` (the budget service): wiring only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from foundation.config import DEFAULT_BUDGET_PORT
+from foundation.errors import SIGNALLED, TokencapError
+from tokencap.cli_common import (
+    PREFIX_OPT,
+    REDIS_OPT,
+    RUN_OPT,
+    SGLANG_OPT,
+    _budget,
+    _stored_config,
+)
+
+log = logging.getLogger("tokencap")
+
+
+@click.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@REDIS_OPT
+@SGLANG_OPT
+@click.option("--progress-s", default=2.0, show_default=True,
+              help="Seconds between progress lines.")
+@click.option("--dry-run", is_flag=True,
+              help="Render one prompt per category, show it and exit: nothing is enqueued.")
+def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run: bool) -> None:
+    """Run the producer for CONFIG until every category is closed or exhausted.
+
+    Creates (or resumes) the run in Redis, rebuilds counters from the output files, feeds
+    each open category, re-enqueues lost samples, and waits for the writer to catch up.
+    Safe to stop and restart: committed samples are never fed again.
+    """
+    from foundation.config import load_config
+    from foundation.engine import parse_urls
+    from foundation.redisconn import connect
+    from producer.run import run_to_end
+    from tokencap.progress import ProgressPrinter, summary_table
+
+    cfg = load_config(config)
+    if dry_run:
+        from tokencap.plan import preview, preview_text
+
+        click.echo(preview_text(preview(cfg)))
+        return
+    redis = connect(redis_url)
+    stop = {"flag": False}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    status = run_to_end(cfg, redis, parse_urls(sglang_url), on_progress=ProgressPrinter(),
+                        should_stop=lambda: stop["flag"], progress_s=progress_s)
+    click.echo(summary_table(status))
+    if stop["flag"]:
+        click.echo("stopped before the end; run the same command again to resume", err=True)
+        sys.exit(SIGNALLED)
+
+
+@click.command()
+@RUN_OPT
+@REDIS_OPT
+@SGLANG_OPT
+@PREFIX_OPT
+@click.option("--burst", is_flag=True, help="Exit when the queues are empty.")
+@click.option("--name", default=None, help="Worker name (default: RQ's).")
+@click.option("--pool", type=click.IntRange(min=1), default=None,
+              help="Run N worker processes, restarting any that dies; SIGTERM stops them all "
+              "after their current sample.")
+def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, burst: bool,
+           name: str | None, pool: int | None) -> None:
+    """Start one consumer: an RQ worker on every category queue of the run.
+
+    Sends each admitted sample to SGLang /generate and commits the result. Add more of these
+    (on any host that reaches Redis and SGLang) to raise concurrency. SIGTERM finishes the
+    current sample, then exits.
+    """
+    if pool:
+        from consumers.pool import run_pool
+
+        argv = [sys.executable, "-m", "tokencap.cli", "worker"] + (["--burst"] if burst else [])
+        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sglang_url,
+               "TOKENCAP_PREFIX": prefix, **({"TOKENCAP_RUN": run_name} if run_name else {})}
+        sys.exit(run_pool(argv, env, pool, restart=not burst))
+    from consumers.job import configure, flush_stats
+    from consumers.worker import supervise
+    from foundation.engine import parse_urls
+    from foundation.redisconn import connect
+
+    urls = parse_urls(sglang_url)
+    if not urls:
+        raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
+    budget = _budget(redis_url, prefix, run_name)
+    cfg = _stored_config(budget)
+    ctx = configure(redis_url, urls, prefix)
+    _check_engines(ctx.run(budget.keys.run).client.preflight(), budget)
+    code = supervise(lambda: connect(redis_url), budget.keys, [c.name for c in cfg.category],
+                     name, burst=burst)
+    flush_stats()
+    sys.exit(code)
+
+
+def _check_engines(infos: list[Any], budget: Any) -> None:
+    """A worker's engines must serve a model the run's producer checked (its preflight):
+    else it would feed the run another model's outputs."""
+    from foundation.errors import EngineUnusable
+
+    seen = {i.model for i in budget.samples.engines_seen().values()}
+    for info in infos:
+        if seen and info.model not in seen:
+            raise EngineUnusable(f"engine {info.url} serves {info.model!r}; the run's producer "
+                                 f"checked {sorted(seen)}: this worker would commit another "
+                                 "model's outputs")
+
+
+@click.command()
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+@click.option("--out", "out_dir", envvar="TOKENCAP_OUT", default=None,
+              help="Output folder (default: the run config's output_dir). Env: TOKENCAP_OUT.")
+@click.option("--supervise", is_flag=True,
+              help="Run the writer as a child process and start it again (with backoff) "
+              "whenever it dies; SIGTERM stops both.")
+def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | None,
+           supervise: bool) -> None:
+    """Write committed results to <out>/<category>/part-*.jsonl (fsync, then ack).
+
+    Also writes rejected and dead-lettered samples to <out>/<category>/dead-letter.jsonl.
+    One writer per run: a second one waits for the run's writer lease (lock_ttl_s x 1.5),
+    then exits 8 naming the holder. A full disk is reported and retried; the run's
+    admission pauses meanwhile (max_unwritten).
+    """
+    from writer.writer import Writer
+
+    budget = _budget(redis_url, prefix, run_name)
+    cfg = _stored_config(budget)
+    if supervise:
+        from consumers.pool import run_pool
+
+        argv = [sys.executable, "-m", "tokencap.cli", "writer"] + (
+            ["--out", out_dir] if out_dir else [])
+        env = {**os.environ, "REDIS_URL": redis_url, "TOKENCAP_PREFIX": prefix,
+               "TOKENCAP_RUN": budget.keys.run}
+        sys.exit(run_pool(argv, env, 1, restart=True, what="writer"))
+    w = Writer(budget.redis, budget.keys, [c.name for c in cfg.category],
+               Path(out_dir or cfg.output_dir), lease_ttl_s=cfg.lock_ttl_s)
+    signal.signal(signal.SIGTERM, lambda *_: w.stop_event.set())
+    try:
+        w.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        w.close()
+
+
+@click.command()
+@RUN_OPT
+@REDIS_OPT
+@PREFIX_OPT
+@click.option("--host", envvar="TOKENCAP_HOST", default="127.0.0.1", show_default=True,
+              help="Address to bind. Env: TOKENCAP_HOST.")
+@click.option("--port", envvar="TOKENCAP_PORT", default=DEFAULT_BUDGET_PORT, show_default=True,
+              help="Port (0: any free port, logged). Env: TOKENCAP_PORT.")
+@click.option("--token", envvar="TOKENCAP_TOKEN", default=None,
+              help="Bearer token for POST /cap; without one caps cannot change over HTTP. "
+              "Env: TOKENCAP_TOKEN.")
+@click.option("--record-s", default=5.0, show_default=True,
+              help="Seconds between two points of the run's time series (rates, ETAs, the "
+              "report's charts); 0: record none.")
+def serve(run_name: str | None, redis_url: str, prefix: str, host: str, port: int,
+          token: str | None, record_s: float) -> None:
+    """Serve the live page (GET /), GET /status (JSON), GET /series (the run's time series),
+    GET /metrics (Prometheus) and POST /cap (token); record the time series."""
+    from budget_service.server import Recorder, make_server
+
+    budget = _budget(redis_url, prefix, run_name)
+    try:
+        server = make_server(budget, host, port, token)
+    except OSError as exc:
+        raise TokencapError(f"cannot serve on {host}:{port}: {exc.strerror} (another budget "
+                            "service? --port / TOKENCAP_PORT picks another)") from None
+    if record_s > 0:
+        Recorder(budget, record_s).start()
+    log.info("budget service on http://%s:%d", host, server.server_address[1])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.serve_forever()
