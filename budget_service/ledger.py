@@ -241,12 +241,13 @@ class Ledger:
 
     def states(self, categories: Sequence[str]) -> dict[str, CategoryState]:
         """Each category's state, typed (what the producer steers on), in one round trip."""
-        return self._states(categories, by_engine=False)[0]
+        return self._states(categories, by_engine=False, run=False)[0]
 
-    def _states(self, categories: Sequence[str], by_engine: bool
+    def _states(self, categories: Sequence[str], by_engine: bool, run: bool = True
                 ) -> tuple[dict[str, CategoryState], list[Any]]:
         """The categories' states, and (with `by_engine`) their raw per-engine cache hashes,
-        then the writer lock holder, the writer's state and the engines' info (raw)."""
+        then (with `run`; else None each) the writer lock holder, the writer's state and the
+        engines' info (raw): the producer's tick needs none of those."""
         pipe = self.redis.pipeline(transaction=False)
         for name in categories:
             ck = self._ck(name)
@@ -260,10 +261,14 @@ class Ledger:
             pipe.zcard(ck.follow)
             if by_engine:
                 pipe.hgetall(ck.cache)
-        pipe.get(self.keys.writer_lock)
-        pipe.hgetall(self.keys.writer_state)
-        pipe.hgetall(self.keys.engine_info)
-        *raw, holder, wstate, engines_raw = pipe.execute()
+        if run:
+            pipe.get(self.keys.writer_lock)
+            pipe.hgetall(self.keys.writer_state)
+            pipe.hgetall(self.keys.engine_info)
+        raw = pipe.execute()
+        holder = wstate = engines_raw = None
+        if run:
+            *raw, holder, wstate, engines_raw = raw
         per = 9 if by_engine else 8
         states: dict[str, CategoryState] = {}
         extra: list[Any] = []
