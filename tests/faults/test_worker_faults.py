@@ -108,7 +108,7 @@ def test_a_worker_process_refuses_forged_jobs_whole(redis, redis_url, tmp_path) 
     from tests.test_worker_security import _Listener, producers_job
 
     keys = Keys("tokencap", "t")
-    Budget(redis, keys).init_run(make_cfg())
+    Budget(redis, keys).feeding.init_run(make_cfg())
     q = Queue(keys.queue_name("code"), connection=redis, serializer=MsgspecSerializer)
     marker = tmp_path / "called"
     listener = _Listener()
