@@ -1,49 +1,148 @@
-"""Telemetry: the status document, the time series, the engines' counters and info."""
+"""Telemetry: the run's state as status, `/status`, `/metrics` and the live page read it,
+and the points and counters recorded for them.
+
+`TelemetryLedger.snapshot` reads the typed state once (`RunStatus`: each category's
+`CategoryState`, the writer, the engines); the status document (`status_document`, what
+`tokencap status --json` and `/status` give) and the `/metrics` page (`render_metrics`) are
+both made from it here, so a field shows the same in both.
+
+Metrics (every series has a `run` label; per category also `category`):
+
+| metric | type | meaning |
+|---|---|---|
+| `tokencap_cap_tokens` | gauge | the category's cap (no series while it is uncapped) |
+| `tokencap_used_tokens` | gauge | tokens counted against the cap (corrections may lower it) |
+| `tokencap_reserved_tokens` | gauge | tokens reserved by samples in flight |
+| `tokencap_overshoot_tokens` | gauge | used past the cap |
+| `tokencap_samples_pending` | gauge | fed and not final |
+| `tokencap_samples_in_flight` | gauge | being generated |
+| `tokencap_samples_parked` | gauge | waiting until they fit the budget |
+| `tokencap_samples_held` | gauge | held back by the closed category (a raised cap sends them) |
+| `tokencap_conversations_waiting` | gauge | conversations whose next turn waits to be fed |
+| `tokencap_results_unwritten` | gauge | results and dead letters not yet on disk |
+| `tokencap_category_open` | gauge | 1 while the category is fed |
+| `tokencap_samples_total{outcome}` | counter | committed, failed, rejected |
+| `tokencap_waste_tokens_total` | counter | tokens of outputs cut at max_new_tokens |
+| `tokencap_failure_reasons_total{reason}` | counter | rejected and dead samples by reason |
+| `tokencap_out_of_vocab_samples_total` | counter | samples with ids past the vocabulary |
+| `tokencap_prompt_tokens_total{engine}` | counter | prompt tokens of committed samples |
+| `tokencap_cached_tokens_total{engine}` | counter | of them, from the engine's prefix cache |
+| `tokencap_reusable_tokens_total{engine}` | counter | of them, shared with the turn before |
+| `tokencap_engine_requests_total{engine,outcome}` | counter | requests the workers sent |
+| `tokencap_engine_request_duration_seconds{engine}` | histogram | their latency |
+| `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
+| `tokencap_workers` | gauge | workers registered on the run's queues |
+| `tokencap_writer_up` / `_error` | gauge | a writer holds the run / it cannot write |
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
+from budget_service import jobs
 from budget_service.ledger import (
     SERIES_POINTS,
+    CategoryState,
     Ledger,
     as_str,
     cache_by_engine,
 )
 from foundation.engine_info import EngineInfo
-from foundation.wire import (
-    encode,
+from foundation.wire import encode
+
+CATEGORY_GAUGES = (
+    ("cap", "tokencap_cap_tokens", "Token cap of the category"),
+    ("used", "tokencap_used_tokens", "Tokens counted against the cap"),
+    ("reserved", "tokencap_reserved_tokens", "Tokens reserved by samples in flight"),
+    ("overshoot", "tokencap_overshoot_tokens", "Tokens counted past the cap"),
+    ("pending", "tokencap_samples_pending", "Samples fed and not final"),
+    ("in_flight", "tokencap_samples_in_flight", "Samples being generated"),
+    ("parked", "tokencap_samples_parked", "Samples waiting until they fit the budget"),
+    ("skipped", "tokencap_samples_held",
+     "Samples and conversation turns held back by the closed category (a raised cap sends "
+     "them)"),
+    ("followups", "tokencap_conversations_waiting",
+     "Conversations waiting for their next turn to be fed"),
+    ("unwritten", "tokencap_results_unwritten",
+     "Results and dead letters committed but not yet on disk"),
 )
+CACHE_COUNTERS = (
+    ("prompt_tokens", "tokencap_prompt_tokens", "Prompt tokens of committed samples"),
+    ("cached_tokens", "tokencap_cached_tokens",
+     "Prompt tokens the engine served from its prefix cache (as its replies say)"),
+    ("reusable_tokens", "tokencap_reusable_tokens",
+     "Prompt tokens shared with the conversation's turn before: what a prefix cache could "
+     "have served"),
+)
+SAMPLE_OUTCOMES = (("samples", "committed"), ("failed", "failed"), ("rejected", "rejected"))
+
+
+class WriterState(msgspec.Struct, frozen=True):
+    """The run's writer: who holds its lease, its trouble, and what it has not written."""
+
+    holder: str | None
+    error: str | None
+    unwritten: int
+
+
+class RunStatus(msgspec.Struct, frozen=True):
+    """One read of the run's state (`TelemetryLedger.snapshot`); `cache` (per category, per
+    engine URL: samples, prompt, cached and reusable tokens) only when asked for."""
+
+    run: str
+    categories: dict[str, CategoryState]
+    writer: WriterState
+    engines: dict[str, EngineInfo]
+    cache: dict[str, dict[str, dict[str, int]]] = {}
+
+    @property
+    def simulated(self) -> bool:
+        return any(e.simulated for e in self.engines.values())
 
 
 class TelemetryLedger(Ledger):
     """What status, `/metrics` and the live page read, and the points and counters
     recorded for them."""
 
-    def status(self, categories: list[str] | None = None,
-               by_engine: bool = False) -> dict[str, Any]:
-        """The `tokencap status --json` document (each category's `CategoryState` as a dict);
-        with `by_engine`, each category's prefix cache counters per engine (`engines`:
-        samples, prompt, cached and reusable tokens)."""
+    def snapshot(self, categories: Sequence[str] | None = None,
+                 by_engine: bool = False) -> RunStatus:
+        """The run's state in one round trip (every category of the stored config unless
+        `categories`); with `by_engine`, each category's prefix cache counters per engine."""
         if categories is None:
             cfg = self.load_config()
             categories = [c.name for c in cfg.category] if cfg else []
         states, (caches, holder, wstate, engines_raw) = self._states(categories, by_engine)
-        cats: dict[str, Any] = {name: msgspec.structs.asdict(st) for name, st in states.items()}
-        if by_engine:
-            for name, cache in zip(categories, caches, strict=True):
-                cats[name]["engines"] = cache_by_engine(cache)
-        writer = {"holder": None if holder is None else as_str(holder),
-                  "error": as_str(wstate[b"error"]) if b"error" in wstate else None,
-                  "unwritten": sum(c["unwritten"] for c in cats.values())}
-        engines = {as_str(k): msgspec.to_builtins(msgspec.json.decode(v, type=EngineInfo))
+        writer = WriterState(holder=None if holder is None else as_str(holder),
+                             error=as_str(wstate[b"error"]) if b"error" in wstate else None,
+                             unwritten=sum(st.unwritten for st in states.values()))
+        engines = {as_str(k): msgspec.json.decode(v, type=EngineInfo)
                    for k, v in engines_raw.items()}
-        return {"run": self.keys.run, "categories": cats, "writer": writer,
-                "engines": engines, "simulated": any(e.get("simulated") for e in
-                                                     engines.values())}
+        cache = ({name: cache_by_engine(raw) for name, raw in zip(categories, caches,
+                                                                   strict=True)}
+                 if by_engine else {})
+        return RunStatus(self.keys.run, states, writer, engines, cache)
+
+    def status(self, categories: list[str] | None = None,
+               by_engine: bool = False) -> dict[str, Any]:
+        """The `tokencap status --json` document (`status_document` of `snapshot`)."""
+        return status_document(self.snapshot(categories, by_engine))
+
+    def workers(self) -> int:
+        """Workers registered on the run's queues (RQ's registry)."""
+        cfg = self.load_config()
+        if not cfg or not cfg.category:
+            return 0
+        return jobs.worker_count(self.redis, self.keys, cfg.category[0].name)
 
     def series(self, after: str = "", count: int | None = None) -> list[dict[str, Any]]:
         """The time series' points, oldest first, each with its stream `id`: those after
@@ -69,3 +168,134 @@ class TelemetryLedger(Ledger):
         for info in infos:
             args += [info.url, encode(info)]
         self.scripts.engine_info(keys=[self.keys.engine_info], args=args)
+
+
+def status_document(snap: RunStatus) -> dict[str, Any]:
+    """The status document: each category's `CategoryState` as a dict (with `engines`, its
+    prefix cache counters per engine, when the snapshot has them), the writer, the engines'
+    info, and whether an engine is a simulator."""
+    cats: dict[str, Any] = {}
+    for name, st in snap.categories.items():
+        cats[name] = msgspec.structs.asdict(st)
+        if name in snap.cache:
+            cats[name]["engines"] = snap.cache[name]
+    return {"run": snap.run, "categories": cats,
+            "writer": msgspec.structs.asdict(snap.writer),
+            "engines": {url: msgspec.to_builtins(e) for url, e in snap.engines.items()},
+            "simulated": snap.simulated}
+
+
+class _Collector:
+    """A `prometheus_client` collector that reads the run's state at each scrape."""
+
+    def __init__(self, ledger: TelemetryLedger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.ledger.snapshot(by_engine=True)
+        yield from _category_metrics(snap)
+        yield from _writer_metrics(snap.run, snap.writer)
+        yield from _engine_metrics(snap.run, self.ledger.engine_counts(), self.ledger.workers())
+
+
+def render_metrics(ledger: TelemetryLedger) -> bytes:
+    """The `/metrics` page of the ledger's run (Prometheus text)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(ledger))
+    return bytes(generate_latest(registry))
+
+
+def _category_metrics(snap: RunStatus) -> Iterator[Metric]:
+    run, cats = snap.run, snap.categories
+    labels = ["run", "category"]
+    for field, name, help_text in CATEGORY_GAUGES:
+        g = GaugeMetricFamily(name, help_text, labels=labels)
+        for cat, st in cats.items():
+            if getattr(st, field) is not None:  # an uncapped category has no cap
+                g.add_metric([run, cat], getattr(st, field))
+        yield g
+    g = GaugeMetricFamily("tokencap_category_open", "1 while the category is fed, else 0",
+                          labels=labels)
+    for cat, st in cats.items():
+        g.add_metric([run, cat], int(st.state == "open"))
+    yield g
+    c = CounterMetricFamily("tokencap_samples", "Samples by final outcome",
+                            labels=[*labels, "outcome"])
+    for cat, st in cats.items():
+        for field, outcome in SAMPLE_OUTCOMES:
+            c.add_metric([run, cat, outcome], getattr(st, field))
+    yield c
+    c = CounterMetricFamily("tokencap_waste_tokens",
+                            "Tokens of outputs cut at max_new_tokens", labels=labels)
+    for cat, st in cats.items():
+        c.add_metric([run, cat], st.waste_tokens)
+    yield c
+    c = CounterMetricFamily("tokencap_out_of_vocab_samples",
+                            "Committed samples with output ids past the tokenizer's vocabulary",
+                            labels=labels)
+    for cat, st in cats.items():
+        c.add_metric([run, cat], st.out_of_vocab)
+    yield c
+    for field, name, help_text in CACHE_COUNTERS:
+        c = CounterMetricFamily(name, help_text, labels=[*labels, "engine"])
+        for cat in cats:
+            for url, row in snap.cache.get(cat, {}).items():
+                c.add_metric([run, cat, url], row[field])
+        yield c
+    c = CounterMetricFamily("tokencap_failure_reasons",
+                            "Samples rejected or dead-lettered, by reason",
+                            labels=[*labels, "reason"])
+    for cat, st in cats.items():
+        for reason, n in st.reasons.items():
+            c.add_metric([run, cat, reason], n)
+    yield c
+
+
+def _writer_metrics(run: str, writer: WriterState) -> Iterator[Metric]:
+    g = GaugeMetricFamily("tokencap_writer_up", "1 while a writer holds the run's lease",
+                          labels=["run"])
+    g.add_metric([run], int(bool(writer.holder)))
+    yield g
+    g = GaugeMetricFamily("tokencap_writer_error",
+                          "1 while the writer cannot write (a full disk, ...)", labels=["run"])
+    g.add_metric([run], int(bool(writer.error)))
+    yield g
+
+
+def _engine_metrics(run: str, counts: dict[str, int], workers: int) -> Iterator[Metric]:
+    """Requests by engine and outcome, and their latency histogram, from the workers'
+    counters (`consumers.stats`: `<engine>|requests|<outcome>`, `<engine>|latency_le|<s>`,
+    `<engine>|latency_sum_ms`)."""
+    g = GaugeMetricFamily("tokencap_workers", "Workers registered on the run's queues",
+                          labels=["run"])
+    g.add_metric([run], workers)
+    yield g
+    requests_ = CounterMetricFamily("tokencap_engine_requests", "Requests by engine and outcome",
+                                    labels=["run", "engine", "outcome"])
+    waits = CounterMetricFamily("tokencap_engine_gate_waits",
+                                "Times a worker waited at the adaptive gate (engine queue at "
+                                "adaptive_max_queue)", labels=["run", "engine"])
+    buckets: dict[str, dict[float, int]] = {}
+    sums_ms: dict[str, int] = {}
+    for key, value in sorted(counts.items()):
+        engine, kind, rest = (key.split("|") + ["", ""])[:3]
+        if kind == "requests":
+            requests_.add_metric([run, engine, rest], value)
+        elif kind == "gate_waits":
+            waits.add_metric([run, engine], value)
+        elif kind == "latency_le":
+            buckets.setdefault(engine, {})[float(rest)] = value
+        elif kind == "latency_sum_ms":
+            sums_ms[engine] = value
+    yield requests_
+    yield waits
+    h = HistogramMetricFamily("tokencap_engine_request_duration_seconds",
+                              "Latency of the requests the workers sent, by engine",
+                              labels=["run", "engine"])
+    for engine, by_le in sorted(buckets.items()):
+        ordered = [("+Inf" if le == float("inf") else f"{le:g}", n)
+                   for le, n in sorted(by_le.items())]
+        if ordered[-1][0] != "+Inf":
+            ordered.append(("+Inf", ordered[-1][1]))
+        h.add_metric([run, engine], ordered, sums_ms.get(engine, 0) / 1000)
+    yield h

@@ -11,7 +11,8 @@ import requests
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.server import DEFAULT_HOST, make_server, render_metrics, serve_in_thread
+from budget_service.server import DEFAULT_HOST, make_server, serve_in_thread
+from budget_service.telemetry import render_metrics
 from tests.test_lua import feed, make_cfg, result
 
 TOKEN = "t0ken-for-tests"
@@ -89,7 +90,7 @@ def _page(budget: Budget) -> str:
         "http://gpu-b:30000|latency_le|1": 1, "http://gpu-b:30000|latency_le|inf": 1,
         "http://gpu-b:30000|latency_sum_ms": 800, "http://gpu-b:30000|gate_waits": 3,
     })
-    return render_metrics(budget).decode()
+    return render_metrics(budget.telemetry).decode()
 
 
 def test_metrics_follow_prometheus_naming(service) -> None:
@@ -133,7 +134,8 @@ def test_a_cap_of_none_uncaps_and_leaves_no_cap_series(service) -> None:
     bad = requests.post(f"{url}/cap", json={"category": "math", "cap_tokens": "lots"},
                         headers=auth, timeout=5)
     assert bad.status_code == 400
+    page = render_metrics(budget.telemetry).decode()
     caps = {s.labels["category"]: s.value
-            for fam in parser.text_string_to_metric_families(render_metrics(budget).decode())
+            for fam in parser.text_string_to_metric_families(page)
             for s in fam.samples if s.name == "tokencap_cap_tokens"}
     assert caps == {"code": 1000}  # an uncapped category has no cap series

@@ -11,7 +11,7 @@ import requests
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.server import CATEGORY_GAUGES, render_metrics
+from budget_service.telemetry import CATEGORY_GAUGES, render_metrics
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
 from tests.test_lua import make_cfg
@@ -90,7 +90,7 @@ def test_every_metric_name_is_exported(dashboard: dict[str, Any], redis) -> None
     budget.feeding.init_run(make_cfg(cats=("code", "math")))
     budget.samples.add_engine_counts({"http://e|requests|ok": 1, "http://e|latency_le|1": 1,
                               "http://e|latency_le|inf": 1, "http://e|latency_sum_ms": 300})
-    tokencap_page = render_metrics(budget).decode()
+    tokencap_page = render_metrics(budget.telemetry).decode()
     with SimServer(time_scale=100) as sim:
         sglang_page = requests.get(f"{sim.url}/metrics", timeout=TIMEOUT_S).text
     exposed = exposed_names(tokencap_page) | exposed_names(sglang_page)

@@ -10,7 +10,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from budget_service.server import render_metrics, worker_count
+from budget_service.telemetry import render_metrics
 from sglang_sim.testing import SimServer, free_port, start_sim_subprocess
 from testing.harness import Pipeline, started, wait_until
 from tests.conftest import write_config
@@ -27,12 +27,13 @@ def test_metrics_agree_with_status_and_count_engine_requests(tmp_path, redis_url
     with SimServer(time_scale=500.0) as sim:
         with started(cfg, redis_url, [sim.url], 3) as pipe:
             status = pipe.run()
-            wait_until(lambda: worker_count(pipe.budget) == 3, what="3 workers")
-            (workers,) = samples_of(render_metrics(pipe.budget).decode(), "tokencap_workers")
+            wait_until(lambda: pipe.budget.telemetry.workers() == 3, what="3 workers")
+            page = render_metrics(pipe.budget.telemetry).decode()
+            (workers,) = samples_of(page, "tokencap_workers")
             pipe.kill_workers(15)  # SIGTERM: workers flush their counters on the way out
         sim_requests = sim.stats()["requests_total"]
     assert workers.value == 3 and workers.labels == {"run": cfg.run}
-    text = render_metrics(pipe.budget).decode()
+    text = render_metrics(pipe.budget.telemetry).decode()
     used = {s.labels["category"]: s.value for s in samples_of(text, "tokencap_used_tokens")}
     assert used == {c: st["used"] for c, st in status["categories"].items()}
     committed = {s.labels["category"]: s.value for s in samples_of(text, "tokencap_samples_total")

@@ -54,11 +54,10 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
             _event_line(e) for e in events) or "no events")
         return
     if watch_flag:
-        from budget_service.server import worker_count
         from foundation.engine import parse_urls
         from tokencap.watch import watch
 
-        watch(budget.telemetry.status, parse_urls(sglang_url), lambda: worker_count(budget),
+        watch(budget.telemetry.status, parse_urls(sglang_url), budget.telemetry.workers,
               interval_s=interval,
               fetch_series=lambda: budget.telemetry.series(count=SERIES_FOR_RATES))
         return

@@ -26,7 +26,6 @@ from typing import Any
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.server import worker_count
 from foundation.config import DEFAULT_BUDGET_PORT, load_config
 from foundation.engine import parse_urls
 from foundation.engine_info import healthy
@@ -287,7 +286,7 @@ class Stack:
                             self._child_env({**env, "TOKENCAP_TOKEN": token}))
                 print(f"[up] live page on {budget_url}/ (also /status, /metrics; POST /cap "
                       "takes the token `tokencap token` prints)", flush=True)
-            registered = worker_count(budget)
+            registered = budget.telemetry.workers()
             if registered:
                 print(f"[up] {registered} worker(s) already on run {cfg.run}; "
                       "`tokencap add-workers N` (make workers N=...) adds more", flush=True)
