@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +27,7 @@ from rq import Queue, Worker
 from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from foundation import waiting
 from foundation.config import RunConfig
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
 from foundation.redisconn import connect
@@ -49,15 +49,8 @@ R = TypeVar("R")
 def wait_until(cond: Callable[[], T], timeout_s: float = 30.0, what: str = "condition",
                interval_s: float = POLL_S) -> T:
     """Poll `cond` until it returns something true (returned), or fail after the deadline
-    with an AssertionError naming `what` (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
+    with an AssertionError naming `what` (`foundation.waiting.wait_until`)."""
+    return waiting.wait_until(cond, timeout_s, what, interval_s, AssertionError)
 
 
 class RedisServer:

@@ -24,12 +24,10 @@ from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
 from tests.test_lua import LEASE_MS, feed, make_cfg, result
 from tokencap.progress import summary_table
+from tokencap.rates import CategoryRate, RateTracker, format_eta, series_rates, tok_s
 from tokencap.watch import (
-    CategoryRate,
     EngineLoad,
-    RateTracker,
     engine_load,
-    format_eta,
     plain_lines,
     render_board,
     watch,
@@ -208,6 +206,12 @@ def test_rate_tracker_eta_none_when_closed_and_history_restarts_on_decrease() ->
     assert tracker.tok_s("a") == 0.0  # a category that left the document is forgotten
 
 
+def test_tok_s_is_the_rate_between_two_readings_and_never_negative() -> None:
+    assert tok_s(1_000, 10.0, 1_600, 13.0) == 200.0
+    assert tok_s(1_000, 10.0, 1_600, 10.0) == 0.0  # no time passed
+    assert tok_s(1_600, 10.0, 1_000, 13.0) == 0.0  # a correction lowered `used`
+
+
 def test_format_eta() -> None:
     assert format_eta(None) == "-"
     assert format_eta(59.6) == "0:01:00"
@@ -290,7 +294,6 @@ def test_the_board_fits_the_terminal_dropping_the_least_needed_columns(width: in
 
 
 def test_board_rates_come_from_the_runs_time_series_from_the_first_board() -> None:
-    from tokencap.watch import series_rates
 
     # the budget service recorded a point every 5 s: 100 tok/s for the last two minutes
     now = 1_800_000_000.0

@@ -31,6 +31,7 @@ from foundation.engine import parse_urls
 from foundation.engine_info import healthy
 from foundation.errors import SIGNALLED, TokencapError
 from foundation.redisconn import connect
+from foundation.waiting import wait_until
 from producer.run import run_to_end
 from tokencap.localredis import find_redis_server, free_port
 from tokencap.progress import ProgressPrinter, summary_table
@@ -59,11 +60,8 @@ def _port_free(host: str, port: int) -> bool:
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S
              ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TokencapError(f"{what} did not start within {timeout_s:.0f} s")
-        time.sleep(POLL_S)
+    """Wait for a process the launcher started to answer (`TokencapError` if it does not)."""
+    wait_until(check, timeout_s, f"{what} to start", POLL_S, TokencapError)
 
 
 def sim_family(cfg: Any) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import time
 from typing import Any, TextIO
 
 from budget_service.ledger import cap_text
+from tokencap.rates import tok_s
 
 
 class ProgressPrinter:
@@ -25,7 +26,7 @@ class ProgressPrinter:
         parts = []
         for name, st in cats.items():
             t, used = self._last.get(name, (now, st["used"]))
-            rate = (st["used"] - used) / (now - t) if now > t else 0.0
+            rate = tok_s(used, t, st["used"], now)
             self._last[name] = (now, st["used"])
             if st["cap"] is None:
                 parts.append(f"{name} {st['used']} (uncapped) {rate:.0f} tok/s {st['state']}")

@@ -37,6 +37,7 @@ from typing import Any
 from budget_service.budget import Budget
 from budget_service.ledger import cap_text
 from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+from tokencap.rates import tok_s
 
 FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
 DPI = 110
@@ -135,8 +136,7 @@ def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
     fig, ax = plt.subplots(figsize=(7, 3))
     if len(series) >= 2:
         total = [sum(c["used"] for c in p["categories"].values()) for p in series]
-        rate = [max(0.0, (total[i] - total[i - 1]) * 1000 / max(1, series[i]["at"] -
-                                                                 series[i - 1]["at"]))
+        rate = [tok_s(total[i - 1], series[i - 1]["at"] / 1000, total[i], series[i]["at"] / 1000)
                 for i in range(1, len(series))]
         ax.plot(times[1:], rate, color="#2f6fdf", label="tok/s counted")
         ax.set_ylim(bottom=0)
