@@ -35,6 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from foundation.errors import TokencapError
 from foundation.wire import ErrorKind, TokenId
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def display(item: str) -> str:
 
 
 # -- errors ----------------------------------------------------------------------------------
-class EngineError(Exception):
+class EngineError(TokencapError):
     """A request that did not give a usable result. `kind` says why; `retryable` whether a
     later attempt (another job run) may succeed."""
 

@@ -22,6 +22,8 @@ import glob
 import os
 from pathlib import Path
 
+from foundation.errors import TokencapError
+
 JSON_TYPES = (".jsonl", ".json")
 PARQUET_TYPES = (".parquet",)
 COMPRESSIONS = (".gz", ".zst")
@@ -29,7 +31,7 @@ HF_DATASETS = "hf://datasets/"
 SUPPORTED = ".jsonl, .json, .parquet, and .jsonl/.json with .gz or .zst"
 
 
-class SourceMissing(Exception):
+class SourceMissing(TokencapError):
     """A source or tokenizer that cannot be found or read as given."""
 
 

@@ -49,6 +49,7 @@ import json
 from typing import Any, NamedTuple
 
 from foundation.config import FORMATS, TURN_POLICIES
+from foundation.errors import TokencapError
 
 __all__ = [
     "FORMATS",
@@ -86,7 +87,7 @@ ALPACA_SEPARATOR = "\n\n"  # between an alpaca instruction and its non-empty inp
 TEXT_PART_SEPARATOR = "\n"  # between the text parts of list content, as vLLM joins them
 
 
-class Rejected(Exception):
+class Rejected(TokencapError):
     """A record that cannot become a prompt.
 
     Attributes: `reason` (snake_case code, e.g. ``missing_field``), `field` (the path of the

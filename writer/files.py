@@ -22,7 +22,7 @@ from budget_service import codec
 from budget_service.lease import holder_token
 from budget_service.ledger import TurnEvent, turn_event
 from budget_service.writing import WritingLedger
-from foundation.errors import WriterBusy
+from foundation.errors import TokencapError, WriterBusy
 from foundation.outputs import (
     PART_MAX_BYTES,
     BadLine,
@@ -49,7 +49,7 @@ def output_digest(output_ids: list[int]) -> bytes:
     return hashlib.blake2b(msgspec.json.encode(output_ids), digest_size=8).digest()
 
 
-class WriterDiskError(OSError):
+class WriterDiskError(TokencapError, OSError):
     """Appending to an output file failed (a full disk, ...); nothing of the batch stayed."""
 
     def __init__(self, path: Path, cause: OSError) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from foundation.errors import TokencapError
 from producer.parsers.base import Call, ReasoningParser, ToolCallParser, Unparsed
 from producer.parsers.deepseek import DSML, DeepSeekV3, DeepSeekV31, DeepSeekV32
 from producer.parsers.glm import Glm45, Glm47
@@ -48,7 +49,7 @@ _TOOLS: dict[str, type[ToolCallParser]] = {
 ALIASES = {"qwen": "qwen25", "glm": "glm45"}
 
 
-class Ambiguous(ValueError):
+class Ambiguous(TokencapError, ValueError):
     """Two parsers fit a template; the config must name one."""
 
 

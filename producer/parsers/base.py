@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
+from foundation.errors import TokencapError
+
 
 class Call(NamedTuple):
     """One tool call of a reply: the function's name, its arguments as an object (as SGLang
@@ -27,7 +29,7 @@ class Call(NamedTuple):
     raw_arguments: str | None = None
 
 
-class Unparsed(ValueError):
+class Unparsed(TokencapError, ValueError):
     """A reply whose tool-call markup does not parse. Its turn stays as generated; the
     conversation cannot go on from it (there is no call to answer and no content to show)."""
 
