@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from budget_service.budget import Budget
 from budget_service.ledger import CategoryState, now_ms
@@ -28,6 +28,7 @@ from producer.source import NextTurn
 
 if TYPE_CHECKING:
     from producer.feeder import CategoryFeed
+    from producer.render import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Conversations:
     `enqueue(category, [(sample id, seq, prompt tokens)], at_front)` enqueues the jobs of
     what the ledger recorded; `affinity(ids)` gives a prompt's affinity key (None: off)."""
 
-    def __init__(self, cfg: RunConfig, budget: Budget, renderer: Any,
+    def __init__(self, cfg: RunConfig, budget: Budget, renderer: Renderer | None,
                  enqueue: Callable[[str, list[tuple[str, int, int]], bool], None],
                  affinity: Callable[[list[int]], str] | None) -> None:
         self.cfg = cfg
@@ -60,7 +61,8 @@ class Conversations:
         """Whether the category's generation prompt opens a reasoning block (`replies`)."""
         if feed.opened is None:
             parser = self.replies.reasoning
-            feed.opened = parser is not None and self.renderer.opens_reasoning(
+            feed.opened = parser is not None and self.renderer is not None \
+                and self.renderer.opens_reasoning(
                 parser.start, feed.source.kwargs or None)
         return feed.opened
 

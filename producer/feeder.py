@@ -32,7 +32,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from redis import Redis
@@ -47,6 +47,9 @@ from foundation.config import RunConfig
 from producer.conversations import Conversations
 from producer.recovery import Recovery
 from producer.source import CategorySource
+
+if TYPE_CHECKING:
+    from producer.render import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Producer:
         self,
         cfg: RunConfig,
         redis: Redis,
-        renderer: Any,
+        renderer: Renderer | None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import requests
 
@@ -43,6 +43,9 @@ from foundation.engine import (
 from foundation.engine_info import EngineInfo, discover, vocab_size, why_unreachable
 from foundation.errors import EngineNotReady, EngineUnusable, TokencapError
 
+if TYPE_CHECKING:
+    from producer.render import Renderer
+
 log = logging.getLogger(__name__)
 
 PROBE_MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]
@@ -53,7 +56,7 @@ VOCAB_PADDING = 1024  # ids a model's vocabulary may have past its tokenizer's (
 T = TypeVar("T")
 
 
-def preflight(cfg: RunConfig, urls: list[str], renderer: Any,
+def preflight(cfg: RunConfig, urls: list[str], renderer: Renderer | None,
               sleep: Callable[[float], None] = time.sleep) -> list[EngineInfo]:
     """Check every engine of `urls` (module docstring); return what each serves."""
     specs = engine_specs(urls)
@@ -104,7 +107,7 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) -> None:
+def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None, cfg: RunConfig) -> None:
     """One generation, sent as samples are, checked against the tokenizer."""
     ids = renderer.render(PROBE_MESSAGES)[1] if renderer is not None else PROBE_IDS
     path, body = request(info.api, ids, PROBE_SAMPLING, f"tokencap-probe-{uuid.uuid4().hex}")
@@ -152,7 +155,7 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Any, cfg: RunConfig) ->
     log.info("%s: probe ok (%d ids, finish %s)", who, len(gen.output_ids), gen.finish)
 
 
-def end_of_turn_ids(cfg: RunConfig, renderer: Any) -> set[int]:
+def end_of_turn_ids(cfg: RunConfig, renderer: Renderer | None) -> set[int]:
     """The ids a generation of the tokenizer's model ends on: the tokenizer's eos token, the
     generation config's `eos_token_id`, and the family's own (gpt-oss's <|call|>, Llama's
     <|eom_id|>): `ReplyParser.end_of_turn_ids`."""

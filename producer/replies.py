@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from foundation.config import RunConfig, generation_eos_ids
 from foundation.errors import ConfigError
@@ -40,6 +40,9 @@ from producer.parsers import (
     reasoning_parser,
     tool_call_parser,
 )
+
+if TYPE_CHECKING:
+    from producer.render import Renderer
 
 __all__ = ["ReplyParser", "Unparsed", "reply_parser", "tool_names"]
 
@@ -138,9 +141,12 @@ class ReplyParser:
         return out
 
 
-def reply_parser(cfg: RunConfig, renderer: Any) -> ReplyParser:
+def reply_parser(cfg: RunConfig, renderer: Renderer | None) -> ReplyParser:
     """How the run's generated turns enter the next prompt; a config whose "auto" parsers fit
     twice stops here (ConfigError naming the key)."""
+    if renderer is None:
+        raise ConfigError("$.tokenizer", "generated turns are read with the model's tokenizer "
+                          "and chat template: name the tokenizer")
     try:
         return ReplyParser(renderer.tokenizer, renderer.template, cfg.reasoning_parser,
                            cfg.tool_call_parser, generation_eos_ids(cfg),

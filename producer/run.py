@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from redis import Redis
@@ -25,6 +25,9 @@ from producer.reconcile import reconcile
 from producer.replies import reply_parser
 from producer.source import CategorySource
 
+if TYPE_CHECKING:
+    from producer.render import Renderer
+
 log = logging.getLogger(__name__)
 
 def build_producer(
@@ -32,7 +35,7 @@ def build_producer(
     redis: Redis,
     context_len: int | None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
-    renderer: Any = None,
+    renderer: Renderer | None = None,
 ) -> Producer:
     """Create/check the run in Redis, reconcile with the output files, index every source."""
     # everything that can be wrong with the config is checked before Redis is touched
@@ -68,7 +71,7 @@ def build_producer(
     return producer
 
 
-def load_renderer(cfg: RunConfig) -> Any:
+def load_renderer(cfg: RunConfig) -> Renderer | None:
     """The run's tokenizer (None when every category is pre-tokenized and none is named),
     its template checked against the config: every chat-template kwarg must be one the
     template reads (Kimi's thinking switch is `thinking`, Qwen's and GLM's

@@ -28,15 +28,19 @@ import logging
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import msgspec
 
 from budget_service.ledger import now_ms
 from foundation.config import Category, RunConfig
+from foundation.errors import ConfigError
 from foundation.wire import DeadLetter, Outcome, Pending, turn_id
 from producer.formats import Rejected
 from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
+
+if TYPE_CHECKING:
+    from producer.render import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ class CategorySource:
     `renderer` is None when the category is pre-tokenized; `context_length` the engine's
     context (None: unknown, only the text-length guard applies)."""
 
-    def __init__(self, cfg: RunConfig, cat: Category, index: SourceIndex, renderer: Any,
+    def __init__(self, cfg: RunConfig, cat: Category, index: SourceIndex, renderer: Renderer | None,
                  context_length: int | None) -> None:
         self.cfg = cfg
         self.cat = cat
@@ -92,7 +96,7 @@ class CategorySource:
         self._order: array | None = None
 
     @classmethod
-    def open(cls, cfg: RunConfig, cat: Category, renderer: Any = None,
+    def open(cls, cfg: RunConfig, cat: Category, renderer: Renderer | None = None,
              context_length: int | None = None) -> CategorySource:
         """Index the category's files (raises `SourceError`)."""
         return cls(cfg, cat, SourceIndex.build([Path(p) for p in cat.paths]), renderer,
@@ -179,7 +183,10 @@ class CategorySource:
             else:
                 chat.append(k)
         if chat:
-            rendered = self.renderer.render_many([prompts[k] for k in chat],
+            if self.renderer is None:
+                raise ConfigError("$.tokenizer", f"category {self.cat.name!r} has chat prompts: "
+                                  "they are rendered with the model's tokenizer, name it")
+            rendered = self.renderer.render_many([cast(list[dict], prompts[k]) for k in chat],
                                                  self.kwargs or None, [tools[k] for k in chat])
             for k, r in zip(chat, rendered, strict=True):
                 out[k] = r if isinstance(r, Rejected) else Prompt(r[0], list(r[1]))

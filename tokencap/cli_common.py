@@ -4,13 +4,17 @@ run and its `Budget` in Redis."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from foundation.config import DEFAULT_KEY_PREFIX
 from foundation.errors import RunNotFound, TokencapError
 from foundation.redisconn import DEFAULT_REDIS_URL
+
+if TYPE_CHECKING:
+    from budget_service.budget import Budget
+    from foundation.config import RunConfig
 
 STATE_META = "tokencap.state_dir"
 
@@ -78,7 +82,7 @@ def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
     raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")
 
 
-def _stored_config(budget: Any) -> Any:
+def _stored_config(budget: Budget) -> RunConfig:
     cfg = budget.load_config()
     if cfg is None:
         raise RunNotFound(f"run {budget.keys.run!r} has no stored config in Redis")

@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
 
 from foundation.errors import TokencapError
 from tokencap.export import FORMATS, MAX_BAD_REPORTED
+
+if TYPE_CHECKING:
+    from foundation.config import RunConfig
+    from producer.render import Renderer
 
 CONFIG_ENV = "TOKENCAP_CONFIG"
 
@@ -49,7 +53,7 @@ def _renderer(path: str | None, kwargs: dict | None = None) -> Any:
     return Renderer(path, kwargs)
 
 
-def _config_renderer(cfg: Any) -> Any:
+def _config_renderer(cfg: RunConfig) -> Renderer | None:
     """The run's tokenizer as the producer loads it (trust_remote_code, kwargs checked)."""
     from producer.run import load_renderer
 
@@ -143,6 +147,9 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
             renderer = load_renderer(cfg)
         else:
             renderer = _renderer(tokenizer or (cfg.tokenizer if cfg else None))
+        if renderer is None:
+            raise TokencapError("the conversations export decodes the token ids: name a "
+                                "tokenizer (--tokenizer, or `tokenizer` in the config)")
         decoder = renderer.tokenizer
         messages = SourceMessages(cfg, renderer) if cfg else None
     try:

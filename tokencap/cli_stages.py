@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,6 +22,10 @@ from tokencap.cli_common import (
     _budget,
     _stored_config,
 )
+
+if TYPE_CHECKING:
+    from budget_service.budget import Budget
+    from foundation.engine_info import EngineInfo
 
 log = logging.getLogger("tokencap")
 
@@ -112,7 +116,7 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     sys.exit(code)
 
 
-def _check_engines(infos: list[Any], budget: Any) -> None:
+def _check_engines(infos: list[EngineInfo], budget: Budget) -> None:
     """A worker's engines must serve a model the run's producer checked (its preflight):
     else it would feed the run another model's outputs."""
     from foundation.errors import EngineUnusable

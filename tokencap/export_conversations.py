@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from foundation.errors import SourceError, UnknownCategory
 from foundation.outputs import (
@@ -21,6 +21,11 @@ from tokencap.export_sinks import (
     CategoryStats,
     JsonlSink,
 )
+
+if TYPE_CHECKING:
+    from foundation.config import Category, RunConfig
+    from producer.render import Renderer
+    from producer.source import CategorySource
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ class SourceMessages:
     pre-tokenized, there are no messages and `unmatched` counts it.
     """
 
-    def __init__(self, cfg: Any, renderer: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, renderer: Renderer | None = None) -> None:
         self.cfg = cfg
         self.renderer = renderer
         self.unmatched = 0
@@ -105,7 +110,7 @@ class SourceMessages:
             log.debug("%s/%s: no source messages: %s", row.category, row.id, exc)
         return None
 
-    def _source(self, cat: Any) -> Any:
+    def _source(self, cat: Category) -> CategorySource:
         """The category's `CategorySource` (KeyError: its files cannot be indexed)."""
         from producer.source import CategorySource
 

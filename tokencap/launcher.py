@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
@@ -36,6 +36,9 @@ from producer.run import run_to_end
 from tokencap.localredis import find_redis_server, free_port
 from tokencap.progress import ProgressPrinter, summary_table
 from tokencap.runfile import RUN_FILE, run_file, stop_hint
+
+if TYPE_CHECKING:
+    from foundation.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = START_TIME
     wait_until(check, timeout_s, f"{what} to start", POLL_S, TokencapError)
 
 
-def sim_family(cfg: Any) -> tuple[str, ...]:
+def sim_family(cfg: RunConfig) -> tuple[str, ...]:
     """The simulator's arguments to answer in the grammar of the run's model family: the
     parsers the run reads its replies with (`producer.replies`) name it."""
     if not cfg.tokenizer:

@@ -27,13 +27,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from foundation.config import Category, RunConfig
 from foundation.errors import TokencapError
 from foundation.outputs import BadLine, category_dir, read_results
+
+if TYPE_CHECKING:
+    from producer.render import Renderer
 
 PROMPT_SAMPLE_SIZE = 64  # prompts rendered to estimate mean prompt tokens
 CHECK_PROGRESS_EVERY = 5000  # records between progress lines of `check_sources`
@@ -182,7 +185,7 @@ def count_available(cfg: RunConfig) -> dict[str, int]:
     return counts
 
 
-def check_sources(cfg: RunConfig, renderer: Any,
+def check_sources(cfg: RunConfig, renderer: Renderer | None,
                   on_progress: Callable[[str, int, int], None] | None = None
                   ) -> dict[str, SourceCheck]:
     """Read, render and check every record of every category as the producer does
@@ -214,7 +217,7 @@ def check_sources(cfg: RunConfig, renderer: Any,
     return out
 
 
-def _first_prompts(cfg: RunConfig, cat: Category, renderer: Any, want: int):
+def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, want: int):
     """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
     stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
     from producer.formats import Rejected
@@ -232,7 +235,7 @@ def _first_prompts(cfg: RunConfig, cat: Category, renderer: Any, want: int):
 
 
 def estimate_prompt_tokens(
-    cfg: RunConfig, renderer: Any, categories: list[str] | None = None,
+    cfg: RunConfig, renderer: Renderer | None, categories: list[str] | None = None,
     sample_size: int = PROMPT_SAMPLE_SIZE,
 ) -> dict[str, float]:
     """Mean prompt tokens of the first `sample_size` prompts of each category's shuffled
@@ -271,14 +274,15 @@ class Preview(msgspec.Struct):
     parsers: str = ""
 
 
-def unused_kwargs(renderer: Any, kwargs: dict[str, Any]) -> list[str]:
+def unused_kwargs(renderer: Renderer | None, kwargs: dict[str, Any]) -> list[str]:
     """Keys of `kwargs` that the chat template never reads (they do nothing, e.g.
     `enable_thinking` for a template that reads `thinking`)."""
     return [] if renderer is None else renderer.unread_kwargs(kwargs)
 
 
 def preview(
-    cfg: RunConfig, n: int = 1, renderer: Any = None, categories: list[str] | None = None
+    cfg: RunConfig, n: int = 1, renderer: Renderer | None = None,
+    categories: list[str] | None = None,
 ) -> list[Preview]:
     """The first `n` prompts of each category in the seeded shuffled order, rendered with
     the category's system prompt and chat-template kwargs (merged over the run's).
