@@ -134,7 +134,7 @@ def detect_format(record: dict) -> str:
 
 
 
-class _Turn(NamedTuple):
+class SourceTurn(NamedTuple):
     """A source turn before the policy: its role (None when unknown), the turn object, and
     where it is. Its fields are checked later, only if the turn is kept."""
 
@@ -145,7 +145,7 @@ class _Turn(NamedTuple):
     content_key: str
 
 
-def _message(t: _Turn) -> dict:
+def turn_message(t: SourceTurn) -> dict:
     """The chat message of one kept turn, its fields checked."""
     value, at = t.raw.get(t.content_key), f"{t.at}.{t.content_key}"
     if t.role == "function_call":  # ShareGPT: the value is the call(s), as JSON
@@ -164,7 +164,7 @@ def _message(t: _Turn) -> dict:
         msg = {"role": "assistant"}
         if calls:
             if not isinstance(calls, list):
-                raise Rejected("wrong_type", f"expected a list, got {_kind(calls)}",
+                raise Rejected("wrong_type", f"expected a list, got {kind_name(calls)}",
                                f"{t.at}.tool_calls")
             msg["content"] = "" if value is None or value == "" else _content(value, at)
             msg["tool_calls"] = [_tool_call(c, f"{t.at}.tool_calls[{k}]")
@@ -183,10 +183,10 @@ def _tool_call(call: Any, at: str) -> dict:
     """One call in OpenAI's shape, its arguments an object (as SGLang and vLLM hand them to
     the template). A bare ``{name, arguments}`` (ShareGPT function_call) is wrapped."""
     if not isinstance(call, dict):
-        raise Rejected("wrong_type", f"expected an object, got {_kind(call)}", at)
+        raise Rejected("wrong_type", f"expected an object, got {kind_name(call)}", at)
     fn = call.get("function", call)
     if not isinstance(fn, dict):
-        raise Rejected("wrong_type", f"expected an object, got {_kind(fn)}", f"{at}.function")
+        raise Rejected("wrong_type", f"expected an object, got {kind_name(fn)}", f"{at}.function")
     where = f"{at}.function" if "function" in call else at
     name = fn.get("name")
     if not isinstance(name, str) or not name:
@@ -195,7 +195,8 @@ def _tool_call(call: Any, at: str) -> dict:
     if isinstance(args, str):
         args = _json_value(args, f"{where}.arguments") if args.strip() else {}
     if not isinstance(args, dict):
-        raise Rejected("wrong_type", f"tool call arguments must be an object, got {_kind(args)}",
+        raise Rejected("wrong_type",
+                       f"tool call arguments must be an object, got {kind_name(args)}",
                        f"{where}.arguments")
     out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
     if isinstance(call.get("id"), str):
@@ -216,7 +217,7 @@ def _tool_content(value: Any, at: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _tools(record: dict, key: str) -> list[dict] | None:
+def tool_schemas(record: dict, key: str) -> list[dict] | None:
     """The record's tool schemas (a list, or a JSON string of one); bare function schemas
     ``{name, description, parameters}`` are wrapped as ``{"type": "function", ...}``, the
     shape a chat server hands the template."""
@@ -226,11 +227,12 @@ def _tools(record: dict, key: str) -> list[dict] | None:
     if isinstance(value, str):
         value = _json_value(value, key)
     if not isinstance(value, list):
-        raise Rejected("wrong_type", f"expected a list of tools, got {_kind(value)}", key)
+        raise Rejected("wrong_type", f"expected a list of tools, got {kind_name(value)}", key)
     tools = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict):
-            raise Rejected("wrong_type", f"expected an object, got {_kind(tool)}", f"{key}[{i}]")
+            raise Rejected("wrong_type", f"expected an object, got {kind_name(tool)}",
+                           f"{key}[{i}]")
         if "function" not in tool:
             if not isinstance(tool.get("name"), str):
                 raise Rejected("missing_field", "the tool has no name", f"{key}[{i}].name")
@@ -248,7 +250,7 @@ def _json_value(value: Any, at: str) -> Any:
         raise Rejected("invalid_json", f"not valid JSON: {exc}", at) from None
 
 
-def _add_system(
+def add_system(
     messages: list[dict], record: dict, system_prompt: str | None, field_map: dict | None
 ) -> list[dict]:
     if system_prompt is not None:
@@ -266,7 +268,7 @@ def _top_system(record: dict, field_map: dict[str, str] | None) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise Rejected("wrong_type", f"expected a string, got {_kind(value)}", key)
+        raise Rejected("wrong_type", f"expected a string, got {kind_name(value)}", key)
     return value if value.strip() else None
 
 
@@ -282,27 +284,27 @@ def _content(value: Any, at: str) -> str:
             parts.append(_content(part.get("text"), f"{at}[{j}].text"))
         value = TEXT_PART_SEPARATOR.join(parts)
     if not isinstance(value, str):
-        raise Rejected("wrong_type", f"expected a string, got {_kind(value)}", at)
+        raise Rejected("wrong_type", f"expected a string, got {kind_name(value)}", at)
     if not value.strip():
         raise Rejected("empty_turn", "the turn's text is empty", at)
     return value
 
 
-def _text(record: dict, key: str) -> str:
-    return _content(_field(record, key, str), key)
+def text_field(record: dict, key: str) -> str:
+    return _content(typed_field(record, key, str), key)
 
 
-def _field(record: dict, key: str, kind: type) -> Any:
+def typed_field(record: dict, key: str, kind: type) -> Any:
     value = record.get(key)
     if value is None:
         raise Rejected("missing_field", f"the record has no {key!r}", key)
     if not isinstance(value, kind):
-        raise Rejected("wrong_type", f"expected {kind.__name__}, got {_kind(value)}", key)
+        raise Rejected("wrong_type", f"expected {kind.__name__}, got {kind_name(value)}", key)
     return value
 
 
-def _input_ids(record: dict) -> list[int]:
-    ids = _field(record, "input_ids", list)
+def input_ids_field(record: dict) -> list[int]:
+    ids = typed_field(record, "input_ids", list)
     if not ids:
         raise Rejected("empty_conversation", "input_ids is empty", "input_ids")
     for j, tok in enumerate(ids):
@@ -311,5 +313,5 @@ def _input_ids(record: dict) -> list[int]:
     return ids
 
 
-def _kind(value: Any) -> str:
+def kind_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__

@@ -11,15 +11,15 @@ from producer.formats import (
     ROLE_ALIASES,
     SINGLE_TURN_KEYS,
     Rejected,
-    _add_system,
-    _field,
-    _input_ids,
-    _kind,
-    _message,
-    _text,
-    _tools,
-    _Turn,
+    SourceTurn,
+    add_system,
     detect_format,
+    input_ids_field,
+    kind_name,
+    text_field,
+    tool_schemas,
+    turn_message,
+    typed_field,
 )
 from producer.formats_conversation import Conversation
 
@@ -88,12 +88,12 @@ def to_conversation(
         if fmt == "auto":
             fmt = detect_format(record)
         if fmt == "input_ids":
-            return _input_ids(record)
+            return input_ids_field(record)
         raw = _chat_turns(record, fmt, roles)
     kept = _apply_policy(raw, turns, system_prompt)
-    messages = [_message(t) for t in kept]
-    messages = _add_system(messages, record, system_prompt, field_map)
-    tools = _tools(record, (field_map or {}).get("tools", "tools"))
+    messages = [turn_message(t) for t in kept]
+    messages = add_system(messages, record, system_prompt, field_map)
+    tools = tool_schemas(record, (field_map or {}).get("tools", "tools"))
     if turns == "all":
         points = tuple(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if messages[-1]["role"] != "assistant":
@@ -103,28 +103,28 @@ def to_conversation(
     return Conversation(messages, tools, points)
 
 
-def _chat_turns(record: dict, fmt: str, roles: dict[str, str]) -> list[_Turn]:
+def _chat_turns(record: dict, fmt: str, roles: dict[str, str]) -> list[SourceTurn]:
     if fmt == "messages":
         return _turns(record, "messages", "role", "content", roles)
     if fmt == "sharegpt":
         return _turns(record, "conversations", "from", "value", roles)
     if fmt == "alpaca":
-        instruction = _text(record, "instruction")
+        instruction = text_field(record, "instruction")
         extra = record.get("input")
         if extra is not None and not isinstance(extra, str):
-            raise Rejected("wrong_type", f"expected a string, got {_kind(extra)}", "input")
+            raise Rejected("wrong_type", f"expected a string, got {kind_name(extra)}", "input")
         if extra and extra.strip():
             instruction = instruction + ALPACA_SEPARATOR + extra
-        return [_Turn("user", {"content": instruction}, "instruction", "role", "content")]
+        return [SourceTurn("user", {"content": instruction}, "instruction", "role", "content")]
     key = SINGLE_TURN_KEYS[fmt]
-    return [_Turn("user", {"content": _text(record, key)}, key, "role", "content")]
+    return [SourceTurn("user", {"content": text_field(record, key)}, key, "role", "content")]
 
 
 def _mapped_turns(record: dict, field_map: dict[str, str], roles: dict[str, str]
-                  ) -> list[_Turn]:
+                  ) -> list[SourceTurn]:
     if "prompt" in field_map:
         key = field_map["prompt"]
-        return [_Turn("user", {"content": _text(record, key)}, key, "role", "content")]
+        return [SourceTurn("user", {"content": text_field(record, key)}, key, "role", "content")]
     if "messages" in field_map:
         return _turns(
             record,
@@ -137,16 +137,16 @@ def _mapped_turns(record: dict, field_map: dict[str, str], roles: dict[str, str]
 
 
 def _turns(record: dict, key: str, role_key: str, content_key: str, roles: dict[str, str]
-           ) -> list[_Turn]:
+           ) -> list[SourceTurn]:
     """Read a list of turn objects; ShareGPT turns written as role/content are accepted."""
-    raw = _field(record, key, list)
+    raw = typed_field(record, key, list)
     if not raw:
         raise Rejected("empty_conversation", "the conversation has no turns", key)
-    out: list[_Turn] = []
+    out: list[SourceTurn] = []
     for i, turn in enumerate(raw):
         at = f"{key}[{i}]"
         if not isinstance(turn, dict):
-            raise Rejected("wrong_type", f"expected an object, got {_kind(turn)}", at)
+            raise Rejected("wrong_type", f"expected an object, got {kind_name(turn)}", at)
         rk, ck = role_key, content_key
         if rk not in turn and "role" in turn:  # SpecForge writes conversations[{role,content}]
             rk, ck = "role", "content"
@@ -154,11 +154,12 @@ def _turns(record: dict, key: str, role_key: str, content_key: str, roles: dict[
         if role is None:
             raise Rejected("missing_field", f"turn has no {rk!r}", f"{at}.{rk}")
         name = roles.get(role.lower()) if isinstance(role, str) else None
-        out.append(_Turn(name, turn, at, rk, ck))
+        out.append(SourceTurn(name, turn, at, rk, ck))
     return out
 
 
-def _apply_policy(turns_in: list[_Turn], turns: str, system_prompt: str | None) -> list[_Turn]:
+def _apply_policy(turns_in: list[SourceTurn], turns: str, system_prompt: str | None
+                  ) -> list[SourceTurn]:
     users = [i for i, t in enumerate(turns_in) if t.role == "user"]
     if not users:
         _check_roles(turns_in)
@@ -172,7 +173,7 @@ def _apply_policy(turns_in: list[_Turn], turns: str, system_prompt: str | None) 
     return kept
 
 
-def _check_roles(turns: list[_Turn]) -> None:
+def _check_roles(turns: list[SourceTurn]) -> None:
     for t in turns:
         if t.role is None:
             role = t.raw[t.role_key]

@@ -32,7 +32,7 @@ from foundation.sources import logical_stem
 from producer.formats import Rejected
 from producer.formats_conversation import Conversation
 from producer.formats_turns import to_conversation
-from producer.readers_scan import _index_file, _Segment
+from producer.readers_scan import Segment, index_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Sample(NamedTuple):
         return self.conversation.tools if self.conversation else None
 
 
-def _rows(seg: _Segment) -> list[int]:
+def _rows(seg: Segment) -> list[int]:
     """A Parquet segment's row-group starts (then its row count)."""
     assert seg.row_group_starts is not None, f"{seg.path} is not a Parquet segment"
     return seg.row_group_starts
@@ -76,7 +76,7 @@ def _rows(seg: _Segment) -> list[int]:
 class SourceIndex:
     """Positions of every record of a source's files; `read(i)` decodes record i."""
 
-    def __init__(self, segments: list[_Segment], total: int) -> None:
+    def __init__(self, segments: list[Segment], total: int) -> None:
         self._segments = segments
         self._starts = [seg.start for seg in segments]
         self._total = total
@@ -96,12 +96,12 @@ class SourceIndex:
         Raises `SourceError` naming the path of a file that cannot be opened, of a file of
         unknown type, or of a JSON array whose brackets do not balance.
         """
-        segments: list[_Segment] = []
+        segments: list[Segment] = []
         total = 0
         for raw in paths:
             path = Path(raw)
             try:
-                seg = _index_file(path, total)
+                seg = index_file(path, total)
             except OSError as exc:
                 raise SourceError(f"{path}: cannot read: {exc.strerror or exc}") from None
             segments.append(seg)

@@ -51,7 +51,7 @@ class _Span:
         return len(self.offsets)
 
 
-class _Segment(NamedTuple):
+class Segment(NamedTuple):
     path: Path  # the file read (a compressed source's decompressed copy)
     start: int  # global index of the file's first record
     span: _Span | None  # json only
@@ -97,14 +97,14 @@ def _decompressed(path: Path, compression: str) -> Path:
     return out
 
 
-def _index_file(path: Path, start: int) -> _Segment:
+def index_file(path: Path, start: int) -> Segment:
     kind = source_type(path)
     if kind is None:
         raise SourceError(f"{path}: unsupported file type {''.join(path.suffixes[-2:])!r} "
                           f"(use {SUPPORTED})")
     container, compression = kind
     if container == ".parquet":
-        return _Segment(path, start, None, _parquet_row_groups(path), path)
+        return Segment(path, start, None, _parquet_row_groups(path), path)
     readable = _decompressed(path, compression) if compression else path
     span = _Span()
     with open(readable, "rb") as f:
@@ -113,7 +113,7 @@ def _index_file(path: Path, start: int) -> _Segment:
             _scan_json_array(f, span, path)
         else:
             _scan_jsonl(f, span)
-    return _Segment(readable, start, span, None, path)
+    return Segment(readable, start, span, None, path)
 
 
 def _first_byte(f: IO[bytes]) -> bytes:

@@ -82,14 +82,14 @@ def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
     raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")
 
 
-def _stored_config(budget: Budget) -> RunConfig:
+def stored_config(budget: Budget) -> RunConfig:
     cfg = budget.load_config()
     if cfg is None:
         raise RunNotFound(f"run {budget.keys.run!r} has no stored config in Redis")
     return cfg
 
 
-def _budget(redis_url: str, prefix: str, run_name: str | None) -> Any:
+def open_budget(redis_url: str, prefix: str, run_name: str | None) -> Any:
     from budget_service.budget import Budget
     from budget_service.keys import Keys
     from foundation.redisconn import connect

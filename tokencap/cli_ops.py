@@ -18,9 +18,9 @@ from tokencap.cli_common import (
     RUN_OPT,
     SGLANG_OPT,
     STATE_OPT,
-    _budget,
-    _stored_config,
+    open_budget,
     stack_run_options,
+    stored_config,
 )
 
 log = logging.getLogger("tokencap")
@@ -47,7 +47,7 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
     """Show each category's cap, used, reserved, samples and state."""
     from tokencap.progress import summary_table
 
-    budget = _budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name)
     if events_flag:
         events = budget.operating.events(list(budget.telemetry.status()["categories"]))
         click.echo(json.dumps(events, indent=2) if as_json else "\n".join(
@@ -106,7 +106,7 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
     closes it at once."""
     from budget_service.ledger import cap_text
 
-    budget = _budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name)
     if category not in budget.telemetry.status()["categories"]:
         raise UnknownCategory(budget.keys.run, category)
     who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
@@ -128,8 +128,8 @@ def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     rejected/dead by reason, cap changes. `up` writes one at the end of a run."""
     from tokencap.report import build_report
 
-    budget = _budget(redis_url, prefix, run_name)
-    out = Path(out_dir or _stored_config(budget).output_dir)
+    budget = open_budget(redis_url, prefix, run_name)
+    out = Path(out_dir or stored_config(budget).output_dir)
     path = build_report(budget, out, Path(dest) if dest else out)
     click.echo(f"report: {path}")
 
@@ -150,7 +150,7 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     turn needs the turns before it)."""
     from foundation.wire import split_turn_id
 
-    budget = _budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name)
     known = list(budget.telemetry.status()["categories"])
     for name in categories:
         if name not in known:

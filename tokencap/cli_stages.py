@@ -19,8 +19,8 @@ from tokencap.cli_common import (
     REDIS_OPT,
     RUN_OPT,
     SGLANG_OPT,
-    _budget,
-    _stored_config,
+    open_budget,
+    stored_config,
 )
 
 if TYPE_CHECKING:
@@ -106,8 +106,8 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     urls = parse_urls(sglang_url)
     if not urls:
         raise TokencapError("no engine: set --sglang-url or SGLANG_URL")
-    budget = _budget(redis_url, prefix, run_name)
-    cfg = _stored_config(budget)
+    budget = open_budget(redis_url, prefix, run_name)
+    cfg = stored_config(budget)
     ctx = configure(redis_url, urls, prefix)
     _check_engines(ctx.run(budget.keys.run).client.preflight(), budget)
     code = supervise(lambda: connect(redis_url), budget.keys, [c.name for c in cfg.category],
@@ -149,8 +149,8 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
     """
     from writer.writer import Writer
 
-    budget = _budget(redis_url, prefix, run_name)
-    cfg = _stored_config(budget)
+    budget = open_budget(redis_url, prefix, run_name)
+    cfg = stored_config(budget)
     if supervise:
         from consumers.pool import run_pool
 
@@ -190,7 +190,7 @@ def serve(run_name: str | None, redis_url: str, prefix: str, host: str, port: in
     GET /metrics (Prometheus) and POST /cap (token); record the time series."""
     from budget_service.server import Recorder, make_server
 
-    budget = _budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name)
     try:
         server = make_server(budget, host, port, token)
     except OSError as exc:
