@@ -113,13 +113,13 @@ class FeedingLedger(Ledger):
         return out
 
     def restore_followups(self, category: str, events: Sequence[TurnEvent]) -> None:
-        """Put back conversations' next turns and histories found on disk (Redis lost them)."""
+        """Put back conversations' next turns and histories found on disk (Redis lost them):
+        `lua/restore.lua`."""
         args: list[Any] = []
         for ev in events:
             args += ev.args()
         if args:
-            self.scripts.acknowledge(keys=self._ck(category),
-                                     args=["results", WRITER_GROUP, 0, 0, 0, *args])
+            self.scripts.restore(keys=self._ck(category), args=args)
 
     def cut(self, category: str, letters: Sequence[DeadLetter]) -> int:
         """Report turns held back by the closed category, once each (cut records)."""

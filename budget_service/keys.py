@@ -29,21 +29,22 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:written`    | hash   | acknowledge, mark_written       | the writer         | run       |
 |                      |        | (sample -> counted tokens, or d)|                    |           |
 | `P:{cat}:follow`     | zset   | acknowledge (a turn written),   | producer           | to fed    |
-|                      |        | restore_followups, retry (a     |                    |           |
+|                      |        | restore, retry (a               |                    |           |
 |                      |        | dead sample, score -1);         |                    |           |
 |                      |        | feed_follow takes (next turn id |                    |           |
 |                      |        | -> ordinal)                     |                    |           |
-| `P:{cat}:history`    | hash   | acknowledge, restore_followups  | producer           | to conv.  |
+| `P:{cat}:history`    | hash   | acknowledge, restore            | producer           | to conv.  |
 |                      |        | (turn id -> its output ids)     |                    | end       |
 | `P:{cat}:cut`        | hash   | cut (turns reported held back)  | cut                | run       |
-| `P:{cat}:events`     | stream | close ("cap": cap changes, the  | status --events,   | last 1000 |
+| `P:{cat}:events`     | stream | set_cap (cap changes, the       | status --events,   | last 1000 |
 |                      |        | last 1,000)                     | producer's log     |           |
 | `P:{cat}:retried`    | set    | retry (dead samples sent again: | reconcile (their   | run       |
 |                      |        | their dead letter on disk is    | dead letter is not |           |
 |                      |        | history, not their end)         | final)             |           |
-| `P:{cat}:engine_of`  | hash   | acknowledge (next turn id -> the| producer (the next | to final  |
-|                      |        | engine that served the turn     | turn prefers it)   |           |
-|                      |        | before); final samples drop it  |                    |           |
+| `P:{cat}:engine_of`  | hash   | acknowledge, restore (next turn | producer (the next | to final  |
+|                      |        | id -> the engine that served the| turn prefers it)   |           |
+|                      |        | turn before); final samples drop|                    |           |
+|                      |        | it                              |                    |           |
 | `P:{cat}:cache`      | hash   | commit (per engine: samples,    | status, `/metrics` | run       |
 |                      |        | prompt, cached, reusable tokens;|                    |           |
 |                      |        | field `<engine URL> <counter>`) |                    |           |

@@ -18,7 +18,7 @@ LUA_DIR = Path(__file__).with_name("lua")
 CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
     "lease", "unpark", "set_cap", "close", "exhausted", "reconcile", "acknowledge",
-    "feed_follow", "cut", "retry",
+    "restore", "feed_follow", "cut", "retry",
 )  # fmt: skip
 OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "series")
 PRELUDE = "_lib.lua"
@@ -51,6 +51,7 @@ class Scripts:
     exhausted: Script
     reconcile: Script
     acknowledge: Script
+    restore: Script
     feed_follow: Script
     cut: Script
     retry: Script

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from redis.exceptions import ResponseError
 
 from budget_service.budget import Budget
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
@@ -626,6 +627,34 @@ def test_acknowledge_hands_a_written_turn_to_the_next_and_ends_conversations(
                       conversation_id="d", turn=2, turns_total=4)
     assert turn_event(dead).drop == ("d#t1",)  # type: ignore[union-attr]
     assert turn_event(msgspec.structs.replace(dead, outcome="cut")) is None
+
+
+def test_restore_puts_back_next_turns_and_histories_and_touches_no_stream(
+        budget: Budget) -> None:
+    from budget_service.ledger import turn_event
+
+    # Given what the files hold of two conversations: c's turn 1 written (c#t2 next), d ended
+    go_on = turn_event(msgspec.structs.replace(turn_result("c", 1, 3, [5, 6]), engine="http://e"))
+    ended = turn_event(turn_result("d", 2, 2, [9]))
+    assert go_on is not None and ended is not None
+    budget.redis.hset(ck(budget).history, "d#t1", "[1]")  # left over from before
+    budget.samples.commit(result("x", 5), 0, 0.0)  # an unwritten result in the stream
+    budget.feeding.restore_followups("code", [go_on, ended])
+    # c waits for its next turn with its history and engine; d's history is gone
+    [f] = budget.feeding.followups("code", 10)
+    assert (f.sample_id, f.ordinal, f.outputs, f.engine) == ("c#t2", 7, [[5, 6]], "http://e")
+    assert budget.redis.hget(ck(budget).history, "d#t1") is None
+    # the results stream, the written marks and `used` are left alone
+    assert budget.redis.xlen(ck(budget).results) == 1
+    assert budget.redis.hlen(ck(budget).written) == 0
+    assert budget.state("code")["used"] == 5
+    # a next turn already pending is not put back in `follow`
+    budget.redis.delete(ck(budget).follow)
+    budget.redis.hset(ck(budget).pending, "c#t2", "{}")
+    budget.feeding.restore_followups("code", [go_on])
+    assert budget.redis.zcard(ck(budget).follow) == 0
+    with pytest.raises(ResponseError, match="unknown conversation event"):
+        budget.scripts.restore(keys=ck(budget), args=["bogus"])
 
 
 def test_feed_follow_feeds_each_waiting_turn_once(budget: Budget) -> None:

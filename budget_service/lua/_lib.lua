@@ -100,3 +100,31 @@ local function behind(bound)
   if not bound or bound <= 0 then return false end
   return redis.call('XLEN', K.results) + redis.call('XLEN', K.dead) >= bound
 end
+
+-- turn_events(i): apply the conversation events in ARGV[i ..] (acknowledge.lua, restore.lua):
+--   'next', turn sample id, its output ids (JSON), the next turn's sample id, ordinal, the
+--           engine that served the turn (or ''): keep the output; the next turn waits in
+--           `follow` (with the engine it prefers) unless it is pending or final
+--   'end', k, k history fields to drop
+-- Returns nil, or an error reply for an unknown event.
+local function turn_events(i)
+  while i <= #ARGV do
+    if ARGV[i] == 'next' then
+      local nxt = ARGV[i + 3]
+      redis.call('HSET', K.history, ARGV[i + 1], ARGV[i + 2])
+      if redis.call('HEXISTS', K.final, nxt) == 0
+          and redis.call('HEXISTS', K.pending, nxt) == 0 then
+        redis.call('ZADD', K.follow, 'NX', ARGV[i + 4], nxt)
+        if ARGV[i + 5] ~= '' then redis.call('HSET', K.engine_of, nxt, ARGV[i + 5]) end
+      end
+      i = i + 6
+    elseif ARGV[i] == 'end' then
+      local k = tonumber(ARGV[i + 1])
+      for j = i + 2, i + 1 + k do redis.call('HDEL', K.history, ARGV[j]) end
+      i = i + 2 + k
+    else
+      return redis.error_reply('unknown conversation event ' .. tostring(ARGV[i]))
+    end
+  end
+  return nil
+end
