@@ -43,8 +43,9 @@ from budget_service.estimator import LengthModel
 from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms
 from foundation.backoff import REDIS_DOWN, Backoff
-from foundation.config import RunConfig
+from foundation.config import Category, RunConfig
 from producer.conversations import Conversations
+from producer.readers import SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
 
@@ -72,14 +73,26 @@ class CategoryFeed:
 
     def __init__(self, source: CategorySource) -> None:
         self.source = source
-        self.cat = source.cat
-        self.index = source.index
-        self.order: array = source.order
-        self.turns = source.turns
         self.cursor = 0
         self.stop_ids = set(source.cat.sampling.stop_token_ids or [])
         self.cut_mark: tuple[int, int] | None = None  # `Conversations.report_cut`
         self.opened: bool | None = None  # the generation prompt opens a reasoning block
+
+    @property
+    def cat(self) -> Category:
+        return self.source.cat
+
+    @property
+    def index(self) -> SourceIndex:
+        return self.source.index
+
+    @property
+    def order(self) -> array:
+        return self.source.order
+
+    @property
+    def turns(self) -> bool:
+        return self.source.turns
 
     @property
     def exhausted(self) -> bool:
@@ -100,7 +113,6 @@ class Producer:
         self.redis = redis
         self.keys = Keys(cfg.key_prefix, cfg.run)
         self.budget = Budget(redis, self.keys)
-        self.renderer = renderer
         self.on_progress = on_progress
         self.feeds: dict[str, CategoryFeed] = {}
         self.queues = {c.name: jobs.queue(redis, self.keys, c.name) for c in cfg.category}
