@@ -1,6 +1,6 @@
 """RQ's contract, in one place: the one job function, its TTLs and serializer, the queues,
 how the producer enqueues, what a worker refuses and how it drops a refused job, the
-started-registry cleanup at the end of a run, and the count of registered workers.
+started-registry cleanup at the end of a run, and the workers alive on the run's queues.
 
 The producer (`producer.feeder`) and the workers (`consumers.worker`) call this; no other
 module names RQ's keys or builds a job. A job carries only a `JobRef` (msgspec JSON, never
@@ -15,8 +15,9 @@ from typing import Any
 
 import msgspec
 from redis import Redis
-from rq import Queue, Worker
+from rq import Queue
 from rq.job import Job
+from rq.worker_registration import clean_worker_registry, get_keys
 
 from budget_service.keys import Keys
 from foundation.errors import PayloadRefused
@@ -29,6 +30,12 @@ JOB_FUNC = "consumers.job.process"
 # RQ its delete path), a failed one this long. The worker refuses a job that asks for others.
 JOB_RESULT_TTL_S = 60
 JOB_FAILURE_TTL_S = 7 * 24 * 3600
+# A worker's RQ key lives WORKER_TTL_S after its last beat, and a worker beats every
+# WORKER_BEAT_S, idle (RQ's blocking dequeue waits worker_ttl - 15 s between beats) or in a
+# job (consumers.worker beats from a thread): a killed worker stops counting as alive within
+# WORKER_TTL_S, not RQ's default 480 s (or a job's timeout + 60 s).
+WORKER_TTL_S = 20
+WORKER_BEAT_S = WORKER_TTL_S - 15
 _encoder = msgspec.json.Encoder()
 
 
@@ -104,10 +111,21 @@ def clear_started(redis: Redis, q: Queue) -> int:
 
 
 def worker_count(redis: Redis, keys: Keys, category: str) -> int:
-    """Workers registered on the run's queues (RQ's registry; every worker of a run listens
-    on every category's queue, so one queue tells)."""
-    return int(Worker.count(connection=redis, queue=Queue(keys.queue_name(category),
-                                                          connection=redis)))
+    """Workers alive on the run's queues: registered in RQ's registry, and with a worker key
+    that has not expired (a worker renews it every WORKER_BEAT_S, job or not; a killed one's
+    is gone WORKER_TTL_S after its last beat). Every worker of a run listens on every
+    category's queue, so one queue tells."""
+    names = sorted(get_keys(queue=queue(redis, keys, category)))
+    if not names:
+        return 0
+    return int(redis.exists(*names))
+
+
+def clean_workers(redis: Redis, keys: Keys, categories: Iterable[str]) -> None:
+    """Drop from RQ's registries the workers whose key expired (killed without a word):
+    RQ's own cleanup, which its workers run only every ten minutes."""
+    for q in queues(redis, keys, categories):
+        clean_worker_registry(q)
 
 
 def refusal(job: Job) -> str | None:

@@ -8,17 +8,22 @@ failure TTLs. A refused job runs
 nothing: no callback, no webhook, no retry; it is recorded once in the run's refused stream
 (with the field at fault) and deleted.
 
-`SimpleWorker` keeps one process (and one HTTP keep-alive session) across jobs; its lack of
-RQ heartbeats during a job is covered by tokencap's own lease, extended by the job's
-heartbeat thread, and by the producer's reaper.
+`SimpleWorker` keeps one process (and one HTTP keep-alive session) across jobs. It beats its
+RQ key only between jobs; a thread beats it during one (`_JobBeats`), so that the key of a
+worker killed at any moment expires `jobs.WORKER_TTL_S` after its last beat and `up`,
+`status` and the live page count only live workers. The sample in flight is covered by
+tokencap's own lease, extended by the job's heartbeat thread, and by the producer's reaper.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from redis import Redis
@@ -52,24 +57,28 @@ class TokencapWorker(SimpleWorker):
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's worker heartbeat, in one round trip instead of three, and not repeated
-        within WORKER_BEAT_MIN_S (`rq info` still shows a beat at most that old)."""
+        within WORKER_BEAT_MIN_S (`rq info` still shows a beat at most that old). The key
+        lives at most `worker_ttl` (RQ asks worker_ttl + 60 s, or a job's timeout + 60)."""
+        repeat = timeout is None and time.monotonic() - self._beat_sent_at < WORKER_BEAT_MIN_S
+        ttl = min(timeout or self.worker_ttl, self.worker_ttl)
         if pipeline is not None:
-            super().heartbeat(timeout, pipeline=pipeline)
+            super().heartbeat(ttl, pipeline=pipeline)
             self._beat_sent_at = time.monotonic()
             return
-        if timeout is None and time.monotonic() - self._beat_sent_at < WORKER_BEAT_MIN_S:
+        if repeat:
             return
         with self.connection.pipeline(transaction=False) as pipe:
-            super().heartbeat(timeout, pipeline=pipe)
+            super().heartbeat(ttl, pipeline=pipe)
             pipe.execute()
         self._beat_sent_at = time.monotonic()
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         reason = jobs.refusal(job)
-        if reason is None:
-            super().execute_job(job, queue)
-        else:
+        if reason is not None:
             self._refuse(job, queue, reason)
+            return
+        with _job_beats.during(self):
+            super().execute_job(job, queue)
 
     def _refuse(self, job: Job, queue: Queue, reason: str) -> None:
         """Record the job once and delete it: none of RQ's failure handling runs (it would
@@ -80,11 +89,54 @@ class TokencapWorker(SimpleWorker):
         jobs.drop(self.connection, queue, job)
 
 
+class _JobBeats:
+    """One daemon thread per process: every `jobs.WORKER_BEAT_S` it beats the RQ key of the
+    worker that runs a job (a `SimpleWorker` beats only between jobs). The lock makes sure
+    no beat is sent once the job is over (one after RQ deleted the key at the worker's end
+    would leave a key with only its beat in it)."""
+
+    def __init__(self) -> None:
+        self._worker: TokencapWorker | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = -1
+
+    @contextlib.contextmanager
+    def during(self, worker: TokencapWorker) -> Iterator[None]:
+        with self._lock:
+            self._worker = worker
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, daemon=True, name="rq-beat")
+            self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._worker = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(jobs.WORKER_BEAT_S)
+            with self._lock:
+                if self._worker is None:
+                    continue
+                try:
+                    self._worker.heartbeat(self._worker.worker_ttl)
+                except RedisError as exc:  # a missed beat: the next one comes in time
+                    log.warning("worker %s: heartbeat failed: %s", self._worker.name, exc)
+
+
+_job_beats = _JobBeats()
+
+
 def make_worker(redis: Redis, keys: Keys, categories: list[str], name: str | None = None,
                 worker_class: type[TokencapWorker] = TokencapWorker) -> TokencapWorker:
-    """A worker on the run's category queues (round robin)."""
+    """A worker on the run's category queues (round robin), its key alive WORKER_TTL_S
+    after its last beat."""
     worker = worker_class(jobs.queues(redis, keys, categories), connection=redis,
-                          serializer=jobs.MsgspecSerializer, name=name)
+                          serializer=jobs.MsgspecSerializer, name=name,
+                          worker_ttl=jobs.WORKER_TTL_S)
     worker.keys = keys
     return worker
 
