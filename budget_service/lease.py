@@ -53,6 +53,13 @@ class Lease:
         """Take the lease, waiting up to `wait_s` (default: a little over its TTL, so that a
         killed holder's lease has expired); raise `busy` if another keeps it."""
         wait_s = self.ttl_s * 1.5 if wait_s is None else wait_s
+        if self.lock.acquire(blocking=False, token=self.token):
+            self._renewed_at = time.monotonic()
+            return
+        if wait_s > 0:  # said, not waited in silence: after a crash, the rerun's first wait
+            log.warning("the %s lease of run %r is held by %s: waiting up to %g s for it "
+                        "(a killed holder's runs out within %g s)", self.role, self.run,
+                        self.holder() or "someone", wait_s, self.ttl_s)
         if self.lock.acquire(blocking=True, blocking_timeout=wait_s, token=self.token):
             self._renewed_at = time.monotonic()
             return

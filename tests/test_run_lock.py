@@ -19,12 +19,14 @@ from tests.faults.common import two_category_config
 KEYS = Keys("tokencap", "lock")
 
 
-def test_a_second_lock_is_refused_and_names_the_holder(redis) -> None:
+def test_a_second_lock_is_refused_and_names_the_holder(redis, caplog) -> None:
     first = producer_lease(redis, KEYS, ttl_s=5.0)
     first.acquire(wait_s=0)
     second = producer_lease(redis, KEYS, ttl_s=5.0)
     with pytest.raises(ProducerBusy, match=first.token):
         second.acquire(wait_s=0.3)
+    # the wait was said, with whom it waited for (after a crash: the killed producer)
+    assert f"held by {first.token}: waiting up to 0.3 s" in caplog.text
     first.release()
     second.acquire(wait_s=0)  # free again
     assert redis.get(KEYS.producer_lock) == second.token.encode()
