@@ -22,6 +22,7 @@ from foundation.config import DEFAULT_BUDGET_PORT
 from tests.conftest import ROOT
 from tests.faults.common import FAULT_KNOBS
 from tests.test_stack import STACK_VARS
+from tokencap import processes
 
 pytestmark = pytest.mark.slow
 INNER_TIMEOUT_S = 600
@@ -48,14 +49,9 @@ def _snapshot(home: Path) -> dict[str, object]:
     counts, the output files."""
     state = home / ".run"
     env = dict(line.split("=", 1) for line in (state / "env").read_text().splitlines())
-    pids = {p.stem: int(p.read_text()) for p in (state / "pids").glob("*.pid")}
-    alive = {}
-    for name, pid in pids.items():
-        try:
-            os.kill(pid, 0)
-            alive[name] = True
-        except OSError:
-            alive[name] = False
+    # each process as its pid file records it (pid and start time): alive, and the same one
+    alive = {p.stem: (processes.read(p), processes.running(processes.read(p), ""))
+             for p in (state / "pids").glob("*.pid")}
     redis = Redis.from_url(env["REDIS_URL"])
     # the persistent keys (RQ's job hashes expire by themselves: result_ttl)
     keys = sorted(k.decode() for k in redis.scan_iter(count=1000) if redis.ttl(k) == -1)
@@ -96,8 +92,8 @@ sampling = {{ max_new_tokens = 64 }}
     try:
         assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
         before = _snapshot(home)
-        assert all(before["alive"].values()) and {"redis", "sim", "budget", "writer"} <= set(
-            before["alive"])
+        assert all(up for _rec, up in before["alive"].values())
+        assert {"redis", "sim", "budget", "writer"} <= set(before["alive"])
         # When every test that starts a stack runs, from that folder, in a user's shell
         inner = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-m", "starts_stack", "-p", "no:cacheprovider",

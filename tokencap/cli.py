@@ -81,7 +81,10 @@ def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: b
     (checked before anything is fed: reachable, served model = the tokenizer's; a busy or
     restarting one is waited for, preflight_wait_s), the simulator with --sim, or else the
     engine of the stack already running in the state dir; never the simulator by default.
-    Ctrl-C stops the feeding and leaves the stack up: the same command resumes."""
+    Ctrl-C stops the feeding and leaves the stack up: the same command resumes, also after
+    a crash of the whole stack (pid files name a process by pid and start time: stale ones
+    are replaced). While it feeds, a writer, budget service, simulator or worker of the
+    stack that dies is started again."""
     from foundation.engine import display
     from tokencap.launcher import Stack
 

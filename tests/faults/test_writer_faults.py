@@ -224,7 +224,7 @@ def test_up_run_again_from_another_folder_takes_over_with_one_writer(tmp_path,
             second = subprocess.run(up, cwd=there, env=env, capture_output=True, text=True,
                                     timeout=240)
             assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-            assert "the run's writer is running" in second.stdout
+            assert "the run's writer lease is held" in second.stdout
             assert "worker(s) already on run faults" in second.stdout
             assert pipe.budget.writing.writer_holder() == holder  # still the first one's writer
             pipe.build()  # to read the order and cursor for the invariants
