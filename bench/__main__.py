@@ -31,6 +31,7 @@ from bench import (  # noqa: E402
     ceiling,
     common,
     footprint,
+    gate,
     saturation,
     tail,
     tokenize,
@@ -45,6 +46,7 @@ SCENARIOS: dict[str, Callable[[common.Bench], dict[str, Any]]] = {
     "tokenize": tokenize.run,
     "adaptive": adaptive.run,
     "affinity": affinity.run,
+    "gate": gate.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results.json"
 DESCRIPTION = "Run tokencap's benchmark scenarios; print one table; write bench/results.json."

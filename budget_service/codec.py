@@ -48,8 +48,9 @@ def committed(tokens: int) -> str:
 
 def ended(outcome: Outcome, reason: str) -> str:
     """The final value of a sample that ended without a result (a dead letter's outcome:
-    rejected, never sent; dead, after its tries)."""
-    return (REJECTED if outcome == Outcome.REJECTED else DEAD) + reason
+    rejected or stopped, never sent; dead, after its tries)."""
+    never_sent = outcome in (Outcome.REJECTED, Outcome.STOPPED)
+    return (REJECTED if never_sent else DEAD) + reason
 
 
 def dead(reason: str) -> str:

@@ -28,6 +28,7 @@ from redis.commands.core import Script
 from budget_service.keys import CategoryKeys, Keys
 from budget_service.scripts import Scripts
 from foundation.config import RunConfig, config_from_json
+from foundation.gate import GateReason
 from foundation.wire import (
     DeadLetter,
     Outcome,
@@ -40,10 +41,14 @@ from foundation.wire import (
 RATE_EWMA_WEIGHT = 0.1
 REFUSED_STREAM_MAXLEN = 10_000
 SERIES_POINTS = 8640  # the time series' points kept: a day at one every 10 s
+# the reply gate's reasons (`foundation.gate.GateReason`): state fields `gated:<reason>`
+# (output tokens) and `gated_n:<reason>` (replies) of the replies it kept out of training
+GATE_REASONS = tuple(r.value for r in GateReason)
 STATE_FIELDS = (
     "cap", "used", "reserved", "samples", "failed", "rejected", "waste",
     "closed", "exhausted", "rate", "dup_prompts", "worst", "var", "oov", "prompt", "cached",
-    "reusable",
+    "reusable", "kept", *(f"gated:{r}" for r in GATE_REASONS),
+    *(f"gated_n:{r}" for r in GATE_REASONS),
 )  # fmt: skip
 UNCAPPED = "none"  # the cap of an uncapped category, in Redis (lua/_lib.lua)
 STREAM_PAGE = 512  # entries read per XRANGE call
@@ -91,13 +96,15 @@ def turn_event(rec: Result | DeadLetter, output_ids: list[int] | None = None
                ) -> TurnEvent | None:
     """What writing `rec` means for its conversation (None: not a turn, or a cut record):
     a turn before the last hands its output (`output_ids`, default its own) to the next
-    turn; the last turn, or a turn rejected or dead, ends the conversation."""
+    turn; the last turn, a turn the reply gate kept out of training (its reply loops, is
+    empty, cut or never closes its reasoning: nothing to go on from), or a turn rejected,
+    dead or stopped, ends the conversation."""
     conv = rec.conversation_id
     if conv is None or rec.turn <= 0:
         return None
     if isinstance(rec, DeadLetter) and rec.outcome == Outcome.CUT:
         return None
-    if isinstance(rec, Result) and rec.turn < rec.turns_total:
+    if isinstance(rec, Result) and rec.turn < rec.turns_total and not rec.gate:
         return TurnEvent(rec.id, rec.output_ids if output_ids is None else output_ids,
                          turn_id(conv, rec.turn + 1), rec.ordinal, engine=rec.engine)
     return TurnEvent(rec.id, drop=tuple(turn_id(conv, j) for j in range(1, rec.turn)))
@@ -183,7 +190,12 @@ class CategoryState(msgspec.Struct, frozen=True):
     skipped: int  # fed, not sent because the category closed: sent if its cap is raised
     failed: int
     rejected: int
-    waste_tokens: int
+    waste_tokens: int  # output tokens of the replies kept out of training
+    # output tokens of the training rows, and of the replies the reply gate kept out, by
+    # reason (with their number): what a trainer can use beside what was counted
+    kept_tokens: int
+    rejected_tokens: dict[str, int]
+    rejected_replies: dict[str, int]
     overshoot: int  # used past the cap
     state: str  # open, closed or exhausted
     pending: int  # in the ledger, not final (queued, parked, in flight)
@@ -285,7 +297,11 @@ class Ledger:
                 var=int(st["var"]), samples=int(st["samples"]),
                 skipped=int(parked) + int(follow) if state == "closed" else 0,
                 failed=int(st["failed"]), rejected=int(st["rejected"]),
-                waste_tokens=int(st["waste"]),
+                waste_tokens=int(st["waste"]), kept_tokens=int(st["kept"]),
+                rejected_tokens={r: int(st[f"gated:{r}"]) for r in GATE_REASONS
+                                 if st[f"gated_n:{r}"] != "0"},
+                rejected_replies={r: int(st[f"gated_n:{r}"]) for r in GATE_REASONS
+                                  if st[f"gated_n:{r}"] != "0"},
                 overshoot=0 if cap is None else max(0, used - cap), state=state,
                 pending=int(pending), in_flight=int(inflight), parked=int(parked),
                 followups=int(follow), duplicate_prompts=int(st["dup_prompts"]),

@@ -22,7 +22,10 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_results_unwritten` | gauge | results and dead letters not yet on disk |
 | `tokencap_category_open` | gauge | 1 while the category is fed |
 | `tokencap_samples_total{outcome}` | counter | committed, failed, rejected |
-| `tokencap_waste_tokens_total` | counter | tokens of outputs cut at max_new_tokens |
+| `tokencap_waste_tokens_total` | counter | output tokens of replies kept out of training |
+| `tokencap_kept_tokens_total` | counter | output tokens of training rows |
+| `tokencap_rejected_reply_tokens_total{reason}` | counter | their output tokens, by reason |
+| `tokencap_rejected_replies_total{reason}` | counter | replies the reply gate kept out, by reason |
 | `tokencap_failure_reasons_total{reason}` | counter | rejected and dead samples by reason |
 | `tokencap_out_of_vocab_samples_total` | counter | samples with ids past the vocabulary |
 | `tokencap_prompt_tokens_total{engine}` | counter | prompt tokens of committed samples |
@@ -226,10 +229,25 @@ def _category_metrics(snap: RunStatus) -> Iterator[Metric]:
             c.add_metric([run, cat, outcome], getattr(st, field))
     yield c
     c = CounterMetricFamily("tokencap_waste_tokens",
-                            "Tokens of outputs cut at max_new_tokens", labels=labels)
+                            "Output tokens of replies kept out of training", labels=labels)
     for cat, st in cats.items():
         c.add_metric([run, cat], st.waste_tokens)
     yield c
+    c = CounterMetricFamily("tokencap_kept_tokens", "Output tokens of training rows",
+                            labels=labels)
+    for cat, st in cats.items():
+        c.add_metric([run, cat], st.kept_tokens)
+    yield c
+    for name, field, help_text in (
+            ("tokencap_rejected_reply_tokens", "rejected_tokens",
+             "Output tokens of replies the reply gate kept out of training, by reason"),
+            ("tokencap_rejected_replies", "rejected_replies",
+             "Replies the reply gate kept out of training, by reason")):
+        c = CounterMetricFamily(name, help_text, labels=[*labels, "reason"])
+        for cat, st in cats.items():
+            for reason, n in getattr(st, field).items():
+                c.add_metric([run, cat, reason], n)
+        yield c
     c = CounterMetricFamily("tokencap_out_of_vocab_samples",
                             "Committed samples with output ids past the tokenizer's vocabulary",
                             labels=labels)

@@ -21,6 +21,7 @@ from budget_service.keys import Keys
 from budget_service.ledger import now_ms
 from budget_service.samples import SampleLedger
 from consumers.client import EngineClient, EngineError, Generation
+from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
 from foundation.engine import parse_urls
 from foundation.errors import RunNotFound
@@ -236,11 +237,22 @@ def _out_of_vocab(ids: list[int], cfg: RunConfig) -> int:
     return sum(1 for t in ids if t >= cfg.vocab_size)
 
 
+def gate_of(cfg: RunConfig, cat: Category, gen: Generation) -> str:
+    """Why the reply gate keeps `gen` out of training ("" when it is a training row); with
+    the gate off, nothing is (`reply_gate = false`: every reply a row, as before the gate)."""
+    if not cfg.reply_gate:
+        return ""
+    return gate.check(gen.output_ids, gen.finish_reason, cat.reply_markers) or ""
+
+
 def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_ms: int) -> str:
-    truncated = gen.finish_reason == "length"
+    reason = gate_of(rc.cfg, cat, gen)
     counted = gen.completion_tokens + (gen.prompt_tokens if rc.cfg.count == "total" else 0)
-    waste = gen.completion_tokens if truncated else 0
-    if truncated and not rc.cfg.count_truncated:
+    # tokens of replies kept out of training (with the gate off: of replies cut at
+    # max_new_tokens, as before it)
+    kept_out = bool(reason) or (not rc.cfg.reply_gate and gen.finish_reason == "length")
+    waste = gen.completion_tokens if kept_out else 0
+    if kept_out and not rc.cfg.counts_rejected:
         counted = 0
     result = Result(
         id=p.sample_id, category=cat.name, prompt_ids=p.prompt_ids, output_ids=gen.output_ids,
@@ -253,7 +265,8 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_
         model=gen.model, engine_version=gen.engine_version, simulated=gen.simulated,
         prefix_consistent=p.prefix_consistent, history_notes=p.history_notes,
         cached_tokens=gen.cached_tokens, reusable_tokens=p.reusable_tokens,
-        out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg),
+        out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg), gate=reason,
+        tool_args_match=p.tool_args_match, made_by=rc.cfg.made_by,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.budget.commit(result, waste, rate)

@@ -24,6 +24,7 @@ from msgspec import Meta, Struct
 
 from foundation.engine import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
+from foundation.gate import ReplyMarkers
 from foundation.sources import SourceMissing, expand_source, resolve_tokenizer
 
 DEFAULT_CAP_TOKENS = 10_000_000
@@ -110,6 +111,9 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     turns: Literal[TURN_POLICIES] = "first"  # type: ignore[valid-type]
     field_map: dict[str, str] = {}
     role_map: dict[str, str] = {}
+    # set by the producer from the run's tokenizer, not by hand: the model family's markers
+    # as ids, for the reply gate the workers run (`foundation.gate`)
+    reply_markers: ReplyMarkers | None = None
 
     @property
     def paths(self) -> list[str]:
@@ -130,7 +134,16 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     vocab_size: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] = {}
     count: Literal["output", "total"] = "output"
-    count_truncated: bool = True
+    # whether replies the reply gate keeps out of training (loop, length, unclosed_reasoning,
+    # empty) draw on the budget; `count_truncated` is its earlier name (None: not given)
+    count_rejected: bool | None = None
+    count_truncated: bool | None = None
+    # the reply gate (`foundation.gate`): false writes every reply as a training row
+    reply_gate: bool = True
+    # a regenerated turn whose tool calls depart from those the source's next results
+    # answer: "stop" the conversation there (always, for a call of another function), or
+    # "replay" the results to calls of the same names in order
+    on_tool_divergence: Literal["stop", "replay"] = "stop"
     hard_cap: bool = False
     margin_sigmas: Annotated[float, Meta(ge=0, le=10)] = 3.0
     cap_tokens: NonNegInt | Literal["none"] = DEFAULT_CAP_TOKENS
@@ -165,7 +178,18 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     generation_config: str | None = None  # default: <tokenizer>/generation_config.json
     reasoning_parser: Literal[REASONING_PARSERS] = "auto"  # type: ignore[valid-type]
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = "auto"  # type: ignore[valid-type]
+    # set by the producer, not by hand: `<run>@<digest>` of the run's manifest, which every
+    # row carries (`Result.made_by`)
+    made_by: str = ""
     category: list[Category] = []
+
+    @property
+    def counts_rejected(self) -> bool:
+        """`count_rejected`, else its earlier name `count_truncated`, else true."""
+        for value in (self.count_rejected, self.count_truncated):
+            if value is not None:
+                return value
+        return True
 
     def cap_for(self, cat: Category) -> int | None:
         """The category's cap in tokens, or None when it is uncapped (``"none"``)."""
@@ -227,6 +251,10 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
 
     if not cfg.category:
         raise ConfigError(str(path), "no [[category]] defined")
+    if None not in (cfg.count_rejected, cfg.count_truncated) \
+            and cfg.count_rejected != cfg.count_truncated:
+        raise ConfigError(str(path), "$.count_truncated: the earlier name of count_rejected, "
+                          "given with another value; keep count_rejected")
     seen: set[str] = set()
     cats = []
     for i, cat in enumerate(cfg.category):

@@ -1,13 +1,24 @@
 """The output files of a run: their layout, and the one reader of their lines.
 
 ```
-<out>/<category>/part-00000.jsonl    committed samples, one `wire.Result` a line, appended by
-<out>/<category>/part-00001.jsonl    the writer (a new part after PART_MAX_BYTES)
-<out>/<category>/dead-letter.jsonl   rejected and dead samples, one `wire.DeadLetter` a line
+<out>/<category>/part-00000.jsonl        training rows: committed samples the reply gate kept,
+<out>/<category>/part-00001.jsonl        one `wire.Result` a line (a new part after
+                                         PART_MAX_BYTES)
+<out>/<category>/rejected-replies.jsonl  committed samples the reply gate kept out of training
+                                         (`Result.gate`: loop, length, unclosed_reasoning,
+                                         empty), whole
+<out>/<category>/failed.jsonl            samples never generated: input refused (a bad record,
+                                         too long, a duplicate prompt, an orphan tool result)
+                                         or the engine failed on every try (`wire.DeadLetter`)
+<out>/<category>/stopped.jsonl           conversations' turns not generated: held back by the
+                                         category's cap (a raised cap sends them), or stopped by
+                                         policy (tool_divergence, unparsed_reply, ...)
 ```
 
-The writer (writer/writer.py) is the only one that appends; reconcile, export, plan and
-the test harness read through `read_results` / `read_dead_letters`, which yield each line
+`dead-letter.jsonl` (what earlier versions wrote for both of the last two) is still read,
+never written. The writer (writer/writer.py) is the only one that appends; reconcile,
+export, plan and the test harness read through `read_results` (training rows),
+`read_committed` (every committed sample) and `read_dead_letters`, which yield each line
 decoded or a `BadLine` naming `file:line` (line numbers count every physical line).
 """
 
@@ -20,10 +31,13 @@ from typing import TypeVar
 
 import msgspec
 
-from foundation.wire import DeadLetter, Result
+from foundation.wire import DeadLetter, Outcome, Result
 
 PART_GLOB = "part-*.jsonl"
-DEAD_FILE = "dead-letter.jsonl"
+REJECTED_FILE = "rejected-replies.jsonl"
+FAILED_FILE = "failed.jsonl"
+STOPPED_FILE = "stopped.jsonl"
+LEGACY_DEAD_FILE = "dead-letter.jsonl"  # read, never written
 PART_MAX_BYTES = 256 * 1024 * 1024
 _TAIL_CHUNK_BYTES = 65536
 
@@ -50,8 +64,28 @@ def part_files(cat_dir: Path) -> list[Path]:
     return sorted(cat_dir.glob(PART_GLOB))
 
 
-def dead_letter_path(cat_dir: Path) -> Path:
-    return cat_dir / DEAD_FILE
+def rejected_path(cat_dir: Path) -> Path:
+    return cat_dir / REJECTED_FILE
+
+
+def letter_path(cat_dir: Path, outcome: Outcome) -> Path:
+    """The file of a dead letter: a turn cut or stopped goes to `stopped.jsonl`, a sample
+    rejected or dead to `failed.jsonl`."""
+    stopped = outcome in (Outcome.CUT, Outcome.STOPPED)
+    return cat_dir / (STOPPED_FILE if stopped else FAILED_FILE)
+
+
+def letter_files(cat_dir: Path) -> list[Path]:
+    """The category's dead-letter files that exist (the legacy one first)."""
+    names = (LEGACY_DEAD_FILE, FAILED_FILE, STOPPED_FILE)
+    return [cat_dir / n for n in names if (cat_dir / n).exists()]
+
+
+def written_files(cat_dir: Path) -> list[Path]:
+    """Every file of the category the writer appends to, that exists."""
+    rejected = rejected_path(cat_dir)
+    return [*part_files(cat_dir), *([rejected] if rejected.exists() else []),
+            *letter_files(cat_dir)]
 
 
 def categories_on_disk(out_dir: Path) -> list[str]:
@@ -75,14 +109,26 @@ def read_lines(paths: list[Path], kind: type[T]) -> Iterator[T | BadLine]:
 
 
 def read_results(cat_dir: Path) -> Iterator[Result | BadLine]:
-    """Every committed sample on disk for one category, in write order."""
+    """The training rows on disk for one category, in write order."""
     return read_lines(part_files(cat_dir), Result)
 
 
+def read_rejected(cat_dir: Path) -> Iterator[Result | BadLine]:
+    """The replies the gate kept out of training, for one category."""
+    path = rejected_path(cat_dir)
+    return read_lines([path] if path.exists() else [], Result)
+
+
+def read_committed(cat_dir: Path) -> Iterator[Result | BadLine]:
+    """Every committed sample on disk for one category: its training rows, then the
+    replies the gate kept out."""
+    path = rejected_path(cat_dir)
+    return read_lines([*part_files(cat_dir), *([path] if path.exists() else [])], Result)
+
+
 def read_dead_letters(cat_dir: Path) -> Iterator[DeadLetter | BadLine]:
-    """Every rejected or dead sample on disk for one category."""
-    path = dead_letter_path(cat_dir)
-    return read_lines([path] if path.exists() else [], DeadLetter)
+    """Every sample of one category not generated on disk: failed, cut or stopped."""
+    return read_lines(letter_files(cat_dir), DeadLetter)
 
 
 def repair_tail(path: Path) -> int:

@@ -4,8 +4,9 @@ Everything that crosses Redis is msgspec JSON. Structs evolve only by adding opt
 fields. The RQ job itself carries only a `JobRef`; the prompt lives in the category's
 ledger (`pending`) so a reaper can re-enqueue it and the payload stays small in the queue
 (RQ's side of it: `budget_service.jobs`).
-A `Result` is also one line of `<out>/<category>/part-*.jsonl`, a `DeadLetter` one line of
-`dead-letter.jsonl` (`foundation.outputs` reads them back).
+A `Result` is also one line of `<out>/<category>/part-*.jsonl` (a training row) or, when the
+reply gate kept it out of training, of `rejected-replies.jsonl`; a `DeadLetter` one line of
+`failed.jsonl` or `stopped.jsonl` (`foundation.outputs` says which, and reads them back).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Pending(Struct, frozen=True):
     # the prompt tokens it shares with turn j's prompt + output: what the engine that served
     # turn j may still hold in its prefix cache (None on turn 1 and single samples)
     reusable_tokens: int | None = None
+    # its history replays a tool result of the source for a call of the same function the
+    # model made with other arguments (False); None when no result is replayed
+    tool_args_match: bool | None = None
     # where to send it (`consumers.engines`): the engine that served the conversation's turn
     # before, and a key of its prompt's first tokens (samples sharing a long prefix share it)
     prefer_engine: str = ""
@@ -115,6 +119,15 @@ class Result(Struct, frozen=True):
     # output ids at or past the tokenizer's vocabulary (a model's padding rows): a sign the
     # engine serves another model, or a model that emits ids no text has
     out_of_vocab: int = 0
+    # why the reply gate kept it out of training (`foundation.gate.GateReason`: loop, length,
+    # unclosed_reasoning, empty), "" for a training row
+    gate: str = ""
+    # `Pending.tool_args_match`: False when its history pairs a replayed tool result with a
+    # call of the same function and other arguments
+    tool_args_match: bool | None = None
+    # the run that made it: `<run>@<digest>` of its manifest (`<out>/<run>-manifest.json`:
+    # tokenizer, template, config, engines, tokencap version)
+    made_by: str = ""
 
 
 class Outcome(enum.StrEnum):
@@ -125,11 +138,16 @@ class Outcome(enum.StrEnum):
     # not an end: a conversation's next turn was held back because its category closed (a
     # raised cap sends it, and a row with the same id then follows)
     CUT = "cut"
+    # a conversation's next turn not generated, by policy: the model's turn before it
+    # diverged from the source's tool calls (tool_divergence), or does not parse
+    # (unparsed_reply), or the source changed under the run (source_changed)
+    STOPPED = "stopped"
 
 
 class DeadLetter(Struct, frozen=True):
-    """A sample that ended rejected or dead (or a turn cut, `Outcome.CUT`), as written to
-    `<out>/<category>/dead-letter.jsonl`."""
+    """A sample that ended rejected or dead, written to `<out>/<category>/failed.jsonl`; or a
+    conversation's turn cut (`Outcome.CUT`) or stopped (`Outcome.STOPPED`), written to
+    `stopped.jsonl`."""
 
     id: str
     category: str

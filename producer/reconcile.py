@@ -4,7 +4,8 @@ Run at every producer start, before anything is fed. The files are the durable t
 a sample on disk is final even if Redis lost it (restart without AOF, a lost last second,
 a flushed instance). `reconcile.lua` adds only what Redis lacks, so this is idempotent.
 Conversations regenerated turn by turn get their next turn back too: one whose last turn on
-disk is not its last, and that no rejected or dead turn ended, waits again for it (with the
+disk is not its last, and that no rejected, dead or stopped turn nor a reply the gate kept
+out of training ended, waits again for it (with the
 outputs on disk as its history) unless Redis has that turn pending or final already.
 """
 
@@ -18,31 +19,32 @@ from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.estimator import bucket_of
 from budget_service.ledger import TurnEvent, turn_event
-from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
 from foundation.wire import Outcome
 
 log = logging.getLogger(__name__)
 
 BATCH = 500
-Record = tuple[str, str, int, int, int | str]
+Record = tuple[str, str, int, int, int | str, str, int]
 
 
 def read_records(cat_dir: Path) -> Iterator[Record]:
-    """(sample id, final value, counted, waste, bucket) for every sample on disk."""
-    for r in read_results(cat_dir):
+    """(sample id, final value, counted, waste, bucket, gate reason, output tokens) for every
+    sample on disk."""
+    for r in read_committed(cat_dir):
         if isinstance(r, BadLine):
             log.warning("%s: unreadable result line ignored: %s", r.where, r.error)
             continue
-        waste = r.completion_tokens if r.finish_reason == "length" else 0
+        waste = r.completion_tokens if r.gate or r.finish_reason == "length" else 0
         yield (r.id, codec.committed(r.counted_tokens), r.counted_tokens, waste,
-               bucket_of(r.completion_tokens))
+               bucket_of(r.completion_tokens), r.gate, r.completion_tokens)
     for d in read_dead_letters(cat_dir):
         if isinstance(d, BadLine):
             log.warning("%s: unreadable dead-letter line ignored: %s", d.where, d.error)
             continue
         if d.outcome == Outcome.CUT:  # a turn held back, not an end
             continue
-        yield (d.id, codec.ended(d.outcome, d.reason), 0, 0, "")
+        yield (d.id, codec.ended(d.outcome, d.reason), 0, 0, "", "", 0)
 
 
 def reconcile(budget: Budget, out_dir: Path, categories: list[str]) -> dict[str, int]:
@@ -73,9 +75,11 @@ def restore_followups(budget: Budget, cat_dir: Path, category: str) -> int:
     for the conversations that go on."""
     last: dict[str, tuple[int, int]] = {}  # conversation -> (last turn on disk, turns)
     ended: set[str] = set()
-    for r in read_results(cat_dir):
+    for r in read_committed(cat_dir):
         if isinstance(r, BadLine) or r.conversation_id is None:
             continue
+        if r.gate:  # a reply kept out of training ends its conversation
+            ended.add(r.conversation_id)
         turn, _ = last.get(r.conversation_id, (0, 0))
         if r.turn > turn:
             last[r.conversation_id] = (r.turn, r.turns_total)
@@ -86,7 +90,7 @@ def restore_followups(budget: Budget, cat_dir: Path, category: str) -> int:
     if not going:
         return 0
     events: list[TurnEvent] = []
-    for r in read_results(cat_dir):
+    for r in read_committed(cat_dir):
         if isinstance(r, BadLine) or r.conversation_id not in going:
             continue
         ev = turn_event(r)

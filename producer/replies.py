@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from foundation.config import RunConfig, generation_eos_ids
 from foundation.errors import ConfigError
+from foundation.gate import ReplyMarkers
 from producer.parsers import (
     Ambiguous,
     Call,
@@ -68,6 +69,24 @@ class ReplyParser:
             if isinstance(tid, int):
                 ends.add(tid)
         self.end_of_turn_ids: frozenset[int] = frozenset(ends)
+
+    def markers(self, opened: bool = False) -> ReplyMarkers:
+        """The family's markers as ids, for the reply gate (`foundation.gate`): `opened`,
+        the category's generation prompt opens a reasoning block (Kimi-K2.5, DeepSeek-V3.1
+        with thinking on)."""
+        tok = self.tokenizer
+
+        def ids(text: str) -> list[int]:
+            return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+        r, tools = self.reasoning, self.tools
+        return ReplyMarkers(
+            reasoning_start=ids(r.start) if r else [],
+            reasoning_end=ids(r.end) if r else [],
+            reasoning_interrupts=[ids(r.interrupt)] if r and r.interrupt else [],
+            reasoning_open=bool(r and (r.forced or opened)),
+            call_starts=[ids(m) for m in tools.markers] if tools else [],
+            end_ids=sorted(self.end_of_turn_ids), blank_ids=blank_ids(tok))
 
     def describe(self) -> str:
         """The parsers in use and why, for preview and the run log."""
@@ -154,6 +173,20 @@ def reply_parser(cfg: RunConfig, renderer: Renderer | None) -> ReplyParser:
     except Ambiguous as exc:
         key = "$.tool_call_parser" if "tool parsers" in str(exc) else "$.reasoning_parser"
         raise ConfigError(key, str(exc)) from None
+
+
+_BLANK: dict[int, list[int]] = {}  # id(tokenizer) -> its blank ids, worked out once
+
+
+def blank_ids(tokenizer: Any) -> list[int]:
+    """The ids that decode to whitespace only (the reply gate's `empty`), each id decoded
+    alone: about a second for a 150k vocabulary, once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _BLANK:
+        n = len(tokenizer)
+        texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+        _BLANK[key] = [i for i, text in enumerate(texts) if text and not text.strip()]
+    return _BLANK[key]
 
 
 def tool_names(tools: list[dict]) -> set[str]:

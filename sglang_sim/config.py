@@ -84,6 +84,9 @@ class LengthProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     categories: dict[str, LengthDist] = {}
 
 
+REPLY_FAULTS = ("loop", "empty", "unclosed")
+
+
 class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Faults the server injects into ``/generate``; see ``sglang_sim.faults``.
 
@@ -92,7 +95,10 @@ class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``stall_s`` is a wall-clock delay before each reply; ``reset_rate`` the probability that the
     connection is dropped after the request was generated, with no reply; ``bad_counts_rate``
     the probability that ``completion_tokens`` disagrees with ``len(output_ids)``;
-    ``poison_token_id`` makes every request whose ``input_ids`` contain it fail with HTTP 500.
+    ``poison_token_id`` makes every request whose ``input_ids`` contain it fail with HTTP 500;
+    ``reply_rates`` maps a reply fault ("loop", "empty", "unclosed": `sglang_sim.text`) to
+    the probability that a request's answer has it (drawn from the request's seed, so a
+    prompt gets the same answer every time; a simulator with a tokenizer only).
     """
 
     error_rates: dict[int, float] = {}
@@ -101,6 +107,7 @@ class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reset_rate: float = 0.0
     bad_counts_rate: float = 0.0
     poison_token_id: int | None = None
+    reply_rates: dict[str, float] = {}
 
     def validate(self) -> None:
         for status in (*self.error_rates, *self.error_burst):
@@ -114,6 +121,11 @@ class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("error_burst counts must be >= 0")
         if self.stall_s < 0.0:
             raise ValueError("stall_s must be >= 0")
+        if set(self.reply_rates) - set(REPLY_FAULTS):
+            raise ValueError(f"reply_rates keys must be among {', '.join(REPLY_FAULTS)}")
+        if any(not 0.0 <= p <= 1.0 for p in self.reply_rates.values()) \
+                or sum(self.reply_rates.values()) > 1.0:
+            raise ValueError("reply_rates probabilities must be in [0, 1] and sum to at most 1")
         for name in ("reset_rate", "bad_counts_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")

@@ -71,6 +71,20 @@ class FaultInjector:
     def reset_counts(self) -> None:
         self._counts.clear()
 
+    def reply_shape(self, seed: int) -> str:
+        """The reply fault of a request's answer ("" for none), drawn from its seed: the same
+        prompt gets the same answer every time (`FaultConfig.reply_rates`)."""
+        rates = self._config.reply_rates
+        if not rates:
+            return ""
+        draw = random.Random(f"reply:{seed}").random()
+        for shape, p in sorted(rates.items()):
+            if draw < p:
+                self._counts[f"reply_{shape}"] += 1
+                return shape
+            draw -= p
+        return ""
+
     def before_generate(self, input_ids: list[int]) -> ApiError | None:
         """The error to answer instead of generating, or None."""
         poison = self._config.poison_token_id

@@ -30,6 +30,7 @@ import socket
 import struct
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -113,7 +114,7 @@ FORCING_BIAS = 100.0  # vLLM's and SGLang's largest logit bias: that token is sa
 
 def build_job(
     valid: ValidRequest, config: SimConfig, category: str | None, text: TextOutputs | None = None,
-    cached: int = 0,
+    cached: int = 0, shape_of: Callable[[int], str] | None = None,
 ) -> tuple[Job, int, int, list[int] | None]:
     """The engine job of a validated request, with its output seed, natural length and, for
     a simulator with a tokenizer, its whole text-like answer (None: random ids)."""
@@ -127,7 +128,8 @@ def build_job(
         answer = [forced[0]] if forced[0] in ends else [forced[0]] * valid.max_new_tokens
         natural = len(answer)
     elif text is not None and not valid.ignore_eos:
-        answer = text.natural_ids(seed, natural, valid.input_ids)
+        shape = shape_of(seed) if shape_of is not None else ""
+        answer = text.natural_ids(seed, natural, valid.input_ids, shape)
         stops = set(valid.stop_token_ids)
         cut = next((k for k, t in enumerate(answer) if t in stops), None)
         if cut is not None:  # an engine stops at the first stop id it generates
@@ -213,7 +215,7 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
     cache = app[CACHE_KEY]
     cached = cache.match(valid.input_ids)
     job, seed, natural, answer = build_job(valid, config, request.headers.get(CATEGORY_HEADER),
-                                           text, cached)
+                                           text, cached, faults.reply_shape)
     try:
         done = await engine.generate(job)
     except QueueFullError as exc:

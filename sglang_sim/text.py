@@ -6,6 +6,11 @@ renders them back into a chat (a conversation regenerated turn by turn) sees tex
 language model: the words are drawn from the request's seed, and a request's answer is a
 pure function of its prompt ids, sampling seed and the simulator seed, as before.
 
+A reply fault (`FaultConfig.reply_rates`, drawn from the request's seed) shapes an answer
+as a model at its worst writes one: ``loop`` (one phrase over and over until max_new_tokens),
+``empty`` (the reasoning block closed, then nothing), ``unclosed`` (reasoning that ends
+without its closing tag).
+
 What the answer looks like is its family's grammar (``--family NAME``, `sglang_sim.families`:
 reasoning block, tool-call syntax, end-of-turn token); without one, Qwen's: qwen3 when the
 vocabulary has ``<think>`` as one token, else qwen25. The natural length is drawn as before
@@ -27,6 +32,7 @@ WORDS = (
 ).split()
 THINK_START = "<think>"
 PROMPT_TAIL_IDS = 8192  # the prompt's last ids decoded to choose the answer
+LOOP_REPEATS = 2000  # a looping answer's phrase repeats: longer than any max_new_tokens
 END_TOKENS = ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|user|>", "<|observation|>",
               "<|return|>", "<|call|>", "<|eot_id|>", "<|eom_id|>")
 
@@ -54,14 +60,24 @@ class TextOutputs:
         tid = self._vocab.get(token)
         return tid if isinstance(tid, int) else self.eos_token_id
 
-    def natural_ids(self, seed: int, length: int, input_ids: list[int]) -> list[int]:
+    def natural_ids(self, seed: int, length: int, input_ids: list[int],
+                    shape: str = "") -> list[int]:
         """The whole answer to a prompt (its end-of-turn id last); `length` (>= 1) is the
-        natural length drawn for it."""
+        natural length drawn for it; `shape` a reply fault (module docstring), "" none."""
         rng = random.Random(seed)
         prompt = str(self.tokenizer.decode(input_ids[-PROMPT_TAIL_IDS:],
                                            skip_special_tokens=False))
         content = turn(self.family, prompt, rng, WORDS, max(1, length - 1))
+        if shape == "loop":  # no end: the engine stops it at max_new_tokens
+            phrase = " " + " ".join(rng.choice(WORDS) for _ in range(5)) + "."
+            text, _ = self.family.write(content._replace(call=None, words=phrase.strip()))
+            return self.encode(text + phrase * LOOP_REPEATS)
+        if shape == "empty":
+            content = content._replace(reasoning=content.reasoning or "thinking", words="",
+                                       call=None)
         text, end = self.family.write(content)
+        if shape == "unclosed" and content.reasoning:  # cut where the reasoning ends
+            text = text[: text.index(content.reasoning) + len(content.reasoning)]
         return [*self.encode(text), self.end_id(end)]
 
     def encode(self, text: str) -> list[int]:

@@ -29,7 +29,14 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation import waiting
 from foundation.config import RunConfig
-from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+from foundation.outputs import (
+    BadLine,
+    category_dir,
+    read_committed,
+    read_dead_letters,
+    read_rejected,
+    read_results,
+)
 from foundation.redisconn import connect
 from foundation.wire import DeadLetter, Result, turn_id
 from producer.feeder import Producer
@@ -155,9 +162,15 @@ class Pipeline:
                          TOKENCAP_RUN=self.cfg.run, TOKENCAP_PREFIX=self.cfg.key_prefix,
                          TOKENCAP_LOG_LEVEL="WARNING")
 
+    def _ensure_run(self) -> None:
+        """Create the run for processes started before the producer; never over the config
+        the producer stored (it adds what it derives: stop ids, the reply gate's markers)."""
+        if not self.budget.has_run():
+            self.budget.feeding.init_run(self.cfg)
+
     def start_workers(self, n: int, wait: bool = False) -> list[subprocess.Popen[bytes]]:
         """Start `n` worker processes; with `wait`, return once RQ has them registered."""
-        self.budget.feeding.init_run(self.cfg)
+        self._ensure_run()
         out = self.log_path.open("ab") if self.log_path else None
         new = [subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker"], env=self.env(),
                                 cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=out,
@@ -173,7 +186,7 @@ class Pipeline:
         return new
 
     def start_writer(self) -> Writer:
-        self.budget.feeding.init_run(self.cfg)
+        self._ensure_run()
         self.writer = Writer(self.redis, self.keys, [c.name for c in self.cfg.category],
                              Path(self.cfg.output_dir), lease_ttl_s=self.cfg.lock_ttl_s)
         self._writer_thread = threading.Thread(target=self.writer.run, daemon=True,
@@ -231,8 +244,16 @@ class Pipeline:
 
     # -- checks ------------------------------------------------------------------------
     def results(self, category: str) -> list[Result]:
-        """Every result line on disk (an unreadable line fails the check)."""
+        """Every training row on disk (an unreadable line fails the check)."""
         return _readable(read_results(category_dir(Path(self.cfg.output_dir), category)))
+
+    def rejected(self, category: str) -> list[Result]:
+        """Every reply the gate kept out of training, on disk."""
+        return _readable(read_rejected(category_dir(Path(self.cfg.output_dir), category)))
+
+    def committed(self, category: str) -> list[Result]:
+        """Every committed sample on disk: the training rows and the rejected replies."""
+        return _readable(read_committed(category_dir(Path(self.cfg.output_dir), category)))
 
     def dead(self, category: str) -> list[DeadLetter]:
         """Every dead-letter line on disk (an unreadable line fails the check)."""
@@ -248,7 +269,9 @@ class Pipeline:
     def check_category(self, status: dict[str, Any], name: str) -> str:
         """Assert the end-of-run invariants of one category; returns a one-line summary."""
         st = status["categories"][name]
-        recs = self.results(name)
+        recs = self.committed(name)
+        assert not any(r.gate for r in self.results(name)), f"{name}: a gated training row"
+        assert all(r.gate for r in self.rejected(name)), f"{name}: a kept rejected reply"
         ids = [r.id for r in recs]
         assert len(ids) == len(set(ids)), f"{name}: duplicate ids in output"
         assert st["used"] == sum(r.counted_tokens for r in recs), \
@@ -314,11 +337,14 @@ def _text(v: Any) -> str:
 def check_conversations(name: str, recs: list[Result], letters: list[DeadLetter],
                         held: set[str]) -> str:
     """Conversations regenerated turn by turn: each turn at most once, no gap (turn j+1
-    committed only after turn j), and each conversation complete, or ended by a rejected or
-    dead turn, or its next turn held back by the closed category."""
+    committed only after turn j), and each conversation complete, or ended by a rejected,
+    dead or stopped turn or by a reply the gate kept out of training, or its next turn held
+    back by the closed category."""
     turns: dict[str, set[int]] = {}
     total: dict[str, int] = {}
-    for r in recs:
+    gated: dict[str, bool] = {}  # conversation -> its last turn is a reply kept out
+    for r in sorted(recs, key=lambda r: r.turn):
+        gated[r.conversation_id or ""] = bool(r.gate)
         assert r.conversation_id and r.id == turn_id(r.conversation_id, r.turn), r.id
         assert r.turn not in turns.setdefault(r.conversation_id, set()), f"{r.id} twice"
         turns[r.conversation_id].add(r.turn)
@@ -332,7 +358,7 @@ def check_conversations(name: str, recs: list[Result], letters: list[DeadLetter]
         nxt = turn_id(conv, last + 1)
         if last == total[conv]:
             complete += 1
-        else:
+        elif not gated.get(conv):
             assert ended.get(conv) == last + 1 or nxt in held, \
                 f"{name}/{conv}: stopped after turn {last} of {total[conv]} with no reason"
     return f"{len(turns)} conversations ({complete} complete), no gap"

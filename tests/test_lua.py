@@ -131,6 +131,25 @@ def test_feed_with_a_stale_cursor_writes_nothing(budget: Budget) -> None:
     assert budget.redis.hget(ck(budget).pending, "b") is None
 
 
+def test_a_prompt_another_category_fed_is_rejected_as_duplicate(redis) -> None:
+    budget = Budget(redis, Keys("tokencap", "x"))
+    budget.feeding.init_run(make_cfg(cats=("code", "chat")))
+    deadline = now_ms() + LEASE_MS
+    assert budget.feeding.feed("code", 0, 1, deadline, [pending("a", (7, 8))], [],
+                               others=["chat"]) == ["a"]
+    # chat feeds the same ids later: the first category keeps them; another prompt passes
+    ids = budget.feeding.feed("chat", 0, 2, deadline,
+                              [pending("b", (7, 8)), pending("c", (9,))], [], others=["code"])
+    assert ids == ["c"]
+    st = budget.telemetry.status()["categories"]["chat"]
+    assert (st["duplicate_prompts"], st["reasons"]) == (1, {"duplicate_prompt": 1})
+    entry = budget.redis.xrange(budget.keys.cat("chat").dead)[0][1][b"r"]
+    letter = msgspec.json.decode(entry, type=DeadLetter)
+    assert (letter.id, letter.reason) == ("b", "duplicate_prompt")
+    assert "same prompt token ids as code/a" in letter.message
+    assert budget.writing.final_marks("code") == {}  # nothing of code was touched
+
+
 def test_feed_leases_records_rejections_and_duplicate_prompts(budget: Budget) -> None:
     bad = DeadLetter(id="x", category="code", outcome="rejected", reason="invalid_json",
                      where="f:3")
@@ -285,6 +304,21 @@ def test_commit_twice_counts_once(budget: Budget) -> None:
     assert (st["used"], st["reserved"], st["samples"]) == (40, 0, 1)
     assert budget.redis.xlen(ck(budget).results) == 1
     assert budget.redis.hlen(ck(budget).pending) == 0
+
+
+def test_commit_counts_kept_and_gated_output_tokens_by_reason(budget: Budget) -> None:
+    for sid in ("a", "b", "c"):
+        feed(budget, sid)
+        budget.samples.admit("code", sid, 10, LEASE_MS)
+    budget.samples.commit(result("a", 40), 0, 0.0)
+    loop = msgspec.structs.replace(result("b", 64, "length"), gate="loop")
+    empty = msgspec.structs.replace(result("c", 5), gate="empty", counted_tokens=0)
+    for r in (loop, empty, loop):  # the second commit of `b` is a duplicate
+        budget.samples.commit(r, r.completion_tokens, 0.0)
+    st = budget.telemetry.status()["categories"]["code"]
+    assert (st["used"], st["samples"], st["kept_tokens"], st["waste_tokens"]) == (104, 3, 40, 69)
+    assert st["rejected_tokens"] == {"loop": 64, "empty": 5}
+    assert st["rejected_replies"] == {"loop": 1, "empty": 1}
 
 
 def test_commit_counts_prompt_cache_and_out_of_vocab_once_per_engine(budget: Budget) -> None:
@@ -523,7 +557,7 @@ def test_retry_sends_a_dead_sample_again_once_and_keeps_its_dead_letter_history(
     assert budget.redis.hget(ck(budget).written, "a") is None  # its result will be written
     assert budget.redis.zscore(ck(budget).follow, "a") == -1
     # its dead letter on disk no longer makes it final when Redis is rebuilt from the files
-    assert budget.feeding.reconcile("code", [("a", "d:server_error", 0, 0, "")]) == 0
+    assert budget.feeding.reconcile("code", [("a", "d:server_error", 0, 0, "", "", 0)]) == 0
     assert budget.writing.final_marks("code").get("a") is None
 
 
@@ -563,11 +597,15 @@ def test_reconcile_adds_only_missing_and_forgets_what_is_on_disk(budget: Budget)
     budget.samples.commit(result("a", 30), 0, 0.0)
     feed(budget, "b")
     budget.samples.admit("code", "b", 40, LEASE_MS)  # in flight when Redis lost its commit
-    records = [("a", "c:30", 30, 0, 1), ("b", "c:50", 50, 50, 3), ("c", "r:invalid_json", 0, 0, "")]
+    records = [("a", "c:30", 30, 0, 1, "", 30), ("b", "c:50", 50, 50, 3, "loop", 50),
+               ("c", "r:invalid_json", 0, 0, "", "", 0)]
     assert budget.feeding.reconcile("code", records) == 2
     assert budget.feeding.reconcile("code", records) == 0
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["used"], st["samples"], st["waste_tokens"], st["rejected"]) == (80, 2, 50, 1)
+    # "a" was counted by its commit already; "b" is a reply the gate kept out
+    assert (st["kept_tokens"], st["rejected_tokens"], st["rejected_replies"]) == (
+        30, {"loop": 50}, {"loop": 1})
     assert (st["pending"], st["in_flight"], st["reserved"]) == (0, 0, 0)
 
 

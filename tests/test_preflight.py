@@ -55,12 +55,15 @@ sampling = {{ max_new_tokens = 64, temperature = 0.7 }}
 
 
 def _ids_config(tmp: Path, run: str) -> RunConfig:
-    """A run of six token-id prompts, sampling left to the engine (no tokenizer)."""
+    """A run of six token-id prompts, sampling left to the engine (no tokenizer); every reply
+    is cut at 16 tokens, and written as a training row (no reply gate: these tests are
+    about the rows' provenance and the preflight)."""
     src = tmp / "ids.jsonl"
     src.write_text("".join(f'{{"input_ids": [{400 + i}, 5, 6]}}\n' for i in range(6)))
     return write_config(tmp, f"""
 run = "{run}"
 output_dir = "{tmp / 'out'}"
+reply_gate = false
 {FAULT_KNOBS}
 [[category]]
 name = "a"

@@ -9,6 +9,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import msgspec
+
 from budget_service.server import Recorder
 from sglang_sim.testing import SimServer
 from testing.harness import started
@@ -46,7 +48,7 @@ def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
     assert "src=\"http" not in text and "href=\"http" not in text  # self-contained
     # its numbers are the run's
     for name, st in status["categories"].items():
-        rows = pipe.records(name)
+        rows = [msgspec.to_builtins(r) for r in pipe.committed(name)]
         assert f'data-category="{name}" data-samples="{st["samples"]}" ' \
                f'data-used="{st["used"]}"' in text
         assert f'data-rows-{name}="{len(rows)}"' in text and len(rows) == st["samples"]
@@ -54,6 +56,8 @@ def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
             assert f'data-{reason}-{name}="{n}"' in text
         assert f'data-used-{name}="{st["used"]}"' in text
         assert f'data-failed-{name}="{st["failed"] + st["rejected"]}"' in text
+        kept_out = sum(st["rejected_replies"].values())
+        assert f'data-kept-out-{name}="{kept_out}"' in text
         # the prefix cache per engine: what the rows say, and the status counters agree
         cached = sum(r["cached_tokens"] or 0 for r in rows)
         assert f'data-category="{name}" data-engine="{sim.url}" data-cached="{cached}" ' in text

@@ -76,6 +76,6 @@ def test_stop_midway_and_restart(tmp_path, redis_url, flavor: str) -> None:
     assert in_flight > 0  # samples were lost mid-request and had to be re-enqueued
     for name in ("a", "b"):
         assert status["categories"][name]["state"] == "closed"
-        assert status["categories"][name]["samples"] == len(second.records(name))
+        assert status["categories"][name]["samples"] == len(second.committed(name))
     # and the restart resumed the shuffled order where it stopped instead of starting over
     assert second.producer.feeds["a"].cursor < PROMPTS

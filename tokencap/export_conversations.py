@@ -14,6 +14,7 @@ from foundation.errors import SourceError, UnknownCategory
 from foundation.outputs import (
     BadLine,
     read_dead_letters,
+    read_rejected,
 )
 from foundation.wire import Outcome, Result
 from producer.replies import Unparsed
@@ -200,6 +201,9 @@ class ConversationSink(JsonlSink):
             why = "cap" if d.outcome == Outcome.CUT else f"{d.outcome}:{d.reason}"
             if d.turn >= ends.get(d.conversation_id, (0, ""))[0]:
                 ends[d.conversation_id] = (d.turn, why)
+        for r in read_rejected(cat_dir):  # a reply kept out of training ends it there
+            if not isinstance(r, BadLine) and r.conversation_id:
+                ends[r.conversation_id] = (r.turn, f"rejected_reply:{r.gate}")
         for conv_id, turns in sorted(self._turns.items()):
             rows = [turns[j] for j in sorted(turns)]
             last = rows[-1]

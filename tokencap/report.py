@@ -36,7 +36,7 @@ from typing import Any
 
 from budget_service.budget import Budget
 from budget_service.ledger import cap_text
-from foundation.outputs import BadLine, category_dir, read_dead_letters, read_results
+from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
 from tokencap.rates import tok_s
 
 FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
@@ -44,15 +44,20 @@ DPI = 110
 
 
 def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Per category: output lengths, finish reasons, failure reasons (from the files)."""
+    """Per category: output lengths, finish reasons, failure reasons (from the files): every
+    committed sample, the replies the gate kept out of training with theirs."""
     data: dict[str, dict[str, Any]] = {}
     for name in names:
         cat_dir = category_dir(out_dir, name)
         lengths: list[int] = []
         finish: Counter[str] = Counter()
         cache: dict[str, Counter[str]] = {}
-        for r in read_results(cat_dir):
+        failures: Counter[str] = Counter()
+        gated: Counter[str] = Counter()  # replies the gate kept out of training, by reason
+        for r in read_committed(cat_dir):
             if not isinstance(r, BadLine):
+                if r.gate:
+                    gated[f"reply kept out: {r.gate}"] += 1
                 lengths.append(r.completion_tokens)
                 finish[r.finish_reason] += 1
                 c = cache.setdefault(r.engine, Counter())
@@ -62,11 +67,10 @@ def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[
                 if r.reusable_tokens:
                     c["reusable"] += r.reusable_tokens
                     c["reused"] += min(r.cached_tokens or 0, r.reusable_tokens)
-        failures: Counter[str] = Counter()
         for d in read_dead_letters(cat_dir):
             if not isinstance(d, BadLine) and d.outcome != "cut":
                 failures[f"{d.outcome}: {d.reason}"] += 1
-        data[name] = {"lengths": lengths, "finish": finish, "failures": failures,
+        data[name] = {"lengths": lengths, "finish": finish, "failures": failures, "gated": gated,
                       "cache": cache}
     return data
 
@@ -172,10 +176,10 @@ def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
     out["tail"] = _png(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3))
-    kinds = sorted({r for d in data.values() for r in d["failures"]})
+    kinds = sorted({r for d in data.values() for r in (*d["failures"], *d["gated"])})
     bottom = [0] * len(names)
     for kind in kinds:
-        counts = [data[n]["failures"][kind] for n in names]
+        counts = [data[n]["failures"][kind] + data[n]["gated"][kind] for n in names]
         ax.bar(names, counts, bottom=bottom, label=kind)
         bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
     if kinds:
@@ -183,7 +187,8 @@ def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
     else:
         ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
     ax.set_ylabel("samples")
-    ax.set_title("Rejected and dead samples by reason")
+    ax.set_title("Left out of training, by reason: samples rejected, dead or stopped, and "
+                 "replies the gate kept out", fontsize=9)
     out["failures"] = _png(fig)
     return out
 
@@ -223,7 +228,8 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
                            for n in names),
         "throughput": f'data-points="{len(series)}"',
         "tail": f'data-points="{len(series)}"',
-        "failures": " ".join(f'data-failed-{_esc(n)}="{sum(data[n]["failures"].values())}"'
+        "failures": " ".join(f'data-failed-{_esc(n)}="{sum(data[n]["failures"].values())}" '
+                             f'data-kept-out-{_esc(n)}="{sum(data[n]["gated"].values())}"'
                              for n in names),
     }
     figures = "".join(

@@ -27,12 +27,14 @@ from foundation.outputs import (
     PART_MAX_BYTES,
     BadLine,
     category_dir,
-    dead_letter_path,
+    letter_path,
     part_files,
     part_path,
+    read_committed,
     read_dead_letters,
-    read_results,
+    rejected_path,
     repair_tail,
+    written_files,
 )
 from foundation.wire import DeadLetter, Outcome, Result
 
@@ -117,13 +119,14 @@ class CategorySink:
         self.category = category
         self.dir = category_dir(root, category)
         self.dir.mkdir(parents=True, exist_ok=True)
-        parts = part_files(self.dir)
-        for p in [*parts, dead_letter_path(self.dir)]:
-            if p.exists() and repair_tail(p):
+        for p in written_files(self.dir):
+            if repair_tail(p):
                 log.warning("cut a torn last line in %s", p)
-        self.on_disk: dict[str, int | str] = {}  # id -> counted tokens, or "d" (dead letter)
+        # id -> counted tokens of every committed sample on disk (training rows and the
+        # replies the gate kept out), or "d" (dead letter)
+        self.on_disk: dict[str, int | str] = {}
         self.turn_digests: dict[str, bytes] = {}  # turn id -> output digest, of rows on disk
-        for rec in read_results(self.dir):
+        for rec in read_committed(self.dir):
             if isinstance(rec, BadLine):
                 log.warning("%s: unreadable result line kept as is: %s", rec.where, rec.error)
             else:
@@ -136,9 +139,9 @@ class CategorySink:
             if not isinstance(dead, BadLine):
                 cut = dead.outcome == Outcome.CUT
                 (self.cut_on_disk if cut else self.dead_on_disk).add(dead.id)
-        self.part_no = len(parts)
+        self.part_no = len(part_files(self.dir))
         self._part: tuple[int, Path] | None = None
-        self._dead: tuple[int, Path] | None = None
+        self._others: dict[Path, int] = {}  # the other files' descriptors, opened once
         self._result = msgspec.json.Decoder(Result)
         self._dead_letter = msgspec.json.Decoder(DeadLetter)
 
@@ -155,17 +158,21 @@ class CategorySink:
         self._part = (os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), path)
         return self._part
 
-    def _dead_file(self) -> tuple[int, Path]:
-        if self._dead is None:
-            path = dead_letter_path(self.dir)
-            self._dead = (os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), path)
-        return self._dead
+    def _file(self, rec: Result | DeadLetter) -> tuple[int, Path]:
+        """Where `rec` goes: a training row to the current part file, a gated reply to
+        `rejected-replies.jsonl`, a dead letter to `failed.jsonl` or `stopped.jsonl`."""
+        if isinstance(rec, Result) and not rec.gate:
+            return self._part_file()
+        path = rejected_path(self.dir) if isinstance(rec, Result) else \
+            letter_path(self.dir, rec.outcome)
+        if path not in self._others:
+            self._others[path] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return self._others[path], path
 
     def decode(self, payload: bytes, dead: bool) -> Result | DeadLetter:
         return self._dead_letter.decode(payload) if dead else self._result.decode(payload)
 
-    def write(self, records: list[tuple[bytes, Result | DeadLetter]], dead: bool,
-              marks: list[str | None]
+    def write(self, records: list[tuple[bytes, Result | DeadLetter]], marks: list[str | None]
               ) -> tuple[int, int, dict[str, int | str], list[TurnEvent]]:
         """Append the records (raw line, decoded) whose samples are not written yet (`marks`:
         each one's written mark in Redis, None if unmarked; the ids read from the files
@@ -206,21 +213,33 @@ class CategorySink:
                     self.turn_digests[rec.id] = output_digest(rec.output_ids)
                 events.append(turn_event(rec))
             new.append((raw, rec))
-        if new:
-            fd, path = self._dead_file() if dead else self._part_file()
+        # one append per file, in the order the batch first names each; a failed one is
+        # cut back and raises, and only its records and later files' are unmarked: the
+        # files appended before it hold theirs (the batch is read again, and they are
+        # found on disk)
+        groups: dict[tuple[int, Path], list[tuple[bytes, Result | DeadLetter]]] = {}
+        for raw, rec in new:
+            groups.setdefault(self._file(rec), []).append((raw, rec))
+        pending = list(groups.items())
+        for i, ((fd, path), lines) in enumerate(pending):
             try:
-                _append(fd, path, b"".join(raw.rstrip(b"\n") + b"\n" for raw, _ in new))
+                _append(fd, path, b"".join(raw.rstrip(b"\n") + b"\n" for raw, _ in lines))
             except WriterDiskError:
-                for _, rec in new:  # none of them is on disk: they are written again next time
-                    if isinstance(rec, Result):
-                        self.on_disk.pop(rec.id, None)
-                        self.turn_digests.pop(rec.id, None)
-                    elif rec.outcome == Outcome.CUT:
-                        self.cut_on_disk.discard(rec.id)
-                    else:
-                        self.dead_on_disk.discard(rec.id)
+                for _, later in pending[i:]:
+                    for _, rec in later:
+                        self._forget(rec)
                 raise
         return len(new), correction, to_mark, [e for e in events if e is not None]
+
+    def _forget(self, rec: Result | DeadLetter) -> None:
+        """`rec` is not on disk after all (its append failed): it is written next time."""
+        if isinstance(rec, Result):
+            self.on_disk.pop(rec.id, None)
+            self.turn_digests.pop(rec.id, None)
+        elif rec.outcome == Outcome.CUT:
+            self.cut_on_disk.discard(rec.id)
+        else:
+            self.dead_on_disk.discard(rec.id)
 
     def _event_of_written(self, rec: Result) -> TurnEvent | None:
         """The conversation event of a turn already on disk, from the row on disk: the one
@@ -229,7 +248,7 @@ class CategorySink:
             return None
         if self.turn_digests.get(rec.id) == output_digest(rec.output_ids):
             return turn_event(rec)
-        for row in read_results(self.dir):
+        for row in read_committed(self.dir):
             if not isinstance(row, BadLine) and row.id == rec.id:
                 log.warning("%s/%s: generated again after Redis lost its commit; its "
                             "conversation goes on from the turn on disk", self.category, rec.id)
@@ -251,8 +270,8 @@ class CategorySink:
         return missing
 
     def close(self) -> None:
-        for handle in (self._part, self._dead):
-            if handle is not None:
-                with contextlib.suppress(OSError):
-                    os.close(handle[0])
-        self._part = self._dead = None
+        for fd in [*([self._part[0]] if self._part else []), *self._others.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._part = None
+        self._others = {}

@@ -101,7 +101,7 @@ class Writer:
             records = [(fields[b"r"], sink.decode(fields[b"r"], dead))
                        for _, fields in entries if fields]
             marked = self.budget.written(category, [rec.id for _, rec in records])
-            written, correction, marks, events = sink.write(records, dead, marked)
+            written, correction, marks, events = sink.write(records, marked)
             n += written
             if correction:
                 log.warning("%s: a sample already on disk was generated again (Redis lost its "

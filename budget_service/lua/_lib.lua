@@ -64,6 +64,18 @@ local function reject(s, reason, json)
   return true
 end
 
+-- count_reply(reason, tokens): a committed reply's output tokens, in a training row (reason
+-- '': `kept`) or kept out of training by the reply gate (`gated:<reason>` tokens and
+-- `gated_n:<reason>` replies in the state hash).
+local function count_reply(reason, tokens)
+  if reason == '' then
+    redis.call('HINCRBY', K.state, 'kept', tokens)
+  else
+    redis.call('HINCRBY', K.state, 'gated:' .. reason, tokens)
+    redis.call('HINCRBY', K.state, 'gated_n:' .. reason, 1)
+  end
+end
+
 -- The admission rule, the only copy (admit.lua and unpark.lua use it).
 -- fits(st, est, est_var, max_add, z): may one more sample be sent now? st is the state
 -- {cap, used, reserved, var, worst}, est the sample's reservation (tokens), est_var its

@@ -5,6 +5,8 @@
 -- ARGV[7] result JSON  ARGV[8] its output ids outside the tokenizer's vocabulary (count)
 -- ARGV[9] its prompt tokens  ARGV[10] its prompt tokens the engine served from cache
 -- ARGV[11] its prompt tokens shared with the turn before  ARGV[12] the engine's URL
+-- ARGV[13] why the reply gate kept it out of training ('' for a training row)
+-- ARGV[14] its output tokens
 -- Returns {'ok', used}, or {'dup', used} when the sample was final before (then it only
 -- clears what the ledger still kept for the sample).
 local s = ARGV[1]
@@ -17,6 +19,7 @@ redis.call('HSET', K.final, s, 'c:' .. counted)
 local used = redis.call('HINCRBY', K.state, 'used', counted)
 redis.call('HINCRBY', K.state, 'samples', 1)
 if tonumber(ARGV[3]) > 0 then redis.call('HINCRBY', K.state, 'waste', ARGV[3]) end
+count_reply(ARGV[13], ARGV[14])
 redis.call('HINCRBY', K.hist, ARGV[4], 1)
 if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', K.state, 'oov', 1) end
 redis.call('HINCRBY', K.state, 'prompt', ARGV[9])

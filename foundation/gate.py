@@ -1,0 +1,136 @@
+"""The gate on a generated reply: why it is kept out of training, or None when it is kept.
+
+A drafter learns what the target model says next; a reply that loops, says nothing, or
+never closes its reasoning teaches it the wrong thing. The worker runs `check` on every reply
+before it commits it (`consumers.job`), and `tokencap audit` runs the same function on rows
+already written. The reasons, in the order they are tried:
+
+- ``loop``: the reply's tail is one short span repeated: a span of at most LOOP_MAX_PERIOD
+  tokens, repeated back to back at least LOOP_MIN_REPEATS times over at least LOOP_MIN_TOKENS
+  tokens at the reply's end (its end-of-turn token aside). A reply cut at max_new_tokens in
+  the middle of a loop is a loop, not only a cut.
+- ``length``: cut at max_new_tokens (finish_reason "length").
+- ``unclosed_reasoning``: the reply is in a reasoning block (opened by the prompt, or by the
+  reply itself) and ended without closing it (nor a tool call interrupting it).
+- ``empty``: after the reasoning, nothing: only tokens that decode to whitespace, and no
+  tool call.
+
+The gate reads token ids only (a worker has no tokenizer): the producer gives each category
+its `ReplyMarkers`, the ids of the model family's reasoning and tool-call markers, its
+end-of-turn ids and the ids that decode to whitespace (`producer.replies`). Without markers
+(token-id prompts and no tokenizer) only ``loop``, ``length`` and a reply of no token at all
+(``empty``) are told.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from msgspec import Struct
+
+# The loop thresholds, chosen on real model replies (README, "The reply gate"): no healthy
+# reply of the measured set repeats a span this short this often this long at its end.
+LOOP_MAX_PERIOD = 256  # tokens in the repeated span, at most
+LOOP_MIN_REPEATS = 4  # back-to-back repeats of it, at least
+LOOP_MIN_TOKENS = 128  # tokens the repeats cover at the reply's end, at least
+
+
+class GateReason(enum.StrEnum):
+    """Why a reply is kept out of training."""
+
+    LOOP = "loop"
+    LENGTH = "length"
+    UNCLOSED_REASONING = "unclosed_reasoning"
+    EMPTY = "empty"
+
+
+class ReplyMarkers(Struct, frozen=True, forbid_unknown_fields=True):
+    """A model family's markers as token id sequences, for `check`."""
+
+    reasoning_start: list[int] = []  # empty: the family has no reasoning block
+    reasoning_end: list[int] = []
+    # sequences that end the reasoning where they start (a tool call begun inside it)
+    reasoning_interrupts: list[list[int]] = []
+    # the reply is in a reasoning block from its first token (the prompt opened it, or the
+    # parser assumes it: DeepSeek-R1's)
+    reasoning_open: bool = False
+    call_starts: list[list[int]] = []  # any of these in the content: the reply makes a call
+    end_ids: list[int] = []  # end-of-turn ids (cut from the reply's end)
+    blank_ids: list[int] = []  # ids that decode to whitespace only
+
+
+def find(ids: Sequence[int], marker: Sequence[int], start: int = 0) -> int:
+    """Where `marker` first occurs in `ids` at or after `start`, or -1."""
+    n = len(marker)
+    if n == 0:
+        return -1
+    first = marker[0]
+    for at in range(start, len(ids) - n + 1):
+        if ids[at] == first and list(ids[at:at + n]) == list(marker):
+            return at
+    return -1
+
+
+def loop_span(ids: Sequence[int], max_period: int = LOOP_MAX_PERIOD) -> tuple[int, int]:
+    """The longest run of one repeated span at the end of `ids`: (period, tokens covered),
+    over periods 1..max_period; (0, 0) for an empty reply."""
+    n = len(ids)
+    best = (0, 0)
+    for p in range(1, min(max_period, n // 2) + 1):
+        run = 0
+        i = n - 1
+        while i - p >= 0 and ids[i] == ids[i - p]:
+            run += 1
+            i -= 1
+        covered = run + p
+        if run >= p and covered > best[1]:
+            best = (p, covered)
+    return best
+
+
+def is_loop(ids: Sequence[int]) -> bool:
+    period, covered = loop_span(ids)
+    return period > 0 and covered >= LOOP_MIN_TOKENS and covered >= LOOP_MIN_REPEATS * period
+
+
+def after_reasoning(ids: list[int], m: ReplyMarkers, blank: set[int]) -> list[int] | None:
+    """What follows the reply's reasoning block (all of it when it opened none); None when
+    the block never closed."""
+    start = 0
+    opened = m.reasoning_open
+    if m.reasoning_start and not opened:
+        at = find(ids, m.reasoning_start)
+        # the reply opens its own block (a `<think>` at its start, whitespace aside)
+        if at >= 0 and all(t in blank for t in ids[:at]):
+            opened, start = True, at + len(m.reasoning_start)
+    if not opened or not m.reasoning_end:
+        return ids
+    end = find(ids, m.reasoning_end, start)
+    if end >= 0:
+        return ids[end + len(m.reasoning_end):]
+    cuts = [at for marker in m.reasoning_interrupts if (at := find(ids, marker, start)) >= 0]
+    return ids[min(cuts):] if cuts else None
+
+
+def check(output_ids: Sequence[int], finish_reason: str,
+          markers: ReplyMarkers | None = None) -> GateReason | None:
+    """Why the reply `output_ids` (finished with `finish_reason`) is kept out of training,
+    or None (module docstring)."""
+    m = markers or ReplyMarkers()
+    ids = list(output_ids)
+    while ids and ids[-1] in m.end_ids:
+        ids.pop()
+    if is_loop(ids):
+        return GateReason.LOOP
+    if finish_reason == "length":
+        return GateReason.LENGTH
+    blank = set(m.blank_ids)
+    rest = after_reasoning(ids, m, blank)
+    if rest is None:
+        return GateReason.UNCLOSED_REASONING
+    if any(find(rest, marker) >= 0 for marker in m.call_starts):
+        return None
+    if all(t in blank for t in rest):
+        return GateReason.EMPTY
+    return None
