@@ -5,7 +5,12 @@ With ``turns = "all"`` a record is one generation per assistant turn. Once the w
 turn j (`FeedingLedger.followups` lists it), turn j+1's prompt is the source up to that turn with
 the model's own earlier turns (decoded from their output ids into assistant messages by
 `producer.replies`), rendered and checked against turn j's by `CategorySource.prepare`.
-It goes to the queue's front: the engine that served turn j still holds its prefix.
+It goes to the queue's front: the engine that served turn j still holds its prefix. When
+turn j's tool calls depart from the calls the source's next results answer (another
+function, fewer, none, more: `Conversation.divergence`), turn j+1 is not fed: a result is
+never handed to a call it does not answer; the conversation stops, `tool_divergence` in
+`stopped.jsonl` naming both sides (with `on_tool_divergence = "replay"` only another
+function stops it).
 
 In a category of single samples, what waits there are dead samples `tokencap retry` sent
 back; they are fed again from their records, found by id.
@@ -94,7 +99,7 @@ class Conversations:
                     why = "the outputs of its earlier turns are gone from Redis"
                 log.error("%s/%s: conversation cut: %s", name, f.sample_id, why)
                 rejected.append(DeadLetter(
-                    id=f.sample_id, category=name, outcome=Outcome.REJECTED,
+                    id=f.sample_id, category=name, outcome=Outcome.STOPPED,
                     reason="source_changed", message=why, where=source.where(f.ordinal),
                     conversation_id=conv_id, turn=turn))
                 continue
@@ -107,17 +112,31 @@ class Conversations:
                 log.warning("%s/%s: conversation stops: a reply does not parse (%s)", name,
                             f.sample_id, exc)
                 rejected.append(DeadLetter(
-                    id=f.sample_id, category=name, outcome=Outcome.REJECTED,
+                    id=f.sample_id, category=name, outcome=Outcome.STOPPED,
                     reason="unparsed_reply",
                     message=f"the reply of {exc}; kept as generated, the conversation cannot "
                             "go on from it", where=s.where, conversation_id=conv_id, turn=turn,
+                    turns_total=conv.turns))
+                continue
+            div = conv.divergence(generated)
+            if div is not None and (self.cfg.on_tool_divergence == "stop"
+                                    or div.kind == "other_name"):
+                # the model's turn stays (what it said after a faithful history); the source's
+                # results answer other calls, so the conversation cannot go on faithfully
+                log.info("%s/%s: conversation stops: tool calls diverge (%s)", name,
+                         f.sample_id, div.message)
+                rejected.append(DeadLetter(
+                    id=f.sample_id, category=name, outcome=Outcome.STOPPED,
+                    reason="tool_divergence", message=f"{div.kind}: {div.message}",
+                    where=s.where, conversation_id=conv_id, turn=turn,
                     turns_total=conv.turns))
                 continue
             samples.append(s)
             ids = self.replies.result_ids(conv_id)
             turns.append(NextTurn(conv.prompt(generated, ids), turn,
                                   conv.prompt(generated[:-1], ids), list(f.outputs[-1] or []),
-                                  generated[-1], conv.replay_notes(generated), f.engine))
+                                  generated[-1], conv.replay_notes(generated), f.engine,
+                                  conv.args_match(generated)))
         prepared, bad = source.prepare(samples, turns, self.affinity)
         recorded = set(self.budget.feeding.feed_follow(name, now_ms() + self.lease_ms, prepared,
                                                rejected + bad))

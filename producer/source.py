@@ -76,6 +76,9 @@ class NextTurn(NamedTuple):
     previous_message: dict
     notes: list[str]
     engine: str = ""  # the engine that served the turn before
+    # a replayed tool result answers a call of the same function with other arguments
+    # (`Conversation.args_match`)
+    args_match: bool | None = None
 
 
 class CategorySource:
@@ -256,7 +259,8 @@ class CategorySource:
             if turns and out.text is not None and isinstance(prev_out, Prompt):
                 consistent, notes, shared = prefix(turns[k], prev_out.ids, out.ids, out.text)
                 fields = {**fields, "prefix_consistent": consistent,
-                          "history_notes": notes + turns[k].notes, "reusable_tokens": shared}
+                          "history_notes": notes + turns[k].notes, "reusable_tokens": shared,
+                          "tool_args_match": turns[k].args_match}
             if affinity is not None:
                 fields["affinity"] = affinity(out.ids)
                 if turns:
