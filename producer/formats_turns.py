@@ -92,6 +92,7 @@ def to_conversation(
         raw = _chat_turns(record, fmt, roles)
     kept = _apply_policy(raw, turns, system_prompt)
     messages = [turn_message(t) for t in kept]
+    _check_tool_results(kept, messages)
     messages = add_system(messages, record, system_prompt, field_map)
     tools = tool_schemas(record, (field_map or {}).get("tools", "tools"))
     if turns == "all":
@@ -164,6 +165,10 @@ def _apply_policy(turns_in: list[SourceTurn], turns: str, system_prompt: str | N
     if not users:
         _check_roles(turns_in)
         raise Rejected("no_user_turn", "the conversation has no user turn")
+    for t in turns_in[: users[0]]:  # dropped, but a result there answers no call at all
+        if t.role == "tool":
+            raise Rejected("orphan_tool_result", "a tool result before the first user turn "
+                           "answers no call", t.at)
     end = {"first": users[0], "last": users[-1]}.get(turns, len(turns_in) - 1)
     kept = [t for i, t in enumerate(turns_in[: end + 1])
             if i >= users[0] or t.role in ("system", "developer")]
@@ -171,6 +176,35 @@ def _apply_policy(turns_in: list[SourceTurn], turns: str, system_prompt: str | N
     if system_prompt is not None:
         kept = [t for t in kept if t.role != "system"]
     return kept
+
+
+def _check_tool_results(kept: list[SourceTurn], messages: list[dict]) -> None:
+    """Refuse a record with a tool result that answers no call (`orphan_tool_result`): one
+    before any assistant turn, more results than the assistant turn before them made calls,
+    or an id none of its calls has. An assistant turn that writes its calls in its text
+    (no structured ``tool_calls``) is not counted: what its results answer cannot be told."""
+    calls: list[dict] | None = None  # the structured calls of the last assistant turn
+    answered = 0
+    for t, msg in zip(kept, messages, strict=True):
+        if msg["role"] == "assistant":
+            calls, answered = msg.get("tool_calls") or [], 0
+            continue
+        if msg["role"] != "tool":
+            continue
+        if calls is None:
+            raise Rejected("orphan_tool_result", "a tool result before any assistant turn "
+                           "answers no call", t.at)
+        if not calls:
+            continue
+        answered += 1
+        if answered > len(calls):
+            raise Rejected("orphan_tool_result", f"tool result {answered} after an assistant "
+                           f"turn that made {len(calls)} call(s) answers no call", t.at)
+        ids = [c["id"] for c in calls if c.get("id")]
+        rid = msg.get("tool_call_id")
+        if rid and ids and rid not in ids:
+            raise Rejected("orphan_tool_result", f"tool_call_id {rid!r} is no call's id "
+                           f"(the calls: {', '.join(ids)})", f"{t.at}.tool_call_id")
 
 
 def _check_roles(turns: list[SourceTurn]) -> None:

@@ -264,8 +264,84 @@ def test_plan_check_counts_usable_records_and_their_turns(tmp_path):
     assert res.exit_code == 0, res.output
     [row] = json.loads(res.stdout)["categories"]
     # 8 records: 3 rejected for a reason each; the 5 others ask for 3+2+4+2+2 generations
+    examples = row["checked"].pop("examples")
     assert row["checked"] == {"records": 8, "usable": 5, "generations": 13, "rejected": {
         "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}}
+    # each reject named where it is: file:line (field)
+    assert examples["invalid_json"] == [
+        f"{CONVERSATIONS}:8: invalid_json (messages[1].tool_calls[0].function.arguments): not "
+        "valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+        "(char 1)"]
+    assert set(examples) == set(row["checked"]["rejected"])
     assert row["prompts"] == row["samples"] == 13
     table = CliRunner().invoke(plan_cmd, [str(path), "--check"]).stdout
     assert "conv: 5 of 8 records usable, 13 generations; rejected: invalid_json 1" in table
+
+
+# -- records whose tool results answer no call -------------------------------------------
+
+ORPHANS = [  # (what is wrong, the record) one a line
+    ("a result before any assistant turn", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "tool", "tool_call_id": "c1", "content": "12C"},
+        {"role": "assistant", "content": "12C."}]}),
+    ("a result before the first user turn", {"messages": [
+        {"role": "tool", "content": "12C"}, {"role": "user", "content": "hi"}]}),
+    ("more results than calls", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12C"},
+        {"role": "tool", "tool_call_id": "c1", "content": "14C"}]}),
+    ("an id no call has", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c9", "content": "12C"}]}),
+]
+GOOD = {"messages": [
+    {"role": "user", "content": "hi"},
+    # calls written in the text (no structured calls): what its results answer is not told
+    {"role": "assistant", "content": "<tool_call>{\"name\": \"f\"}</tool_call>"},
+    {"role": "tool", "content": "12C"}, {"role": "assistant", "content": "12C."}]}
+
+
+def _check_agent(tmp_path: Path, src: Path, turns: str, usable: int) -> list[str]:
+    """`plan --check` of one category: its usable count, and the rejects it shows."""
+    path = _config(tmp_path, cats=(
+        f'[[category]]\nname = "agent"\nsource = "{src}"\nturns = "{turns}"\n'
+        f"sampling = {{ max_new_tokens = 64 }}\n"))
+    res = CliRunner().invoke(plan_cmd, [str(path), "--check"])
+    assert res.exit_code == 0, res.output
+    assert f"agent: {usable} of 5 records usable" in res.stdout
+    assert f"rejected: orphan_tool_result {5 - usable}" in res.stdout
+    return [line.strip() for line in res.stdout.splitlines() if "orphan_tool_result (" in line]
+
+
+def test_plan_check_refuses_tool_results_that_answer_no_call(tmp_path) -> None:
+    src = tmp_path / "agent.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for _, r in ORPHANS) + json.dumps(GOOD) + "\n")
+    # the first three of a reason, each named by file:line and field
+    first, second, third = _check_agent(tmp_path, src, "all", usable=1)
+    assert first.startswith(f"{src}:1: orphan_tool_result (messages[1]): a tool result before "
+                            "any assistant turn")
+    assert second.startswith(f"{src}:2: orphan_tool_result (messages[0]): a tool result "
+                             "before the first user turn")
+    assert third.startswith(f"{src}:3: orphan_tool_result (messages[3]): tool result 2 after "
+                            "an assistant turn that made 1 call(s)")
+    # "first" renders the conversation up to its first user turn: only what comes before it
+    assert _check_agent(tmp_path, src, "first", usable=4) == [second]
+
+
+def test_plan_check_fails_when_a_category_has_no_usable_record(tmp_path) -> None:
+    src = tmp_path / "agent.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for _, r in ORPHANS))
+    path = _config(tmp_path, cats=(
+        f'[[category]]\nname = "agent"\nsource = "{src}"\nturns = "all"\n'
+        f"sampling = {{ max_new_tokens = 64 }}\n"))
+    res = CliRunner().invoke(plan_cmd, [str(path), "--check"])
+    assert res.exit_code == 2
+    assert f"{path}: no usable record in category agent" in res.output
+    assert "Traceback" not in res.output

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import msgspec
 
-from foundation.errors import TokencapError
+from foundation.errors import SourceError, TokencapError
 from tokencap.export import FORMATS, MAX_BAD_REPORTED
 
 if TYPE_CHECKING:
@@ -199,6 +199,7 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
             why = ", ".join(f"{k} {v:,}" for k, v in c.rejected.items()) or "none"
             lines.append(f"{r.category}: {c.usable:,} of {c.records:,} records usable, "
                          f"{c.generations:,} generations; rejected: {why}")
+            lines += [f"  {example}" for shown in c.examples.values() for example in shown]
     lines.append(f"hours at {tok_s:,.0f} output tok/s; tok/sample counts what the budget "
                  "counts, measured from committed results or estimated from the config")
     if any(r.checked is None for r in rows):
@@ -265,6 +266,11 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(_plan_table(rows, total, tok_s))
+    empty = [name for name, c in (checked or {}).items() if c.usable == 0]
+    if empty:  # a run of it would feed nothing there
+        what = "category" if len(empty) == 1 else "categories"
+        raise SourceError(f"{config}: no usable record in {what} {', '.join(empty)} (the "
+                          "rejects above say why)")
 
 
 @click.command("preview", cls=_Command)

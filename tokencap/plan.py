@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 PROMPT_SAMPLE_SIZE = 64  # prompts rendered to estimate mean prompt tokens
 CHECK_PROGRESS_EVERY = 5000  # records between progress lines of `check_sources`
+CHECK_EXAMPLES = 3  # rejects shown per reason, with file:line
 PREVIEW_SCAN_LIMIT = 1000  # records tried per category before preview gives up
 SECONDS_PER_HOUR = 3600
 DEFAULT_TOK_S = 1000.0  # output tokens per second of the engine
@@ -63,6 +64,8 @@ class SourceCheck(msgspec.Struct):
     usable: int
     generations: int
     rejected: dict[str, int]
+    # the first rejects of each reason: "file:line (field): why"
+    examples: dict[str, list[str]] = {}
 
 
 class PlanRow(msgspec.Struct):
@@ -199,6 +202,7 @@ def check_sources(cfg: RunConfig, renderer: Renderer | None,
     out = {}
     for cat in cfg.category:
         rejected: dict[str, int] = {}
+        examples: dict[str, list[str]] = {}
         usable = generations = 0
         with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
             for i in range(len(source)):
@@ -207,13 +211,16 @@ def check_sources(cfg: RunConfig, renderer: Renderer | None,
                     source.prompt(s)
                 except Rejected as exc:
                     rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
+                    shown = examples.setdefault(exc.reason, [])
+                    if len(shown) < CHECK_EXAMPLES:
+                        shown.append(f"{exc.where or source.where(i)}: {exc}")
                     continue
                 usable += 1
                 generations += s.conversation.turns if s.conversation else 1
                 if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
                     on_progress(cat.name, i + 1, len(source))
             out[cat.name] = SourceCheck(len(source), usable, generations,
-                                        dict(sorted(rejected.items())))
+                                        dict(sorted(rejected.items())), examples)
     return out
 
 
