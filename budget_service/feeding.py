@@ -56,24 +56,51 @@ class FeedingLedger(Ledger):
         return existing is None
 
     def feed(self, category: str, cursor: int, new_cursor: int, deadline_ms: int,
-             samples: Sequence[Pending], rejected: Sequence[DeadLetter]) -> list[str] | None:
+             samples: Sequence[Pending], rejected: Sequence[DeadLetter],
+             others: Sequence[str] = ()) -> list[str] | None:
         """Record `samples` (pending, leased until `deadline_ms`) and `rejected` (final) and
-        move the cursor from `cursor` to `new_cursor`, in one call. Returns the ids recorded
-        now, or None when Redis's cursor is not `cursor` (nothing written)."""
-        args: list[Any] = [cursor, new_cursor, deadline_ms, len(samples)]
-        for p in samples:
+        move the cursor from `cursor` to `new_cursor`, in one call. A sample whose prompt ids
+        a category of `others` fed already is rejected as duplicate_prompt (read from their
+        prompt digests first: a script touches one category's slot). Returns the ids
+        recorded now, or None when Redis's cursor is not `cursor` (nothing written)."""
+        digests = [prompt_digest(p.prompt_ids) for p in samples]
+        elsewhere = self.fed_elsewhere(others, digests)
+        args: list[Any] = [cursor, new_cursor, deadline_ms, 0]
+        dropped: list[DeadLetter] = []
+        for p, digest, first in zip(samples, digests, elsewhere, strict=True):
             dup = DeadLetter(id=p.sample_id, category=category, outcome=Outcome.REJECTED,
                              reason="duplicate_prompt", where=p.where,
-                             message="same prompt token ids as an earlier sample",
+                             message=f"same prompt token ids as {first or 'an earlier sample'}",
                              conversation_id=p.conversation_id, turn=p.turn,
                              turns_total=p.turns_total)
-            args += [p.sample_id, prompt_digest(p.prompt_ids), encode(p), encode(dup)]
-        for d in rejected:
+            if first is not None:
+                dropped.append(dup)
+                continue
+            args += [p.sample_id, digest, encode(p), encode(dup)]
+        args[3] = len(samples) - len(dropped)
+        for d in [*rejected, *dropped]:
             args += [d.id, d.reason, encode(d)]
         out = self.scripts.feed(keys=self._ck(category), args=args)
         if as_str(out[0]) == "stale":
             return None
         return [as_str(v) for v in out[1:]]
+
+    def fed_elsewhere(self, categories: Sequence[str], digests: Sequence[str]
+                      ) -> list[str | None]:
+        """For each prompt digest, the first sample of `categories` (in their order) that
+        was fed with it, as "category/sample id", or None (one round trip)."""
+        if not categories or not digests:
+            return [None] * len(digests)
+        pipe = self.redis.pipeline(transaction=False)
+        for c in categories:
+            pipe.hmget(self._ck(c).prompts, list(digests))
+        found = pipe.execute()
+        out: list[str | None] = []
+        for k in range(len(digests)):
+            owner = next(((c, hits[k]) for c, hits in zip(categories, found, strict=True)
+                          if hits[k] is not None), None)
+            out.append(None if owner is None else f"{owner[0]}/{as_str(owner[1])}")
+        return out
 
     def feed_follow(self, category: str, deadline_ms: int, samples: Sequence[Pending],
                     rejected: Sequence[DeadLetter]) -> list[str]:
@@ -169,8 +196,10 @@ class FeedingLedger(Ledger):
         )
         return Unparked([(as_str(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)])
 
-    def reconcile(self, category: str, records: Iterable[tuple[str, str, int, int, int | str]]
-                  ) -> int:
+    def reconcile(self, category: str,
+                  records: Iterable[tuple[str, str, int, int, int | str, str, int]]) -> int:
+        """Add to Redis the final samples read from the files (`producer.reconcile`): (id,
+        final value, counted, waste, bucket, gate reason, output tokens) each."""
         args: list[Any] = []
         for rec in records:
             args.extend(rec)

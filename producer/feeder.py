@@ -273,8 +273,11 @@ class Producer:
             known = self.budget.feeding.known(name, [feed.source.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume
             prepared, too_long = feed.source.prepare(samples, None, self._affinity)
+            # a prompt another category fed already is not generated twice
+            others = [c for c in self.feeds if c != name]
             ids = self.budget.feeding.feed(name, start, start + len(positions),
-                                   now_ms() + self.lease_ms, prepared, rejected + too_long)
+                                           now_ms() + self.lease_ms, prepared,
+                                           rejected + too_long, others)
             if ids is None:
                 self.recovery.lost_feeds(feed)
                 return fed

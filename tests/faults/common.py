@@ -25,9 +25,9 @@ http_retries = 3
 backoff_max_s = 0.2"""
 
 
-def ids_source(tmp: Path, n: int = PROMPTS, name: str = "ids.jsonl") -> Path:
+def ids_source(tmp: Path, n: int = PROMPTS, name: str = "ids.jsonl", base: int = 300) -> Path:
     src = tmp / name
-    src.write_text("".join(json.dumps({"input_ids": [300 + i, 21, 22, 23]}) + "\n"
+    src.write_text("".join(json.dumps({"input_ids": [base + i, 21, 22, 23]}) + "\n"
                            for i in range(n)))
     return src
 
@@ -35,7 +35,10 @@ def ids_source(tmp: Path, n: int = PROMPTS, name: str = "ids.jsonl") -> Path:
 def two_category_config(tmp: Path, run: str = "faults", cap_a: int = 20000,
                         cap_b: int = 12000, extra: str = "", max_new: int = 512,
                         prompts: int = PROMPTS):
+    """Two categories of `prompts` token-id prompts each, no prompt in both (a prompt one
+    category fed is a duplicate in the other)."""
     src = ids_source(tmp, prompts)
+    src_b = ids_source(tmp, prompts, "ids-b.jsonl", base=300 + prompts)
     return write_config(tmp, f"""
 run = "{run}"
 output_dir = "{tmp / 'out'}"
@@ -49,7 +52,7 @@ cap_tokens = {cap_a}
 sampling = {{ max_new_tokens = {max_new} }}
 [[category]]
 name = "b"
-source = "{src}"
+source = "{src_b}"
 format = "input_ids"
 cap_tokens = {cap_b}
 sampling = {{ max_new_tokens = {max_new} }}

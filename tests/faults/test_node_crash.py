@@ -43,7 +43,7 @@ FINISH_BOUND_S = 240.0
 
 
 def _ids_config(tmp: Path) -> RunConfig:
-    src = ids_source(tmp, 400)
+    src, src_b = ids_source(tmp, 400), ids_source(tmp, 400, "ids-b.jsonl", base=700)
     return write_config(tmp, f"""
 run = "crash"
 output_dir = "{tmp / 'out'}"
@@ -56,7 +56,7 @@ cap_tokens = 6000
 sampling = {{ max_new_tokens = 256 }}
 [[category]]
 name = "b"
-source = "{src}"
+source = "{src_b}"
 format = "input_ids"
 cap_tokens = 3000
 sampling = {{ max_new_tokens = 256 }}
