@@ -7,7 +7,8 @@ already written. The reasons, in the order they are tried:
 
 - ``loop``: the reply's tail is one short span repeated: a span of at most LOOP_MAX_PERIOD
   tokens, repeated back to back at least LOOP_MIN_REPEATS times over at least LOOP_MIN_TOKENS
-  tokens at the reply's end (its end-of-turn token aside). A reply cut at max_new_tokens in
+  tokens at the reply's end (its end-of-turn token, and up to LOOP_TAIL_SLACK last tokens,
+  aside). A reply cut at max_new_tokens in
   the middle of a loop is a loop, not only a cut.
 - ``length``: cut at max_new_tokens (finish_reason "length").
 - ``unclosed_reasoning``: the reply is in a reasoning block (opened by the prompt, or by the
@@ -34,6 +35,9 @@ from msgspec import Struct
 LOOP_MAX_PERIOD = 256  # tokens in the repeated span, at most
 LOOP_MIN_REPEATS = 4  # back-to-back repeats of it, at least
 LOOP_MIN_TOKENS = 128  # tokens the repeats cover at the reply's end, at least
+# last tokens a loop may leave out: a reply re-encoded from its text (`tokencap audit`) can
+# end in a token the cycle never writes (a trailing space encoded alone)
+LOOP_TAIL_SLACK = 2
 
 
 class GateReason(enum.StrEnum):
@@ -60,24 +64,37 @@ class ReplyMarkers(Struct, frozen=True, forbid_unknown_fields=True):
     blank_ids: list[int] = []  # ids that decode to whitespace only
 
 
-def find(ids: Sequence[int], marker: Sequence[int], start: int = 0) -> int:
+def find(ids: list[int], marker: Sequence[int], start: int = 0) -> int:
     """Where `marker` first occurs in `ids` at or after `start`, or -1."""
     n = len(marker)
     if n == 0:
         return -1
-    first = marker[0]
-    for at in range(start, len(ids) - n + 1):
-        if ids[at] == first and list(ids[at:at + n]) == list(marker):
+    want = list(marker)
+    at = start
+    while True:
+        try:
+            at = ids.index(want[0], at)  # a C loop: markers are rare in a reply
+        except ValueError:
+            return -1
+        if ids[at:at + n] == want:
             return at
-    return -1
+        at += 1
 
 
 def loop_span(ids: Sequence[int], max_period: int = LOOP_MAX_PERIOD) -> tuple[int, int]:
     """The longest run of one repeated span at the end of `ids`: (period, tokens covered),
-    over periods 1..max_period; (0, 0) for an empty reply."""
+    over periods 1..max_period; (0, 0) when there is none. Only the periods at which the
+    last token recurs are tried."""
     n = len(ids)
+    if n < 2:
+        return (0, 0)
+    last = ids[-1]
+    lo = max(0, n - 1 - min(max_period, n // 2))
     best = (0, 0)
-    for p in range(1, min(max_period, n // 2) + 1):
+    for j in range(n - 2, lo - 1, -1):
+        if ids[j] != last:
+            continue
+        p = n - 1 - j
         run = 0
         i = n - 1
         while i - p >= 0 and ids[i] == ids[i - p]:
@@ -90,8 +107,11 @@ def loop_span(ids: Sequence[int], max_period: int = LOOP_MAX_PERIOD) -> tuple[in
 
 
 def is_loop(ids: Sequence[int]) -> bool:
-    period, covered = loop_span(ids)
-    return period > 0 and covered >= LOOP_MIN_TOKENS and covered >= LOOP_MIN_REPEATS * period
+    for drop in range(min(LOOP_TAIL_SLACK, len(ids)) + 1):
+        period, covered = loop_span(ids[: len(ids) - drop])
+        if period > 0 and covered >= LOOP_MIN_TOKENS and covered >= LOOP_MIN_REPEATS * period:
+            return True
+    return False
 
 
 def after_reasoning(ids: list[int], m: ReplyMarkers, blank: set[int]) -> list[int] | None:
