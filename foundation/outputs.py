@@ -64,6 +64,15 @@ def part_files(cat_dir: Path) -> list[Path]:
     return sorted(cat_dir.glob(PART_GLOB))
 
 
+def relative_where(where: str, out_dir: Path) -> str:
+    """A source record's ``path:line`` as the output files say it: the path relative to
+    the output folder, so that a row says where it came from on any host."""
+    path, sep, line = where.rpartition(":")
+    if not sep or not path:
+        return where
+    return f"{os.path.relpath(path, out_dir)}:{line}"
+
+
 def rejected_path(cat_dir: Path) -> Path:
     return cat_dir / REJECTED_FILE
 

@@ -115,7 +115,8 @@ class Conversations:
                     id=f.sample_id, category=name, outcome=Outcome.STOPPED,
                     reason="unparsed_reply",
                     message=f"the reply of {exc}; kept as generated, the conversation cannot "
-                            "go on from it", where=s.where, conversation_id=conv_id, turn=turn,
+                            "go on from it", where=source.row_where(s.where),
+                    conversation_id=conv_id, turn=turn,
                     turns_total=conv.turns))
                 continue
             div = conv.divergence(generated)
@@ -128,7 +129,7 @@ class Conversations:
                 rejected.append(DeadLetter(
                     id=f.sample_id, category=name, outcome=Outcome.STOPPED,
                     reason="tool_divergence", message=f"{div.kind}: {div.message}",
-                    where=s.where, conversation_id=conv_id, turn=turn,
+                    where=source.row_where(s.where), conversation_id=conv_id, turn=turn,
                     turns_total=conv.turns))
                 continue
             samples.append(s)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +17,10 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
 from foundation.config import RunConfig, with_stop_ids
+from foundation.engine_info import EngineInfo
 from foundation.errors import ConfigError, SourceError
 from producer.feeder import CategoryFeed, Producer
+from producer.manifest import write_manifest
 from producer.preflight import preflight
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
@@ -36,8 +38,10 @@ def build_producer(
     context_len: int | None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     renderer: Renderer | None = None,
+    engines: Sequence[EngineInfo] = (),
 ) -> Producer:
-    """Create/check the run in Redis, reconcile with the output files, index every source."""
+    """Create/check the run in Redis, reconcile with the output files, index every source;
+    write the run's manifest (`producer.manifest`: what made its rows) beside them."""
     # everything that can be wrong with the config is checked before Redis is touched
     if renderer is None:
         renderer = load_renderer(cfg)
@@ -59,6 +63,9 @@ def build_producer(
             raise ConfigError(f"$.category[{i}].source", str(exc)) from None
         log.info("%s: indexed %d records in %.1f s", cat.name, len(indexes[cat.name]),
                  time.monotonic() - t0)
+    made_by, path = write_manifest(cfg, renderer, engines)
+    cfg = msgspec.structs.replace(cfg, made_by=made_by)
+    log.info("rows name %s (%s)", made_by, path)
     keys = Keys(cfg.key_prefix, cfg.run)
     budget = Budget(redis, keys)
     created = budget.feeding.init_run(cfg)
@@ -135,7 +142,7 @@ def run_to_end(
     try:
         known = [i.context_length for i in infos if i.context_length]
         ctx = cfg.context_length or (min(known) if known else None)
-        producer = build_producer(cfg, redis, ctx, on_progress, renderer)
+        producer = build_producer(cfg, redis, ctx, on_progress, renderer, infos)
         producer.budget.telemetry.record_engines(infos)
         if before_feed is not None:
             before_feed(producer)

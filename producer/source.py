@@ -35,6 +35,7 @@ import msgspec
 from budget_service.ledger import now_ms
 from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError
+from foundation.outputs import relative_where
 from foundation.wire import DeadLetter, Outcome, Pending, turn_id
 from producer.formats import Rejected
 from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
@@ -96,6 +97,7 @@ class CategorySource:
         self.context_length = context_length
         self.kwargs: dict[str, Any] = template_kwargs(cfg, cat)
         self.turns = cat.turns == "all"
+        self.out_dir = Path(cfg.output_dir)
         self._order: array | None = None
 
     @classmethod
@@ -147,6 +149,7 @@ class CategorySource:
                 where = getattr(exc, "where", None) or self.index.where(pos)
                 sid = sample_id(self.index, pos)
                 log.warning("%s: skipped record at %s: %s", self.cat.name, where, exc)
+                where = self.row_where(where)
                 turn: dict[str, Any] = {"conversation_id": sid, "turn": 1} if self.turns else {}
                 rejected.append(DeadLetter(id=self.first_id_of(sid), category=self.cat.name,
                                            outcome=Outcome.REJECTED, reason=exc.reason,
@@ -158,8 +161,13 @@ class CategorySource:
         return self.index.locate(sid)
 
     def where(self, pos: int) -> str:
-        """``path:line`` of record `pos` ("" past the end: the source shrank)."""
-        return self.index.where(pos) if 0 <= pos < len(self.index) else ""
+        """``path:line`` of record `pos` as rows say it (relative to the output folder; ""
+        past the end: the source shrank)."""
+        return self.row_where(self.index.where(pos)) if 0 <= pos < len(self.index) else ""
+
+    def row_where(self, where: str) -> str:
+        """A record's ``path:line`` as rows say it: relative to the output folder."""
+        return relative_where(where, self.out_dir)
 
     def first_id_of(self, sid: str) -> str:
         """The sample id of what is fed first of record `sid`: itself, or its turn 1."""
@@ -252,7 +260,8 @@ class CategorySource:
                     log.warning("%s: skipped record at %s: %s", cat.name, s.where, why)
                 rejected.append(DeadLetter(id=ids_of[k], category=cat.name,
                                            outcome=Outcome.REJECTED, reason=why.reason,
-                                           message=str(why), where=s.where, **fields))
+                                           message=str(why), where=self.row_where(s.where),
+                                           **fields))
                 continue
             assert isinstance(out, Prompt)
             prev_out = before.get(k)
@@ -266,7 +275,8 @@ class CategorySource:
                 if turns:
                     fields["prefer_engine"] = turns[k].engine
             prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=out.ids,
-                                    sampling=sampling, where=s.where, source_id=s.source_id,
+                                    sampling=sampling, where=self.row_where(s.where),
+                                    source_id=s.source_id,
                                     fed_at_ms=fed_at, **fields))
         return prepared, rejected
 

@@ -76,6 +76,7 @@ def _export_table(summary: dict[str, Any]) -> str:
                          f"reason), {st['conversations_in_progress']:,} still going on "
                          "(not written)")
     lines += [f"wrote {path}" for path in summary["files"]]
+    lines += [f"copied {path} (what made the rows)" for path in summary.get("manifests", [])]
     return "\n".join(lines)
 
 
@@ -120,14 +121,19 @@ def _export_table(summary: dict[str, Any]) -> str:
 @click.option("--prefix-consistent", "consistent_only", is_flag=True,
               help="Only turns whose prompt extends the previous turn's prompt and output ids "
               "exactly (and conversations made only of such turns).")
+@click.option("--exact-tool-args", is_flag=True,
+              help="Only turns whose history replays each tool result for a call with the "
+              "source's arguments (the rows marked tool_args_match false are dropped).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | None, dest: str,
                formats: tuple[str, ...], merged: bool, categories: tuple[str, ...],
                keep_truncated: bool, allow_simulated: bool, loss_mask: str,
-               consistent_only: bool, as_json: bool) -> None:
+               consistent_only: bool, exact_tool_args: bool, as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet).
 
-    Streams <out>/<category>/part-*.jsonl; drops truncated samples unless --keep-truncated;
+    Streams <out>/<category>/part-*.jsonl (the training rows: the replies the reply gate
+    kept out are in rejected-replies.jsonl, never exported), with the run manifests the rows
+    name; drops truncated samples unless --keep-truncated;
     skips duplicate ids and unreadable lines (reported as file:line); writes each file under
     a temporary name and renames it into place only when the whole export succeeded.
     """
@@ -154,7 +160,8 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
         messages = SourceMessages(cfg, renderer) if cfg else None
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
-                         decoder, messages, allow_simulated, loss_mask, consistent_only)
+                         decoder, messages, allow_simulated, loss_mask, consistent_only,
+                         exact_tool_args)
     finally:
         if messages is not None:
             messages.close()
@@ -171,6 +178,10 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
             click.echo(f"{name}: dropped {st['dropped_truncated']} truncated samples "
                        "(finish_reason length)" + (f" and {after} later turns of their "
                        "conversations" if after else "") + "; --keep-truncated keeps them",
+                       err=True)
+        if st["dropped_tool_args"]:
+            click.echo(f"{name}: dropped {st['dropped_tool_args']} turns whose history replays "
+                       "a tool result for a call with other arguments (--exact-tool-args)",
                        err=True)
         if st["dropped_inconsistent"]:
             click.echo(f"{name}: dropped {st['dropped_inconsistent']} turns whose prompt does "
@@ -297,3 +308,47 @@ def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool)
         click.echo(json.dumps(msgspec.to_builtins(previews), indent=2, ensure_ascii=False))
     else:
         click.echo(preview_text(previews))
+
+
+@click.command("audit", cls=_Command)
+@click.argument("rows", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--tokenizer", envvar="TOKENCAP_TOKENIZER", default=None,
+              help="Tokenizer folder of the model that wrote the rows (its markers, its "
+              "parsers). Default: the config's. Env: TOKENCAP_TOKENIZER.")
+@click.option("--config", "config_path", envvar=CONFIG_ENV, default=None,
+              type=click.Path(dir_okay=False),
+              help=f"Run config: its tokenizer and parsers. Env: {CONFIG_ENV}.")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+def audit_cmd(rows: tuple[str, ...], tokenizer: str | None, config_path: str | None,
+              as_json: bool) -> None:
+    """Run the reply gate (loop, length, unclosed_reasoning, empty) and the tool checks on
+    ROWS already written: tokencap's rows (part-*.jsonl, rejected-replies.jsonl, or their
+    folder) or regenerated conversations as SpecForge's and speculators' regeneration write
+    them ({"id", "conversations": [{role, content}, ...]} JSONL). Prints counts per reason
+    with examples (file:line); exits 1 when any reply or row is flagged.
+    """
+    from producer.replies import ReplyParser, reply_parser
+    from tokencap.audit import audit
+
+    cfg = _load(config_path) if config_path else None
+    if cfg is not None and not tokenizer:
+        renderer = _config_renderer(cfg)
+        if renderer is None:
+            raise TokencapError("the audit reads replies with the model's tokenizer: name one "
+                                "(--tokenizer, or `tokenizer` in the config)")
+        replies = reply_parser(cfg, renderer)
+    else:
+        renderer = _renderer(tokenizer)
+        replies = ReplyParser(renderer.tokenizer, renderer.template)
+    report = audit([Path(r) for r in rows], replies)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        click.echo(f"{report['rows']:,} rows, {report['replies']:,} replies; "
+                   + ("nothing flagged" if not report["reasons"] else "flagged:"))
+        for reason, n in report["reasons"].items():
+            click.echo(f"  {reason}: {n:,}")
+            for example in report["examples"].get(reason, []):
+                click.echo(f"    {example}")
+    if report["reasons"]:
+        sys.exit(1)

@@ -44,6 +44,7 @@ name only once every file of the export is complete, so a failed export replaces
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from foundation.outputs import (
     categories_on_disk,
     read_results,
 )
+from producer.manifest import manifest_path
 from tokencap.export_conversations import (
     ConversationSink,
     Decoder,
@@ -116,6 +118,22 @@ def make_sinks(
     return sinks
 
 
+def copy_manifests(out_dir: Path, dest: Path, made_by: list[str]) -> list[Path]:
+    """Copy the manifests the exported rows name beside the export (one named by a row but
+    missing from `out_dir` is logged, not fatal: an older run's rows name none)."""
+    copied = []
+    for name in made_by:
+        src = manifest_path(out_dir, name)
+        if not src.is_file():
+            log.warning("rows name %s, whose manifest %s is missing", name, src)
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / src.name
+        shutil.copyfile(src, target)
+        copied.append(target)
+    return copied
+
+
 def truncated_turns(cat_dir: Path) -> dict[str, int]:
     """conversation id -> its first turn cut at max_new_tokens."""
     first: dict[str, int] = {}
@@ -130,13 +148,17 @@ def truncated_turns(cat_dir: Path) -> dict[str, int]:
 def export_category(
     cat_dir: Path, sinks: list[Any], keep_truncated: bool, id_prefix: str = "",
     allow_simulated: bool = False, consistent_only: bool = False,
+    exact_tool_args: bool = False,
 ) -> CategoryStats:
     """Stream one category's part files into `sinks`; return its counts. The rule for
     truncated output is one for every format: a sample or turn cut at max_new_tokens is
     dropped, and with it every later turn of its conversation (they go on from a reply the
     model did not finish), unless `keep_truncated`. `consistent_only` also drops the turns
     whose prompt does not extend the previous turn's prompt and output (`prefix_consistent`
-    false), and the conversations holding one."""
+    false), and the conversations holding one; `exact_tool_args` the turns whose history
+    replays a tool result for a call of the same function with other arguments
+    (`tool_args_match` false). The replies the gate kept out of training are in no part
+    file: no export holds them."""
     stats = CategoryStats()
     seen: set[str] = set()
     cut = {} if keep_truncated else truncated_turns(cat_dir)
@@ -173,6 +195,11 @@ def export_category(
         if consistent_only and item.prefix_consistent is False:
             stats.dropped_inconsistent += 1
             continue
+        if exact_tool_args and item.tool_args_match is False:
+            stats.dropped_tool_args += 1
+            continue
+        if item.made_by and item.made_by not in stats.made_by:
+            stats.made_by.append(item.made_by)
         row_id = id_prefix + item.id
         for sink in sinks:
             if item.conversation_id is None or not isinstance(sink, ConversationSink):
@@ -198,12 +225,14 @@ def export(
     allow_simulated: bool = False,
     loss_mask: str = "generated",
     consistent_only: bool = False,
+    exact_tool_args: bool = False,
 ) -> dict[str, Any]:
     """Export `categories` (default: every folder of `out_dir` with part files).
 
     Returns the summary: ``{"out_dir", "dest", "formats", "merged", "keep_truncated",
     "files": [path, ...], "categories": {name: counts}, "total": counts}`` where counts are
-    the fields of `CategoryStats` (``bad`` lists up to 20 ``{"where", "error"}``).
+    the fields of `CategoryStats` (``bad`` lists up to 20 ``{"where", "error"}``), and
+    ``"manifests"``: the run manifests the rows name, copied beside them (`producer.manifest`).
     Raises `ExportError` when there is nothing to export or a format is unknown.
     """
     formats = list(dict.fromkeys(formats))
@@ -224,14 +253,16 @@ def export(
             all_sinks = make_sinks(dest, formats, tokenizer, messages_for, loss_mask)
             for name in names:
                 per_cat[name] = export_category(out_dir / name, all_sinks, keep_truncated,
-                                                f"{name}/", allow_simulated, consistent_only)
+                                                f"{name}/", allow_simulated, consistent_only,
+                                                exact_tool_args)
         else:
             for name in names:
                 sinks = make_sinks(dest / name, formats, tokenizer, messages_for, loss_mask)
                 all_sinks.extend(sinks)
                 per_cat[name] = export_category(out_dir / name, sinks, keep_truncated,
                                                 allow_simulated=allow_simulated,
-                                                consistent_only=consistent_only)
+                                                consistent_only=consistent_only,
+                                                exact_tool_args=exact_tool_args)
         for sink in all_sinks:
             sink.finish()
     except BaseException:
@@ -248,6 +279,7 @@ def export(
     total = CategoryStats()
     for stats in per_cat.values():
         total.add(stats)
+    manifests = copy_manifests(out_dir, dest, total.made_by)
     total_dict = asdict(total)
     total_dict.pop("bad")
     return {
@@ -259,6 +291,7 @@ def export(
         "loss_mask": loss_mask,
         "consistent_only": consistent_only,
         "files": [str(sink.path) for sink in all_sinks],
+        "manifests": [str(p) for p in manifests],
         "categories": {name: asdict(stats) for name, stats in per_cat.items()},
         "total": total_dict,
         "missing": missing,

@@ -40,16 +40,20 @@ class CategoryStats:
     dropped_truncated: int = 0
     dropped_after_truncated: int = 0
     dropped_inconsistent: int = 0
+    dropped_tool_args: int = 0
     duplicates: int = 0
     bad_lines: int = 0
     conversations: int = 0
     conversations_complete: int = 0
     conversations_in_progress: int = 0
     bad: list[dict] = field(default_factory=list)
+    made_by: list[str] = field(default_factory=list)  # the manifests its rows name
 
     def add(self, other: CategoryStats) -> None:
+        self.made_by = sorted({*self.made_by, *other.made_by})
         for name in ("rows", "tokens", "output_tokens", "dropped_truncated",
-                     "dropped_after_truncated", "dropped_inconsistent", "duplicates",
+                     "dropped_after_truncated", "dropped_inconsistent", "dropped_tool_args",
+                     "duplicates",
                      "bad_lines", "conversations", "conversations_complete",
                      "conversations_in_progress"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
