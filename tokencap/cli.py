@@ -148,12 +148,12 @@ def token(state_dir: str) -> None:
 
 
 def _register_commands() -> None:
-    from tokencap.cli_data import export_cmd, plan_cmd, preview_cmd
+    from tokencap.cli_data import audit_cmd, export_cmd, plan_cmd, preview_cmd
     from tokencap.cli_ops import cap, report, retry, status
     from tokencap.cli_stages import run, serve, worker, writer
 
     for cmd in (run, worker, writer, status, serve, cap, report, retry,
-                export_cmd, plan_cmd, preview_cmd):
+                export_cmd, plan_cmd, preview_cmd, audit_cmd):
         main.add_command(cmd)
 
 

@@ -69,6 +69,22 @@ def cache_lines(status: dict[str, Any]) -> list[str]:
     return out
 
 
+def gate_lines(status: dict[str, Any]) -> list[str]:
+    """Per category, the output tokens of its training rows beside those of the replies the
+    reply gate kept out, by reason (what of the budget a trainer can use)."""
+    out = []
+    for name, st in status["categories"].items():
+        rejected = st.get("rejected_tokens") or {}
+        if not rejected:
+            continue
+        replies = st.get("rejected_replies") or {}
+        why = ", ".join(f"{reason} {n:,} ({replies.get(reason, 0):,} replies)"
+                        for reason, n in rejected.items())
+        out.append(f"{name}: {st['kept_tokens']:,} output tokens in training rows; kept out "
+                   f"of training: {why}")
+    return out
+
+
 def summary_table(status: dict[str, Any]) -> str:
     cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
             "waste_tokens", "state")
@@ -80,6 +96,7 @@ def summary_table(status: dict[str, Any]) -> str:
         st = status["categories"][n]
         cells = [cap_text(st[c]) if c == "cap" else str(st[c]) for c in cols]
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
+    rows += gate_lines(status)
     rows += cache_lines(status)
     if status.get("simulated"):
         rows.append(SIMULATED_TEXT)
