@@ -62,7 +62,7 @@ def false_positives() -> dict[str, Any]:
     from producer.replies import ReplyParser
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER), local_files_only=True)
-    markers = ReplyParser(tok, str(tok.chat_template)).markers(opened=False)
+    markers = ReplyParser(tok, str(tok.chat_template)).markers()
     end = tok.convert_tokens_to_ids("<|im_end|>")
     rows = [json.loads(line) for line in gzip.open(REPLIES, "rt")]
     texts = [_turn(r) for r in rows]

@@ -237,16 +237,16 @@ def _out_of_vocab(ids: list[int], cfg: RunConfig) -> int:
     return sum(1 for t in ids if t >= cfg.vocab_size)
 
 
-def gate_of(cfg: RunConfig, cat: Category, gen: Generation) -> str:
+def gate_of(cfg: RunConfig, p: Pending, gen: Generation) -> str:
     """Why the reply gate keeps `gen` out of training ("" when it is a training row); with
     the gate off, nothing is (`reply_gate = false`: every reply a row, as before the gate)."""
     if not cfg.reply_gate:
         return ""
-    return gate.check(gen.output_ids, gen.finish_reason, cat.reply_markers) or ""
+    return gate.check(gen.output_ids, gen.finish_reason, cfg.reply_markers, p.prompt_ids) or ""
 
 
 def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_ms: int) -> str:
-    reason = gate_of(rc.cfg, cat, gen)
+    reason = gate_of(rc.cfg, p, gen)
     counted = gen.completion_tokens + (gen.prompt_tokens if rc.cfg.count == "total" else 0)
     # tokens of replies kept out of training (with the gate off: of replies cut at
     # max_new_tokens, as before it)

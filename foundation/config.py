@@ -111,9 +111,6 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     turns: Literal[TURN_POLICIES] = "first"  # type: ignore[valid-type]
     field_map: dict[str, str] = {}
     role_map: dict[str, str] = {}
-    # set by the producer from the run's tokenizer, not by hand: the model family's markers
-    # as ids, for the reply gate the workers run (`foundation.gate`)
-    reply_markers: ReplyMarkers | None = None
 
     @property
     def paths(self) -> list[str]:
@@ -179,8 +176,10 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     reasoning_parser: Literal[REASONING_PARSERS] = "auto"  # type: ignore[valid-type]
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = "auto"  # type: ignore[valid-type]
     # set by the producer, not by hand: `<run>@<digest>` of the run's manifest, which every
-    # row carries (`Result.made_by`)
+    # row carries (`Result.made_by`); the model family's markers as ids, for the reply gate
+    # the workers run (`foundation.gate`)
     made_by: str = ""
+    reply_markers: ReplyMarkers | None = None
     category: list[Category] = []
 
     @property

@@ -11,8 +11,9 @@ already written. The reasons, in the order they are tried:
   aside). A reply cut at max_new_tokens in
   the middle of a loop is a loop, not only a cut.
 - ``length``: cut at max_new_tokens (finish_reason "length").
-- ``unclosed_reasoning``: the reply is in a reasoning block (opened by the prompt, or by the
-  reply itself) and ended without closing it (nor a tool call interrupting it).
+- ``unclosed_reasoning``: the reply is in a reasoning block (opened by its prompt, which ends
+  in the family's start marker; by the reply itself; or assumed by the family's parser) and
+  ended without closing it (nor a tool call interrupting it).
 - ``empty``: after the reasoning, nothing: only tokens that decode to whitespace, and no
   tool call.
 
@@ -56,9 +57,9 @@ class ReplyMarkers(Struct, frozen=True, forbid_unknown_fields=True):
     reasoning_end: list[int] = []
     # sequences that end the reasoning where they start (a tool call begun inside it)
     reasoning_interrupts: list[list[int]] = []
-    # the reply is in a reasoning block from its first token (the prompt opened it, or the
-    # parser assumes it: DeepSeek-R1's)
-    reasoning_open: bool = False
+    # the family's parser takes a reply for reasoning from its first token (DeepSeek-R1's,
+    # gpt-oss's); else a reply is in a block when its prompt ends in `reasoning_start`
+    reasoning_forced: bool = False
     call_starts: list[list[int]] = []  # any of these in the content: the reply makes a call
     end_ids: list[int] = []  # end-of-turn ids (cut from the reply's end)
     blank_ids: list[int] = []  # ids that decode to whitespace only
@@ -114,11 +115,26 @@ def is_loop(ids: Sequence[int]) -> bool:
     return False
 
 
-def after_reasoning(ids: list[int], m: ReplyMarkers, blank: set[int]) -> list[int] | None:
+def opened_by(prompt_ids: Sequence[int], m: ReplyMarkers, blank: set[int]) -> bool:
+    """Whether `prompt_ids` end in an open reasoning block: the start marker, whitespace
+    aside (Kimi-K2.5 and DeepSeek-V3.1 with thinking on open it on a user turn, and
+    DeepSeek-V3.1 closes it again after a tool result)."""
+    if m.reasoning_forced:
+        return True
+    start = list(m.reasoning_start)
+    if not start:
+        return False
+    end = len(prompt_ids)
+    while end > 0 and prompt_ids[end - 1] in blank:
+        end -= 1
+    return end >= len(start) and list(prompt_ids[end - len(start):end]) == start
+
+
+def after_reasoning(ids: list[int], m: ReplyMarkers, blank: set[int], opened: bool
+                    ) -> list[int] | None:
     """What follows the reply's reasoning block (all of it when it opened none); None when
-    the block never closed."""
+    the block never closed. `opened`: its prompt opened the block."""
     start = 0
-    opened = m.reasoning_open
     if m.reasoning_start and not opened:
         at = find(ids, m.reasoning_start)
         # the reply opens its own block (a `<think>` at its start, whitespace aside)
@@ -134,9 +150,10 @@ def after_reasoning(ids: list[int], m: ReplyMarkers, blank: set[int]) -> list[in
 
 
 def check(output_ids: Sequence[int], finish_reason: str,
-          markers: ReplyMarkers | None = None) -> GateReason | None:
-    """Why the reply `output_ids` (finished with `finish_reason`) is kept out of training,
-    or None (module docstring)."""
+          markers: ReplyMarkers | None = None, prompt_ids: Sequence[int] = ()
+          ) -> GateReason | None:
+    """Why the reply `output_ids` (finished with `finish_reason`, answering `prompt_ids`)
+    is kept out of training, or None (module docstring)."""
     m = markers or ReplyMarkers()
     ids = list(output_ids)
     while ids and ids[-1] in m.end_ids:
@@ -146,7 +163,7 @@ def check(output_ids: Sequence[int], finish_reason: str,
     if finish_reason == "length":
         return GateReason.LENGTH
     blank = set(m.blank_ids)
-    rest = after_reasoning(ids, m, blank)
+    rest = after_reasoning(ids, m, blank, opened_by(prompt_ids, m, blank))
     if rest is None:
         return GateReason.UNCLOSED_REASONING
     if any(find(rest, marker) >= 0 for marker in m.call_starts):

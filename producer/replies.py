@@ -70,10 +70,8 @@ class ReplyParser:
                 ends.add(tid)
         self.end_of_turn_ids: frozenset[int] = frozenset(ends)
 
-    def markers(self, opened: bool = False) -> ReplyMarkers:
-        """The family's markers as ids, for the reply gate (`foundation.gate`): `opened`,
-        the category's generation prompt opens a reasoning block (Kimi-K2.5, DeepSeek-V3.1
-        with thinking on)."""
+    def markers(self) -> ReplyMarkers:
+        """The family's markers as ids, for the reply gate (`foundation.gate`)."""
         tok = self.tokenizer
 
         def ids(text: str) -> list[int]:
@@ -84,7 +82,7 @@ class ReplyParser:
             reasoning_start=ids(r.start) if r else [],
             reasoning_end=ids(r.end) if r else [],
             reasoning_interrupts=[ids(r.interrupt)] if r and r.interrupt else [],
-            reasoning_open=bool(r and (r.forced or opened)),
+            reasoning_forced=bool(r and r.forced),
             call_starts=[ids(m) for m in tools.markers] if tools else [],
             end_ids=sorted(self.end_of_turn_ids), blank_ids=blank_ids(tok))
 

@@ -24,8 +24,8 @@ from producer.manifest import write_manifest
 from producer.preflight import preflight
 from producer.readers import SourceIndex
 from producer.reconcile import reconcile
-from producer.replies import ReplyParser, reply_parser
-from producer.source import CategorySource, template_kwargs
+from producer.replies import reply_parser
+from producer.source import CategorySource
 
 if TYPE_CHECKING:
     from producer.render import Renderer
@@ -51,7 +51,7 @@ def build_producer(
             log.info("generated turns enter the next prompt with the %s", replies.describe())
         cfg = with_stop_ids(cfg, set(replies.end_of_turn_ids))
         if cfg.reply_gate:  # the workers' reply gate reads the family's markers as ids
-            cfg = with_reply_markers(cfg, replies, renderer)
+            cfg = msgspec.structs.replace(cfg, reply_markers=replies.markers())
         if cfg.vocab_size is None:  # workers flag output ids past it
             cfg = msgspec.structs.replace(cfg, vocab_size=int(renderer.vocab_size))
     indexes = {}
@@ -78,18 +78,6 @@ def build_producer(
         producer.add_feed(CategoryFeed(CategorySource(cfg, cat, indexes[cat.name], renderer,
                                                       context_len)))
     return producer
-
-
-def with_reply_markers(cfg: RunConfig, replies: ReplyParser, renderer: Renderer) -> RunConfig:
-    """`cfg` with each category's `reply_markers`: the family's markers, and whether the
-    category's generation prompt opens a reasoning block (its template kwargs decide)."""
-    start = replies.reasoning.start if replies.reasoning else None
-    cats = []
-    for cat in cfg.category:
-        kwargs = template_kwargs(cfg, cat)
-        opened = start is not None and renderer.opens_reasoning(start, kwargs or None)
-        cats.append(msgspec.structs.replace(cat, reply_markers=replies.markers(opened)))
-    return msgspec.structs.replace(cfg, category=cats)
 
 
 def load_renderer(cfg: RunConfig) -> Renderer | None:

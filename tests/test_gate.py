@@ -31,11 +31,17 @@ def test_a_cut_reply_is_length() -> None:
 
 def test_reasoning_that_never_closes() -> None:
     assert check([THINK, *WORDS[:50], END], "stop", QWEN3) == GateReason.UNCLOSED_REASONING
-    # the prompt opened the block: no <think> of its own
-    opened = ReplyMarkers(**{**{f: getattr(QWEN3, f) for f in QWEN3.__struct_fields__},
-                             "reasoning_open": True})
-    assert check([*WORDS[:50], END], "stop", opened) == GateReason.UNCLOSED_REASONING
-    assert check([*WORDS[:50], UNTHINK, *WORDS[50:60], END], "stop", opened) is None
+    # the prompt opened the block (Kimi-K2.5): the reply writes no <think> of its own
+    prompt = [*WORDS[200:210], THINK, NL]
+    assert check([*WORDS[:50], END], "stop", QWEN3, prompt) == GateReason.UNCLOSED_REASONING
+    assert check([*WORDS[:50], UNTHINK, *WORDS[50:60], END], "stop", QWEN3, prompt) is None
+    # a prompt that closed it again (DeepSeek-V3.1 after a tool result): a plain answer
+    closed = [*prompt, UNTHINK]
+    assert check([*WORDS[:50], END], "stop", QWEN3, closed) is None
+    # a parser that takes every reply for reasoning (DeepSeek-R1's)
+    forced = ReplyMarkers(**{**{f: getattr(QWEN3, f) for f in QWEN3.__struct_fields__},
+                             "reasoning_forced": True})
+    assert check([*WORDS[:50], END], "stop", forced) == GateReason.UNCLOSED_REASONING
     # a call begun inside the reasoning ends it (SGLang's interrupt)
     assert check([THINK, *WORDS[:5], CALL, 7, END], "stop", QWEN3) is None
 

@@ -64,12 +64,12 @@ def test_loops_empty_and_unclosed_replies_are_kept_out_of_training(tmp_path, red
     st = status["categories"]["math"]
     stored = pipe.budget.telemetry.load_config()
     assert stored is not None
-    markers = stored.category[0].reply_markers
+    markers = stored.reply_markers
     assert markers is not None and markers.reasoning_end  # the producer set them
     for r in rows:  # every training row passes the gate the workers ran
-        assert not r.gate and check(r.output_ids, r.finish_reason, markers) is None
+        assert not r.gate and check(r.output_ids, r.finish_reason, markers, r.prompt_ids) is None
     for r in rejected:  # written whole: its ids, its text, its reason
-        assert check(r.output_ids, r.finish_reason, markers) == r.gate
+        assert check(r.output_ids, r.finish_reason, markers, r.prompt_ids) == r.gate
         assert r.completion_tokens == len(r.output_ids) > 0
     # kept and rejected tokens side by side; rejected ones count only when told to
     assert st["kept_tokens"] == sum(r.completion_tokens for r in rows)

@@ -4,7 +4,7 @@ The same code the run uses, on rows made by this version, an earlier one, or ano
 
 - **tokencap rows** (`Result` lines: `part-*.jsonl`, `rejected-replies.jsonl`, or a folder
   of them): each reply through `foundation.gate.check` with the family's markers
-  (`ReplyParser.markers`, the block opened when the row's prompt ends in it), and the rows
+  (`ReplyParser.markers`; the block open when the row's prompt ends in it), and the rows
   whose history replays a tool result for a call with other arguments
   (`tool_args_match` false).
 - **regenerated conversations** as SpecForge's and speculators' regeneration write them
@@ -46,8 +46,7 @@ class Audit:
 
     def __init__(self, replies: ReplyParser) -> None:
         self.replies = replies
-        self.markers = replies.markers(opened=False)
-        self.opened = replies.markers(opened=True)
+        self.markers = replies.markers()
         self.rows = 0
         self.replies_seen = 0
         self.reasons: Counter[str] = Counter()
@@ -64,9 +63,7 @@ class Audit:
     def result(self, row: Result, where: str) -> None:
         self.rows += 1
         self.replies_seen += 1
-        start = self.markers.reasoning_start
-        opened = bool(start) and row.prompt_ids[-len(start):] == start
-        reason = check(row.output_ids, row.finish_reason, self.opened if opened else self.markers)
+        reason = check(row.output_ids, row.finish_reason, self.markers, row.prompt_ids)
         if reason is not None:
             self.flag(str(reason), where, row.id, row.text)
         if row.tool_args_match is False:
