@@ -248,7 +248,7 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
         f"output_dir = {json.dumps(str(work / 'out'))}",
         f"tokenizer = {json.dumps(str(TOKENIZER))}",
         'count = "output"',
-        "count_truncated = true",
+        "count_rejected = true",
         "hard_cap = true  # overshoot < max_new_tokens is checked below",
         f"seed = {args.seed}",
         f"expected_tokens = {max(1, int(expected_len(args.max_new, args.stop_prob)))}",

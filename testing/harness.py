@@ -260,8 +260,9 @@ class Pipeline:
         return _readable(read_dead_letters(category_dir(Path(self.cfg.output_dir), category)))
 
     def records(self, category: str) -> list[dict[str, Any]]:
-        """`results` as plain dicts (every field present)."""
-        return [msgspec.to_builtins(r) for r in self.results(category)]
+        """`committed` as plain dicts (every field present): every committed sample, the
+        training rows and the replies the gate kept out."""
+        return [msgspec.to_builtins(r) for r in self.committed(category)]
 
     def dead_letters(self, category: str) -> list[dict[str, Any]]:
         return [msgspec.to_builtins(d) for d in self.dead(category)]

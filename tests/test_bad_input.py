@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from sglang_sim.testing import SimServer
 from testing.harness import started
@@ -39,11 +40,13 @@ sampling = {{ max_new_tokens = 64 }}
     st = status["categories"]["qa"]
     assert st["state"] == "exhausted"
     assert st["samples"] == GOOD and st["rejected"] == 4
+    # (where: the source's path relative to the output folder)
+    at = os.path.relpath(src, cfg.output_dir)
     dead = {d["where"]: d for d in pipe.dead_letters("qa")}
-    assert dead[f"{src}:4"]["reason"] == "invalid_json"
-    assert dead[f"{src}:11"]["reason"] == "not_an_object"
-    assert dead[f"{src}:21"]["reason"] == "empty_turn"
-    assert dead[f"{src}:34"]["reason"] == "invalid_utf8"
+    assert dead[f"{at}:4"]["reason"] == "invalid_json"
+    assert dead[f"{at}:11"]["reason"] == "not_an_object"
+    assert dead[f"{at}:21"]["reason"] == "empty_turn"
+    assert dead[f"{at}:34"]["reason"] == "invalid_utf8"
     assert all(d["outcome"] == "rejected" for d in dead.values())
     assert st["reasons"] == {"empty_turn": 1, "invalid_json": 1, "invalid_utf8": 1,
                              "not_an_object": 1}

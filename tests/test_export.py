@@ -145,7 +145,7 @@ def test_truncated_are_dropped_and_counted_unless_kept(tmp_path, built):
         "rows": PER_CATEGORY, "tokens": doc["categories"]["math_qa"]["tokens"],
         "output_tokens": sum(len(r["result"].output_ids) for r in built["math_qa"]),
         "dropped_truncated": 0, "dropped_after_truncated": 0, "dropped_inconsistent": 0,
-        "duplicates": 0, "bad_lines": 0, "bad": [],
+        "dropped_tool_args": 0, "made_by": [], "duplicates": 0, "bad_lines": 0, "bad": [],
         "conversations": 0, "conversations_complete": 0, "conversations_in_progress": 0}
     kept = {r["id"]: r for r in _jsonl(tmp_path / "b" / "math_qa" / "specforge.jsonl")}
     assert kept[cut.id]["loss_mask"][-len(cut.output_ids):] == [1] * len(cut.output_ids)

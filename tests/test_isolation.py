@@ -64,6 +64,7 @@ def _snapshot(home: Path) -> dict[str, object]:
             "category a": counts, "files": files}
 
 
+@pytest.mark.timeout(INNER_TIMEOUT_S + 240)  # the inner run has its own, INNER_TIMEOUT_S
 def test_the_tests_that_start_stacks_pass_beside_a_stack_up_left_running(tmp_path) -> None:
     # Given a stack `tokencap up --sim` started in a user's folder, on the default budget port
     # (when a stack of this machine already holds 8321, that one is the neighbour and ours

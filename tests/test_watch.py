@@ -426,7 +426,7 @@ def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(calls) == 2
     assert buf.getvalue().splitlines() == [
         "code used=10/1000 (1.0%) samples=1 tok_s=0.0 eta=- state=open skipped=0 failed=0 "
-        "rejected=0 overshoot=0",
+        "rejected=0 overshoot=0 kept_tokens=0 kept_out_tokens=0",
         "engines: none; workers=0",
         "writer: NONE (nothing reaches the disk); unwritten=0",
     ]

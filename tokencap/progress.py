@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from budget_service.ledger import cap_text
@@ -69,7 +70,7 @@ def cache_lines(status: dict[str, Any]) -> list[str]:
     return out
 
 
-def gate_lines(status: dict[str, Any]) -> list[str]:
+def gate_lines(status: Mapping[str, Any]) -> list[str]:
     """Per category, the output tokens of its training rows beside those of the replies the
     reply gate kept out, by reason (what of the budget a trainer can use)."""
     out = []

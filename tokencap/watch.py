@@ -30,7 +30,7 @@ from rich.text import Text
 from foundation.engine import engine_spec
 from foundation.engine_load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
-from tokencap.progress import SIMULATED_TEXT
+from tokencap.progress import SIMULATED_TEXT, gate_lines
 from tokencap.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
 
 ENGINE_TIMEOUT_S = 2.0
@@ -134,7 +134,9 @@ def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
             f"{name} used={_used_of(st, exact=True)} "
             f"samples={st['samples']} tok_s={r.tok_s:.1f} eta={format_eta(r.eta_s)} "
             f"state={st['state']} skipped={st['skipped']} failed={st['failed']} "
-            f"rejected={st['rejected']} overshoot={st['overshoot']}"
+            f"rejected={st['rejected']} overshoot={st['overshoot']} "
+            f"kept_tokens={st.get('kept_tokens', 0)} "
+            f"kept_out_tokens={sum((st.get('rejected_tokens') or {}).values())}"
         )
     engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
     lines.append(f"engines: {engine_part}; workers={workers}")
@@ -232,6 +234,8 @@ def _footer(status: Mapping[str, Any], engines: list[EngineLoad], workers: int) 
     if not engines:
         footer.append("engines: none configured\n")
     footer.append(f"workers: {workers}\n")
+    for line in gate_lines(status):  # what of the budget a trainer can use
+        footer.append(line + "\n")
     w = status.get("writer") or {}
     footer.append(writer_text(status), style="bold red" if w.get("error") or (
         w.get("unwritten") and not w.get("holder")) else "")

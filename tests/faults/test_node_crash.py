@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 
 from foundation.config import RunConfig
+from foundation.outputs import read_committed
+from foundation.wire import Result
 from testing.harness import Pipeline, wait_until
 from tests.conftest import DATASETS, QWEN, ROOT, write_config
 from tests.faults.common import FAULT_KNOBS, ids_source
@@ -81,12 +83,11 @@ sampling = {{ max_new_tokens = 128 }}
 """)
 
 
-def _rows(cfg: RunConfig) -> list[dict]:
-    out = []
-    for cat in cfg.category:
-        for part in sorted((Path(cfg.output_dir) / cat.name).glob("part-*.jsonl")):
-            out.extend(json.loads(line) for line in part.read_text().splitlines() if line)
-    return out
+def _rows(cfg: RunConfig) -> list[Result]:
+    """Every committed sample on disk: training rows and replies the gate kept out."""
+    return [r for cat in cfg.category
+            for r in read_committed(Path(cfg.output_dir) / cat.name)
+            if isinstance(r, Result)]
 
 
 def _up(tmp: Path, workers: int, scale: str) -> list[str]:
@@ -152,7 +153,7 @@ def _crash_and_rerun(tmp: Path, cfg: RunConfig, *, workers: int, scale: str, cra
         pipe.build()  # the seeded order and the cursor, for the no-gap check
         pipe.check_invariants(pipe.budget.telemetry.status())
         if any(c.turns == "all" for c in cfg.category):
-            assert any(r.turn > 1 for c in cfg.category for r in pipe.results(c.name))
+            assert any(r.turn > 1 for c in cfg.category for r in pipe.committed(c.name))
         if again:
             healthy = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True,
                                      timeout=FINISH_BOUND_S)
@@ -210,8 +211,8 @@ def test_the_redis_pid_file_names_an_unrelated_live_process(tmp_path) -> None:
 def test_the_whole_stack_killed_with_conversations_in_flight(tmp_path) -> None:
     cfg = _conversation_config(tmp_path)
 
-    def later_turns_written(rows: list[dict]) -> bool:
-        return sum(1 for r in rows if r.get("turn", 1) > 1) >= 3
+    def later_turns_written(rows: list[Result]) -> bool:
+        return sum(1 for r in rows if r.turn > 1) >= 3
 
     out = _crash_and_rerun(tmp_path, cfg, workers=3, scale="30",
                            crash_when=later_turns_written)  # no turn twice, no gap

@@ -69,10 +69,11 @@ class DyingRedis(Redis):  # type: ignore[type-arg]
 
 
 def make_config(tmp: Path, name: str) -> RunConfig:
-    src = tmp / "ids.jsonl"
-    if not src.exists():
-        src.write_text("".join(json.dumps({"input_ids": [400 + i, 5, 6]}) + "\n"
-                               for i in range(PROMPTS)))
+    src, src_b = tmp / "ids.jsonl", tmp / "ids-b.jsonl"
+    for path, base in ((src, 400), (src_b, 400 + PROMPTS)):  # no prompt in both categories
+        if not path.exists():
+            path.write_text("".join(json.dumps({"input_ids": [base + i, 5, 6]}) + "\n"
+                                    for i in range(PROMPTS)))
     out = tmp / name
     return write_config(tmp, f"""
 run = "kill"
@@ -89,7 +90,7 @@ cap_tokens = 1000000
 sampling = {{ max_new_tokens = 64 }}
 [[category]]
 name = "b"
-source = "{src}"
+source = "{src_b}"
 format = "input_ids"
 cap_tokens = 1000000
 sampling = {{ max_new_tokens = 64 }}
