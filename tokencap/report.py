@@ -4,9 +4,10 @@ the PNG figures beside it.
 What it shows, and where each number comes from:
 
 - a summary table per category (`TelemetryLedger.status`: cap, used, samples, overshoot, state,
-  skipped/failed/rejected);
-- output lengths: a histogram per category of the rows' `completion_tokens` (the part files),
-  `max_new_tokens` marked;
+  skipped/failed/rejected, the output tokens of training rows beside those the reply gate
+  kept out, by reason);
+- output lengths: a histogram per category of the committed samples' `completion_tokens`
+  (the part files and rejected-replies.jsonl), `max_new_tokens` marked;
 - finish reasons per category (the rows' `finish_reason`);
 - tokens per category against its cap (status);
 - throughput and the engines' batch over time (the run's time series, recorded by the budget
@@ -73,6 +74,12 @@ def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[
         data[name] = {"lengths": lengths, "finish": finish, "failures": failures, "gated": gated,
                       "cache": cache}
     return data
+
+
+def _kept_out(c: dict[str, Any]) -> str:
+    """The output tokens the reply gate kept out of training, by reason ("none")."""
+    out = c.get("rejected_tokens") or {}
+    return ", ".join(f"{reason} {n:,}" for reason, n in out.items()) or "none"
 
 
 def _png(fig: Any) -> bytes:
@@ -218,7 +225,8 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         f'<tr data-category="{_esc(n)}" data-samples="{c["samples"]}" data-used="{c["used"]}">'
         f"<td>{_esc(n)}</td><td>{_esc(cap_text(c['cap']))}</td><td>{c['used']:,}</td>"
         f"<td>{c['samples']:,}</td><td>{c['overshoot']:,}</td><td>{_esc(c['state'])}</td>"
-        f"<td>{c['skipped']}/{c['failed']}/{c['rejected']}</td></tr>"
+        f"<td>{c['skipped']}/{c['failed']}/{c['rejected']}</td>"
+        f"<td>{c.get('kept_tokens', 0):,}</td><td>{_esc(_kept_out(c))}</td></tr>"
         for n, c in status["categories"].items())
     attrs = {
         "lengths": " ".join(f'data-rows-{_esc(n)}="{len(data[n]["lengths"])}"' for n in names),
@@ -269,7 +277,9 @@ figure{{margin:16px 0}}img{{max-width:100%}}.warn{{color:#b54708;font-weight:600
 <p>written {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from Redis and {_esc(out_dir)}</p>
 {simulated}
 <table id="summary"><tr><th>category</th><th>cap</th><th>used</th><th>samples</th>
-<th>overshoot</th><th>state</th><th>skipped/failed/rejected</th></tr>{rows}</table>
+<th>overshoot</th><th>state</th><th>skipped/failed/rejected</th>
+<th>output tokens in training rows</th><th>kept out of training (tokens, by reason)</th></tr>
+{rows}</table>
 <h2>Engines</h2><ul>{engines}</ul>
 <h2>Prefix cache</h2>
 <p>Prompt tokens the engine served from its prefix cache, and those a conversation's turn
