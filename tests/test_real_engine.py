@@ -183,7 +183,7 @@ source = "{GSM8K}"
 cap_tokens = 1500
 sampling = {{ max_new_tokens = 48, {FAST} }}""")
     status, pipe = _run(cfg, redis_url, url, 4)
-    rows = pipe.results("math")
+    rows = pipe.committed("math")
     load, _source = read_load(requests.get, engine.url, None, (3.05, 10.0))
     replies = {tuple(sent): answered for sent, answered in (_exchange(*x) for x in log)}
     assert rows and len(replies) >= len(rows)
@@ -251,7 +251,7 @@ sampling = {{ max_new_tokens = 48, {FAST} }}""", head="lease_s = 4.0")
         pipe.check_category(status, "math")
     finally:
         pipe.close()
-    rows = pipe.results("math")
+    rows = pipe.committed("math")
     assert len({r.id for r in rows}) == len(rows)
     assert status["categories"]["math"]["used"] == sum(r.counted_tokens for r in rows)
 
@@ -282,7 +282,7 @@ sampling = {{ max_new_tokens = 40, {FAST}, logit_bias = {table} }}""")
     with started(cfg, redis_url, [engine.url], 3) as pipe:
         status = pipe.run()
         pipe.check_category(status, "chat")
-        rows = pipe.results("chat")
+        rows = pipe.committed("chat")
     later = [r for r in rows if r.turn > 1 and "<tools>" not in renderer.decode(r.prompt_ids)]
     by_turn = {(r.conversation_id, r.turn): r for r in rows}
 
@@ -332,7 +332,7 @@ sampling = {{ max_new_tokens = 8, {FAST} }}""")
         after = hits()
     finally:
         pipe.close()
-    rows = pipe.results("shared")
+    rows = pipe.committed("shared")
     assert len(rows) == 12 and all(r.cached_tokens is not None for r in rows)
     assert sum(r.cached_tokens or 0 for r in rows) == after - before > 0
     assert status["categories"]["shared"]["cached_tokens"] == after - before
