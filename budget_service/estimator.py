@@ -13,8 +13,10 @@ samples will still add, so each sample carries Var[L | L > g] from the same hist
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from budget_service.keys import HIST_BUCKET_TOKENS
+from foundation.config import Category, RunConfig
 
 MIN_SAMPLES = 16
 PRIOR_CV = 1.0
@@ -77,3 +79,29 @@ class LengthModel:
         # what is left can be no more than max_tokens - g: cap the spread at that range
         room = max(0.0, self.max_tokens - g)
         return int(est), int(round(min(var, room * room)))
+
+
+class Ask(NamedTuple):
+    """What admission asks for one sample of a category before its own prompt is counted:
+    the Lua scripts add that (`extra`, count = "total") to `estimate` and `max_add`."""
+
+    estimate: int  # tokens to reserve: E[L | L > 0]
+    variance: int  # of the estimate (tokens^2), for the margin
+    max_add: int  # the most the sample can add (hard_cap), 0 = no hard guard
+    sigmas: float  # the margin in standard deviations
+    max_unwritten: int  # nothing is taken while the writer has this many to write (0 = no bound)
+
+
+def admission(cfg: RunConfig, cat: Category, model: LengthModel) -> Ask:
+    """The ask of a sample of `cat` that has produced nothing yet: the only copy, which the
+    worker's admit and the producer's unpark both send (so what unpark releases, admit
+    takes)."""
+    est, var = model.moments(0)
+    return Ask(est, var, cat.sampling.max_new_tokens if cfg.hard_cap else 0,
+               cfg.margin_sigmas, cfg.max_unwritten)
+
+
+def counted_prompt(cfg: RunConfig, prompt_tokens: int) -> int:
+    """The prompt tokens a sample counts against its cap: all under count = "total", none
+    under "output"."""
+    return prompt_tokens if cfg.count == "total" else 0

@@ -188,13 +188,15 @@ class FeedingLedger(Ledger):
     def unpark(self, category: str, estimate: int, variance: int, max_add: int,
                sigmas: float, deadline_ms: int, limit: int, max_unwritten: int = 0
                ) -> Unparked:
-        """Lease again, with a new seq, as many parked samples as admission would take now
-        (each counted with `estimate`); none while the category is closed (they are held)."""
+        """Lease again, with a new seq, and reserve for as many parked samples as admission
+        would take now, each asked for as admit asks (`estimate` and `max_add` plus the prompt
+        tokens admit kept beside it); none while the category is closed (they are held)."""
         out = self.scripts.unpark(
             keys=self._ck(category),
             args=[deadline_ms, estimate, variance, max_add, sigmas, limit, max_unwritten],
         )
-        return Unparked([(as_str(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)])
+        return Unparked([(as_str(out[i]), int(out[i + 1])) for i in range(0, len(out), 3)],
+                        [int(out[i + 2]) for i in range(0, len(out), 3)])
 
     def reconcile(self, category: str,
                   records: Iterable[tuple[str, str, int, int, int | str, str, int]]) -> int:

@@ -13,9 +13,12 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 |                      |        | requeue, unpark, keep_lease     |                    |           |
 | `P:{cat}:parked`     | zset   | admit ("wait", or held: closed);| unpark, cut        | to unpark |
 |                      |        | unpark takes                    |                    |           |
-| `P:{cat}:reserved`   | hash   | admit, heartbeat                | status, admit      | in flight |
-| `P:{cat}:worst`      | hash   | admit (hard guard)              | admit              | in flight |
-| `P:{cat}:var`        | hash   | admit, heartbeat                | admit (margin)     | in flight |
+| `P:{cat}:reserved`   | hash   | admit, unpark, heartbeat        | status, admit      | in flight |
+| `P:{cat}:worst`      | hash   | admit, unpark (hard guard)      | admit              | in flight |
+| `P:{cat}:var`        | hash   | admit, unpark, heartbeat        | admit (margin)     | in flight |
+| `P:{cat}:extra`      | hash   | admit when it parks (sample ->  | unpark             | to unpark |
+|                      |        | its prompt tokens counted under |                    |           |
+|                      |        | count = "total")                |                    |           |
 | `P:{cat}:seq`        | hash   | requeue, unpark (times enqueued | admit, reaper      | to final  |
 |                      |        | again)                          |                    |           |
 | `P:{cat}:final`      | hash   | commit, fail, feed and          | all                | run       |
@@ -109,6 +112,7 @@ class CategoryKeys(NamedTuple):
     retried: str
     cache: str
     engine_of: str
+    extra: str
 
 
 class Keys:

@@ -172,9 +172,11 @@ class Entry(NamedTuple):
 
 
 class Unparked(NamedTuple):
-    """`FeedingLedger.unpark`'s answer: samples to enqueue again (id, seq)."""
+    """`FeedingLedger.unpark`'s answer: samples to enqueue again (id, seq), and the prompt
+    tokens each counts (count = "total"; 0 otherwise), which its job carries."""
 
     leased: list[tuple[str, int]]
+    prompts: list[int]
 
 
 class CategoryState(msgspec.Struct, frozen=True):
@@ -199,7 +201,7 @@ class CategoryState(msgspec.Struct, frozen=True):
     overshoot: int  # used past the cap
     state: str  # open, closed or exhausted
     pending: int  # in the ledger, not final (queued, parked, in flight)
-    in_flight: int  # admitted, at an engine
+    in_flight: int  # admitted (at an engine), or unparked and on its way
     parked: int  # deferred by admission until they fit
     followups: int  # conversations' next turns waiting to be fed
     duplicate_prompts: int

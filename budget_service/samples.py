@@ -31,18 +31,22 @@ class SampleLedger(Ledger):
     def admit(
         self, category: str, sample_id: str, estimate: int, lease_ms: int, max_add: int = 0,
         variance: int = 0, sigmas: float = 0.0, seq: int = 0, max_unwritten: int = 0,
+        extra: int = 0,
     ) -> tuple[str, Pending | None]:
         """Admit a sample: reserve `estimate` tokens (whose variance is `variance`) while
         used + reserved + estimate + `sigmas` standard deviations of the in-flight total stay
         below the cap; with `max_add` > 0 (the most the sample can add to `used`), also keep
         `used` + what in-flight samples can add below the cap. `seq` is the job's: a job of
         an earlier enqueue of the sample is refused ('stale'). While the category has
-        `max_unwritten` (> 0) results the writer has not written, nothing is admitted."""
+        `max_unwritten` (> 0) results the writer has not written, nothing is admitted.
+        `extra` (the prompt tokens the sample counts, count = "total") is added to `estimate`
+        and to `max_add` by the script, and kept beside a sample it parks so that unpark
+        asks for it the same way (`estimator.admission` makes the rest of the ask)."""
         now = now_ms()
         out = self.scripts.admit(
             keys=self._ck(category),
             args=[sample_id, estimate, now + lease_ms, now, max_add, variance, sigmas, seq,
-                  max_unwritten],
+                  max_unwritten, extra],
         )
         status = as_str(out[0])
         payload = msgspec.json.decode(out[1], type=Pending) if status == "ok" else None

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from budget_service.estimator import LengthModel
+from budget_service.estimator import LengthModel, admission, counted_prompt
 from budget_service.keys import Keys
 from budget_service.ledger import now_ms
 from budget_service.samples import SampleLedger
@@ -179,6 +179,16 @@ class _Heartbeat:
 _heartbeat = _Heartbeat()
 
 
+def admit(budget: SampleLedger, cfg: RunConfig, cat: Category, model: LengthModel,
+          job: JobRef) -> tuple[str, Pending | None]:
+    """Admission of the job's sample: the ask the producer's unpark makes too
+    (`estimator.admission`), plus the prompt tokens the sample counts."""
+    ask = admission(cfg, cat, model)
+    return budget.admit(cat.name, job.sample_id, ask.estimate, int(cfg.lease_s * 1000),
+                        ask.max_add, ask.variance, ask.sigmas, job.seq, ask.max_unwritten,
+                        counted_prompt(cfg, job.prompt_tokens))
+
+
 def process(ref: dict[str, Any]) -> str:
     """Run one sample. Returns the outcome: committed, dup, done, closed, wait, stale,
     released, rejected, dead or unknown."""
@@ -186,13 +196,9 @@ def process(ref: dict[str, Any]) -> str:
     rc = _context().run(job.run)
     cat = rc.cfg.by_name(job.category)
     budget = rc.budget
-    extra = job.prompt_tokens if rc.cfg.count == "total" else 0
+    extra = counted_prompt(rc.cfg, job.prompt_tokens)
     model, rate = rc.model(cat)
-    lease_ms = int(rc.cfg.lease_s * 1000)
-    max_add = cat.sampling.max_new_tokens + extra if rc.cfg.hard_cap else 0
-    est, var = model.moments(0)
-    status, pending = budget.admit(cat.name, job.sample_id, est + extra, lease_ms, max_add,
-                                   var, rc.cfg.margin_sigmas, job.seq, rc.cfg.max_unwritten)
+    status, pending = admit(budget, rc.cfg, cat, model, job)
     if status != "ok":
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status

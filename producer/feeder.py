@@ -39,7 +39,7 @@ from redis import Redis
 
 from budget_service import jobs
 from budget_service.budget import Budget
-from budget_service.estimator import LengthModel
+from budget_service.estimator import LengthModel, admission
 from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms
 from foundation.backoff import REDIS_DOWN, Backoff
@@ -313,8 +313,9 @@ class Producer:
                      self.cfg.job_timeout_s(), at_front)
 
     def unpark(self, feed: CategoryFeed, st: CategoryState) -> int:
-        """Re-enqueue deferred samples that now fit; a closed category holds them back (a
-        raised cap reopens it)."""
+        """Re-enqueue deferred samples that now fit, reserved for as the worker's admit would
+        (`estimator.admission`, one call for the whole batch); a closed category holds them
+        back (a raised cap reopens it)."""
         if not st.parked or st.state == "closed":
             return 0
         name = feed.cat.name
@@ -329,15 +330,11 @@ class Producer:
         self._unpark_mark[name] = mark
         model = LengthModel(self.budget.hist(name), self.cfg.expected_for(feed.cat),
                             feed.cat.sampling.max_new_tokens)
-        est, var = model.moments(0)
-        max_add = feed.cat.sampling.max_new_tokens if self.cfg.hard_cap else 0
-        got = self.budget.feeding.unpark(name, est, var, max_add, self.cfg.margin_sigmas,
-                                 now_ms() + self.lease_ms, UNPARK_BATCH, self.cfg.max_unwritten)
-        prompts = [0] * len(got.leased)
-        if self.cfg.count == "total":  # the worker reserves for the prompt too
-            prompts = [len(e.pending.prompt_ids) if e.pending else 0
-                       for e in (self.budget.entry(name, sid) for sid, _seq in got.leased)]
-        self._enqueue(name, [(sid, seq, n) for (sid, seq), n in zip(got.leased, prompts,
+        ask = admission(self.cfg, feed.cat, model)
+        got = self.budget.feeding.unpark(name, ask.estimate, ask.variance, ask.max_add,
+                                         ask.sigmas, now_ms() + self.lease_ms, UNPARK_BATCH,
+                                         ask.max_unwritten)
+        self._enqueue(name, [(sid, seq, n) for (sid, seq), n in zip(got.leased, got.prompts,
                                                                   strict=True)])
         return len(got.leased)
 

@@ -433,23 +433,45 @@ def park(budget: Budget, sids: str) -> None:
         budget.redis.zrem(ck(budget).leases, sid)
 
 
-def test_unpark_takes_as_many_as_admission_would(budget: Budget) -> None:
+def test_unpark_takes_and_reserves_as_many_as_admission_would(budget: Budget) -> None:
     feed(budget, "x")
     assert budget.samples.admit("code", "x", 300, LEASE_MS)[0] == "ok"  # reserved 300 of 1000
     park(budget, "abcd")
     deadline = now_ms() + LEASE_MS
     # 300 + 300 < 1000 ok, 600 + 300 < 1000 ok, 900 + 300 no: two leave the park
     got = budget.feeding.unpark("code", 300, 0, 0, 0.0, deadline, 100)
-    assert got.leased == [("a", 1), ("b", 1)]
+    assert got.leased == [("a", 1), ("b", 1)] and got.prompts == [0, 0]
     assert budget.redis.zrange(ck(budget).parked, 0, -1) == [b"c", b"d"]
     assert budget.redis.zscore(ck(budget).leases, "a") == deadline
-    assert budget.state("code")["reserved"] == 300  # unpark reserves nothing itself
-    # with a margin of 2 sigmas of 150^2 each: 300 + 300 + 2*sqrt(2 * 150^2) > 1000 - ... ok
-    got = budget.feeding.unpark("code", 300, 150**2, 0, 2.0, deadline, 100)
-    assert got.leased == [("c", 1)]  # 300+300+424 = 1024 >= 1000 stops the second
-    # the stale job of b's first enqueue is refused, the new one admitted
+    assert budget.state("code")["reserved"] == 900  # each reserved for as admit would
+    # the stale job of b's first enqueue is refused; the new one finds its reservation
     assert budget.samples.admit("code", "b", 300, LEASE_MS, seq=0)[0] == "stale"
     assert budget.samples.admit("code", "b", 300, LEASE_MS, seq=1)[0] == "ok"
+    assert budget.state("code")["reserved"] == 900
+    budget.samples.commit(result("x", 100), 0, 0.0)  # used 100, reserved 600
+    # with a margin of 1 sigma of 150^2 each: 100 + 600 + 100 + 150 < 1000 takes c, then
+    # 100 + 700 + 100 + sqrt(2 * 150^2) >= 1000 stops at d
+    got = budget.feeding.unpark("code", 100, 150**2, 0, 1.0, deadline, 100)
+    assert got.leased == [("c", 1)]
+    assert int(budget.redis.hget(ck(budget).var, "c")) == 150**2
+
+
+def test_unpark_asks_for_the_prompt_tokens_admit_parked_a_sample_with(budget: Budget) -> None:
+    feed(budget, "x")
+    feed(budget, "a")
+    assert budget.samples.admit("code", "x", 300, LEASE_MS, extra=200)[0] == "ok"  # 500
+    # a: 500 + 300 + 200 >= 1000 waits; its prompt tokens are kept beside it
+    assert budget.samples.admit("code", "a", 300, LEASE_MS, 100, extra=200)[0] == "wait"
+    assert budget.redis.hget(ck(budget).extra, "a") == b"200"
+    deadline = now_ms() + LEASE_MS
+    assert budget.feeding.unpark("code", 300, 0, 100, 0.0, deadline, 100).leased == []
+    budget.samples.commit(result("x", 100), 0, 0.0)  # used 100, reserved 0
+    got = budget.feeding.unpark("code", 300, 0, 100, 0.0, deadline, 100)
+    assert got.leased == [("a", 1)] and got.prompts == [200]
+    assert budget.state("code")["reserved"] == 500  # 300 + its 200 prompt tokens
+    assert budget.state("code")["worst"] == 300  # max_add 100 + 200
+    assert budget.redis.hget(ck(budget).extra, "a") is None
+    assert budget.samples.admit("code", "a", 300, LEASE_MS, 100, seq=1, extra=200)[0] == "ok"
 
 
 def test_unpark_takes_one_when_nothing_is_in_flight(budget: Budget) -> None:
@@ -479,9 +501,9 @@ def test_unpark_drops_entries_of_samples_no_longer_pending(budget: Budget) -> No
 def test_unpark_hard_guard_counts_what_each_taken_sample_can_add(budget: Budget) -> None:
     park(budget, "abcd")
     got = budget.feeding.unpark("code", 10, 0, 300, 0.0, now_ms() + LEASE_MS, 100)
-    assert [s for s, _ in got.leased] == ["a", "b", "c", "d"][:4]  # 0, 300, 600, 900 < 1000
+    assert [s for s, _ in got.leased] == ["a", "b", "c", "d"]  # 0, 300, 600, 900 < 1000
+    assert budget.state("code")["worst"] == 1200  # each holds what it can add
     park(budget, "e")
-    budget.redis.hset(ck(budget).state, "worst", 1000)
     assert budget.feeding.unpark("code", 10, 0, 300, 0.0, now_ms(), 100).leased == []
 
 

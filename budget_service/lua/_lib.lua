@@ -7,6 +7,7 @@ local K = {
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
   written = KEYS[15], follow = KEYS[16], history = KEYS[17], cut = KEYS[18],
   events = KEYS[19], retried = KEYS[20], cache = KEYS[21], engine_of = KEYS[22],
+  extra = KEYS[23],
 }
 -- entries kept in a category's event log (`events`, a stream)
 local EVENTS_MAXLEN = 1000
@@ -42,6 +43,7 @@ local function forget(s)
   redis.call('ZREM', K.parked, s)
   redis.call('HDEL', K.seq, s)
   redis.call('HDEL', K.engine_of, s)
+  redis.call('HDEL', K.extra, s)
 end
 
 -- hold(s, now): the category is closed: s is not sent, and not final either. It waits parked
@@ -91,6 +93,33 @@ local function fits(st, est, est_var, max_add, z)
   local expected_ok = (st.used + st.reserved + est + margin < st.cap) or st.reserved == 0
   local hard_ok = max_add == 0 or st.used + st.worst < st.cap
   return expected_ok and hard_ok
+end
+
+-- reserve(st, s, est, est_var, max_add): admission took sample s: hold est tokens (variance
+-- est_var, at most max_add; 0 = no hard guard) for it in the ledger and in st, the state
+-- `budget()` read. The only copy (admit.lua and unpark.lua take samples with it).
+local function reserve(st, s, est, est_var, max_add)
+  redis.call('HSET', K.reserved, s, est)
+  redis.call('HINCRBY', K.state, 'reserved', est)
+  st.reserved = st.reserved + est
+  if est_var > 0 then
+    redis.call('HSET', K.var, s, est_var)
+    redis.call('HINCRBY', K.state, 'var', est_var)
+    st.var = st.var + est_var
+  end
+  if max_add > 0 then
+    redis.call('HSET', K.worst, s, max_add)
+    redis.call('HINCRBY', K.state, 'worst', max_add)
+    st.worst = st.worst + max_add
+  end
+end
+
+-- with_extra(est, max_add, extra): a sample's own ask: the category's estimate and the most
+-- it can add (0: no hard guard), each with the prompt tokens it counts (`extra`, count =
+-- "total"). The only copy (admit.lua and unpark.lua ask with it).
+local function with_extra(est, max_add, extra)
+  if max_add > 0 then max_add = max_add + extra end
+  return est + extra, max_add
 end
 
 -- budget(): the state fields admission reads, as numbers, and whether the category is closed.
