@@ -231,7 +231,7 @@ class Ledger:
     def _close(self, script: Script, category: str, *args: Any
                ) -> tuple[bool, bool, int | None]:
         """Run one of the scripts that set `closed` / `exhausted` (`set_cap.lua`,
-        `close.lua`, `exhausted.lua`): (closed, exhausted, the cap before)."""
+        `exhausted.lua`): (closed, exhausted, the cap before)."""
         closed, exhausted, old = script(keys=self._ck(category), args=list(args))
         return as_str(closed) == "1", as_str(exhausted) == "1", cap_value(old)
 

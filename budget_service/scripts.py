@@ -17,7 +17,7 @@ from redis.commands.core import Script
 LUA_DIR = Path(__file__).with_name("lua")
 CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
-    "lease", "unpark", "set_cap", "close", "exhausted", "reconcile", "acknowledge",
+    "lease", "unpark", "set_cap", "exhausted", "reconcile", "acknowledge",
     "restore", "feed_follow", "cut", "retry",
 )  # fmt: skip
 OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "series")

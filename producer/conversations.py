@@ -3,8 +3,8 @@ and the cut records of conversations a closed category holds back.
 
 With ``turns = "all"`` a record is one generation per assistant turn. Once the writer wrote
 turn j (`FeedingLedger.followups` lists it), turn j+1's prompt is the source up to that turn with
-the model's own earlier turns (decoded from their output ids into assistant messages by
-`producer.replies`), rendered and checked against turn j's by `CategorySource.prepare`.
+the model's own earlier turns (`producer.replay`, the copy the conversations export uses too),
+rendered and checked against turn j's by `CategorySource.prepare`.
 It goes to the queue's front: the engine that served turn j still holds its prefix. When
 turn j's tool calls depart from the calls the source's next results answer (another
 function, fewer, none, more: `Conversation.divergence`), turn j+1 is not fed: a result is
@@ -28,11 +28,11 @@ from foundation.config import RunConfig
 from foundation.wire import DeadLetter, Outcome, split_turn_id
 from producer.formats import Rejected
 from producer.readers import Sample
-from producer.replies import ReplyParser, Unparsed, reply_parser
-from producer.source import NextTurn
+from producer.replay import Replay
+from producer.replies import Unparsed
+from producer.source import CategorySource, NextTurn
 
 if TYPE_CHECKING:
-    from producer.feeder import CategoryFeed
     from producer.render import Renderer
 
 log = logging.getLogger(__name__)
@@ -53,34 +53,20 @@ class Conversations:
         self.enqueue = enqueue
         self.affinity = affinity
         self.lease_ms = int(cfg.lease_s * 1000)
-        self._replies: ReplyParser | None = None
+        self.replay = Replay(cfg, renderer)
+        self._cut_marks: dict[str, tuple[int, int]] = {}  # `report_cut`: what was reported
 
-    @property
-    def replies(self) -> ReplyParser:
-        """How generated turns enter the next turn's history (`turns = "all"`)."""
-        if self._replies is None:
-            self._replies = reply_parser(self.cfg, self.renderer)
-        return self._replies
-
-    def opened(self, feed: CategoryFeed) -> bool:
-        """Whether the category's generation prompt opens a reasoning block (`replies`)."""
-        if feed.opened is None:
-            parser = self.replies.reasoning
-            feed.opened = parser is not None and self.renderer is not None \
-                and self.renderer.opens_reasoning(
-                parser.start, feed.source.kwargs or None)
-        return feed.opened
-
-    def follow(self, feed: CategoryFeed, st: CategoryState, room: int) -> int:
+    def follow(self, source: CategorySource, st: CategoryState, room: int) -> int:
         """Feed up to `room` next turns of conversations whose last turn the writer wrote.
         In a category of single samples, what waits there are dead samples sent again."""
         if room <= 0 or not st.followups:
             return 0
-        source = feed.source
         name = source.cat.name
         waiting = self.budget.feeding.followups(name, room)
         if not source.turns:
-            return self.feed_retried(feed, [f.sample_id for f in waiting])
+            return self.feed_retried(source, [f.sample_id for f in waiting])
+        stop_ids = source.cat.sampling.stop_token_ids or []
+        opened = self.replay.opened(source.cat)
         samples: list[Sample] = []
         turns: list[NextTurn] = []
         rejected: list[DeadLetter] = []
@@ -105,8 +91,8 @@ class Conversations:
                 continue
             conv = s.conversation
             try:
-                generated = self.replies.messages(f.outputs, conv.tools, conv_id, feed.stop_ids,
-                                                  self.opened(feed))
+                generated = self.replay.turns(f.outputs, conv.tools, conv_id, stop_ids,
+                                              opened)
             except Unparsed as exc:
                 # the turn stays as generated; there is no call to answer and no content
                 log.warning("%s/%s: conversation stops: a reply does not parse (%s)", name,
@@ -133,9 +119,9 @@ class Conversations:
                     turns_total=conv.turns))
                 continue
             samples.append(s)
-            ids = self.replies.result_ids(conv_id)
-            turns.append(NextTurn(conv.prompt(generated, ids), turn,
-                                  conv.prompt(generated[:-1], ids), list(f.outputs[-1] or []),
+            turns.append(NextTurn(self.replay.history(conv, generated, conv_id), turn,
+                                  self.replay.history(conv, generated[:-1], conv_id),
+                                  list(f.outputs[-1] or []),
                                   generated[-1], conv.replay_notes(generated), f.engine,
                                   conv.args_match(generated)))
         prepared, bad = source.prepare(samples, turns, self.affinity)
@@ -147,9 +133,8 @@ class Conversations:
                             if p.sample_id in recorded], True)
         return len(waiting)
 
-    def feed_retried(self, feed: CategoryFeed, ids: list[str]) -> int:
+    def feed_retried(self, source: CategorySource, ids: list[str]) -> int:
         """Feed again the dead samples `tokencap retry` sent back, found by their ids."""
-        source = feed.source
         name = source.cat.name
         samples: list[Sample] = []
         rejected: list[DeadLetter] = []
@@ -172,15 +157,14 @@ class Conversations:
             log.info("%s: %d dead sample(s) sent again", name, len(ids_fed))
         return len(ids)
 
-    def report_cut(self, feed: CategoryFeed, st: CategoryState) -> int:
+    def report_cut(self, source: CategorySource, st: CategoryState) -> int:
         """A closed category holds back conversations' next turns: write one cut record for
         each (once), so the files say why those conversations stopped."""
-        mark = (st.followups, st.parked)
-        if mark == feed.cut_mark or not any(mark):
-            return 0
-        feed.cut_mark = mark
-        source = feed.source
         name = source.cat.name
+        mark = (st.followups, st.parked)
+        if mark == self._cut_marks.get(name) or not any(mark):
+            return 0
+        self._cut_marks[name] = mark
         turns = [(sid, ordinal, split) for sid, ordinal in self.budget.feeding.held(name)
                  if (split := split_turn_id(sid)) is not None and split[1] >= 2]
         parked = self.budget.entries(name, [sid for sid, ordinal, _ in turns if ordinal is None])

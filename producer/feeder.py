@@ -14,9 +14,9 @@ Per tick and category:
 The run ends when every category is closed (holding back only what a raised cap would send)
 or exhausted, and the writer has written every result.
 
-The repairs (reap, a Redis restart, lost feeds, the end's registry cleanup) are
-`producer.recovery`; the category states it steers on are `Ledger.states` (typed, the same
-fields `tokencap status --json` shows).
+The repairs (reap, a Redis restart, the end's registry cleanup) are `producer.recovery`; a
+feed Redis lost is fed again from Redis's cursor (`Producer.resync`). The category states it
+steers on are `Ledger.states` (typed, the same fields `tokencap status --json` shows).
 
 Every change to the ledger is one `Budget` call (one Lua script) made before the RQ job that
 carries it is enqueued: a producer killed between the two leaves a sample pending with a
@@ -68,15 +68,27 @@ AFFINITY_KEYS_KEPT = 1 << 16
 
 
 class CategoryFeed:
-    """Feeding state of one category: its source, the cursor into its shuffled order, and
-    what the conversations concern remembers of it."""
+    """Feeding state of one category: its source and the cursor into its shuffled order,
+    the producer's copy of Redis's (the feed script's compare-and-set keeps the two equal).
+    Only its own methods move the cursor, and only the `Producer` calls them."""
 
     def __init__(self, source: CategorySource) -> None:
         self.source = source
-        self.cursor = 0
-        self.stop_ids = set(source.cat.sampling.stop_token_ids or [])
-        self.cut_mark: tuple[int, int] | None = None  # `Conversations.report_cut`
-        self.opened: bool | None = None  # the generation prompt opens a reasoning block
+        self._cursor = 0
+
+    @property
+    def cursor(self) -> int:
+        return self._cursor
+
+    def advance(self, to: int) -> None:
+        """The records up to `to` of the order are fed."""
+        self._cursor = to
+
+    def resync(self, redis_cursor: int) -> int:
+        """Take Redis's cursor as the truth (at start, and after Redis lost feeds or the
+        run); returns the cursor held before."""
+        ours, self._cursor = self._cursor, redis_cursor
+        return ours
 
     @property
     def cat(self) -> Category:
@@ -132,7 +144,15 @@ class Producer:
     # -- setup -------------------------------------------------------------------------
     def add_feed(self, feed: CategoryFeed) -> None:
         self.feeds[feed.cat.name] = feed
-        feed.cursor = self.budget.feeding.cursor(feed.cat.name)
+        feed.resync(self.budget.feeding.cursor(feed.cat.name))
+
+    def resync(self, feed: CategoryFeed) -> None:
+        """Redis's cursor is not ours: it lost our last feeds (a restart from an AOF without
+        its last second). Feed again from where Redis is."""
+        name = feed.cat.name
+        ours = feed.resync(self.budget.feeding.cursor(name))
+        log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); feeding "
+                    "again from there", name, feed.cursor, ours)
 
     # -- the loop ----------------------------------------------------------------------
     def tick(self) -> int:
@@ -148,7 +168,8 @@ class Producer:
             done = reaped + self.unpark(feed, st)
             if st.state == "open":
                 # next turns of conversations; in other categories, samples sent again
-                followed = self.conversations.follow(feed, st, self._room(st, follow=True))
+                followed = self.conversations.follow(feed.source, st,
+                                                     self._room(st, follow=True))
                 st = msgspec.structs.replace(st, pending=st.pending + followed)
                 done += followed
                 done += self.feed(feed, st)
@@ -158,9 +179,9 @@ class Producer:
                         log.info("%s: source exhausted (%d samples committed)", name,
                                  st.samples)
                     elif self.budget.feeding.cursor(name) != feed.cursor:
-                        self.recovery.lost_feeds(feed)
+                        self.resync(feed)
             elif st.state == "closed" and feed.turns:
-                self.conversations.report_cut(feed, st)
+                self.conversations.report_cut(feed.source, st)
             work += done
         return work
 
@@ -193,7 +214,9 @@ class Producer:
             try:
                 if should_stop():
                     break
-                self.recovery.ensure_run(self.feeds)
+                if self.recovery.ensure_run(list(self.feeds)):
+                    for feed in self.feeds.values():  # the run was created again: from 0
+                        feed.resync(self.budget.feeding.cursor(feed.cat.name))
                 work = self.tick()
                 now = time.monotonic()
                 if self.on_progress and now - last >= progress_s:
@@ -279,9 +302,9 @@ class Producer:
                                            now_ms() + self.lease_ms, prepared,
                                            rejected + too_long, others)
             if ids is None:
-                self.recovery.lost_feeds(feed)
+                self.resync(feed)
                 return fed
-            feed.cursor = start + len(positions)
+            feed.advance(start + len(positions))
             recorded = set(ids)
             self._enqueue(name, [(p.sample_id, 0, len(p.prompt_ids)) for p in prepared
                                  if p.sample_id in recorded])

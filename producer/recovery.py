@@ -1,7 +1,8 @@
 """What the producer does about what was lost: a Redis that restarted (empty, or from an AOF
-without its last second: `ensure_run`), feeds Redis lost (`lost_feeds`), samples whose lease
-ran out because a worker died with them (`reap`), and what RQ's registries still hold of
-killed workers at the end (`finalize`).
+without its last second: `ensure_run`), samples whose lease ran out because a worker died with
+them (`reap`), and what RQ's registries still hold of killed workers at the end (`finalize`).
+Feeds Redis lost are found by the cursor's compare-and-set; the feeder, the cursor's owner,
+feeds again from Redis's (`Producer.resync`).
 
 Every repair is one `Budget` call (one Lua script) made before the RQ job that carries it is
 enqueued, as in the feeder: a producer killed between the two leaves the sample pending
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 from redis import Redis
@@ -27,9 +27,6 @@ from budget_service.ledger import now_ms
 from foundation.config import RunConfig
 from foundation.wire import DeadLetter, ErrorKind, Outcome
 from producer.reconcile import reconcile
-
-if TYPE_CHECKING:
-    from producer.feeder import CategoryFeed
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +60,16 @@ class Recovery:
         """Redis could not be reached: look for a restart as soon as it answers."""
         self._run_id_at = float("-inf")
 
-    def ensure_run(self, feeds: Mapping[str, CategoryFeed]) -> None:
-        """Rebuild from the output files what a Redis restart lost.
+    def ensure_run(self, feeds: Sequence[str]) -> bool:
+        """Rebuild from the output files what a Redis restart lost; True when the run was
+        created again.
 
         Restarted empty: the run is created again, counters and done-marks come back from
-        the files, and feeding restarts from the top of the order (final samples are
-        skipped). Restarted from AOF (`appendfsync everysec` may lose the last second), or a
-        replica promoted: samples on disk but not final in Redis are marked final so they
-        are not redone. Feeds Redis lost are found by the cursor's compare-and-set
-        (`lost_feeds`).
+        the files, and feeding restarts from the top of the order (the cursors are 0 again;
+        final samples are skipped). Restarted from AOF (`appendfsync everysec` may lose the
+        last second), or a replica promoted: samples on disk but not final in Redis are
+        marked final so they are not redone. Feeds Redis lost are found by the cursor's
+        compare-and-set (`Producer.resync`).
         """
         if not self.budget.has_run():
             log.error("run %s is gone from Redis (restarted without its data?); rebuilding "
@@ -80,9 +78,10 @@ class Recovery:
             self.budget.feeding.init_run(self.cfg)
             added = reconcile(self.budget, Path(self.cfg.output_dir), list(feeds))
             log.warning("rebuilt from output files: %s", added)
-            for feed in feeds.values():
-                feed.cursor = 0
             self._run_id = None
+            rebuilt = True
+        else:
+            rebuilt = False
         now = time.monotonic()
         if self._run_id is None or now - self._run_id_at >= RUN_ID_CHECK_S:
             self._run_id_at = now
@@ -92,13 +91,7 @@ class Recovery:
                 added = reconcile(self.budget, Path(self.cfg.output_dir), list(feeds))
                 log.warning("after the restart, from output files: %s", added)
             self._run_id = run_id
-
-    def lost_feeds(self, feed: CategoryFeed) -> None:
-        """Redis's cursor is not ours: it lost our last feeds (a restart from an AOF without
-        its last second). Feed again from where Redis is."""
-        ours, feed.cursor = feed.cursor, self.budget.feeding.cursor(feed.cat.name)
-        log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); feeding "
-                    "again from there", feed.cat.name, feed.cursor, ours)
+        return rebuilt
 
     def reap_due(self) -> bool:
         """Whether this tick looks for expired leases (every `reap_every_s`)."""

@@ -113,6 +113,6 @@ def test_feeding_depth_is_shared_by_the_categories_that_can_still_be_fed(
     producer._workers, producer._workers_at = 72, float("inf")  # 72 workers registered
     producer.tick()
     assert producer.high_water() == 72  # 2 x 72 over two open categories
-    pipe.budget.operating.close("b")
+    pipe.budget.operating.set_cap("b", 0)  # closes it
     producer.tick()
     assert producer.high_water() == 144  # b closed: a gets every worker's share

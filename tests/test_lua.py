@@ -211,7 +211,7 @@ def test_admit_refuses_the_job_of_an_earlier_enqueue(budget: Budget) -> None:
 
 
 def test_admit_holds_back_the_samples_of_a_closed_category(budget: Budget) -> None:
-    budget.operating.close("code")
+    budget.operating.set_cap("code", 0)  # closes it
     feed(budget, "a")
     assert budget.samples.admit("code", "a", 10, LEASE_MS) == ("closed", None)
     st = budget.telemetry.status()["categories"]["code"]
@@ -483,7 +483,7 @@ def test_unpark_takes_one_when_nothing_is_in_flight(budget: Budget) -> None:
 def test_unpark_leaves_the_parked_samples_of_a_closed_category_held(budget: Budget) -> None:
     park(budget, "abc")
     budget.samples.commit(result("a", 5), 0, 0.0)  # a is final already
-    budget.operating.close("code")
+    budget.operating.set_cap("code", 0)  # closes it
     got = budget.feeding.unpark("code", 10, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
     assert got.leased == []
     assert budget.writing.final_marks("code") == {"a": "c:5"}
@@ -535,7 +535,6 @@ def test_set_cap_records_each_change_in_the_categorys_event_log(budget: Budget) 
     budget.samples.commit(result("a", 1500), 0, 0.0)
     budget.operating.set_cap("code", 5000, by="tokencap cap set (ann)")
     budget.operating.set_cap("code", None, by="POST /cap from 127.0.0.1")
-    budget.operating.close("code")  # not a cap change: no event
     first, second = budget.operating.events(["code"])
     assert {k: first[k] for k in ("category", "kind", "old", "new", "by", "used")} == {
         "category": "code", "kind": "cap", "old": "1000", "new": "5000",
@@ -547,34 +546,26 @@ def test_set_cap_records_each_change_in_the_categorys_event_log(budget: Budget) 
     assert budget.operating.events(["code"], {"code": second["id"]}) == []
 
 
-def test_close_closes_an_open_category_and_a_raised_cap_reopens_it(budget: Budget) -> None:
-    feed(budget, "a")
-    budget.operating.close("code")
-    assert budget.telemetry.status()["categories"]["code"]["state"] == "closed"
-    assert budget.samples.admit("code", "a", 10, LEASE_MS)[0] != "ok"  # nothing admitted
-    assert budget.state("code")["cap"] == 1000  # the cap is left as it was
-    assert budget.operating.events(["code"]) == []  # not a cap change
-    assert budget.operating.set_cap("code", 2000) == (False, 1000)
-    assert budget.telemetry.status()["categories"]["code"]["state"] == "open"
-
-
 def test_retry_sends_a_dead_sample_again_once_and_keeps_its_dead_letter_history(
         budget: Budget) -> None:
-    for sid in ("a", "b", "c"):
+    for sid in ("a", "b", "c", "v#t2"):
         feed(budget, sid)
         budget.samples.admit("code", sid, 10, LEASE_MS)
     budget.samples.fail(DeadLetter("a", "code", "dead", "server_error"))
     budget.samples.fail(DeadLetter("b", "code", "dead", "timeout"))
     budget.samples.fail(DeadLetter("c", "code", "rejected", "bad_request"))
-    budget.redis.hset(ck(budget).written, mapping={"a": "d", "b": "d", "c": "d"})
-    assert budget.operating.dead_samples("code") == ["a", "b"]  # rejected samples are not dead
+    budget.samples.fail(DeadLetter("v#t2", "code", "dead", "server_error"))
+    budget.redis.hset(ck(budget).written, mapping={"a": "d", "b": "d", "c": "d", "v#t2": "d"})
+    # rejected samples are not dead
+    assert budget.operating.dead_samples("code") == ["a", "b", "v#t2"]
     assert budget.operating.dead_samples("code", "timeout") == ["b"]
-    # only the reason asked for, and each sample once
-    assert budget.operating.retry("code", ["a", "b", "c"], "server_error") == 1
-    assert budget.operating.retry("code", ["a"]) == 0
+    # only the reason asked for, each sample once, and never a conversation's turn
+    assert budget.operating.retry("code", "server_error") == (1, 1)
+    assert budget.operating.retry("code", "server_error") == (0, 1)
+    assert budget.writing.final_marks("code")["v#t2"].startswith("d:")
     st = budget.telemetry.status()["categories"]["code"]
-    assert (st["failed"], st["reasons"], st["followups"]) == (1, {"timeout": 1,
-                                                                  "bad_request": 1}, 1)
+    assert (st["failed"], st["reasons"], st["followups"]) == (
+        2, {"timeout": 1, "bad_request": 1, "server_error": 1}, 1)
     assert budget.writing.final_marks("code").get("a") is None
     assert budget.redis.hget(ck(budget).written, "a") is None  # its result will be written
     assert budget.redis.zscore(ck(budget).follow, "a") == -1
@@ -739,7 +730,7 @@ def test_cut_reports_each_held_turn_once_while_closed(budget: Budget) -> None:
                         conversation_id="c", turn=2)
     other = msgspec.structs.replace(letter, id="x#t3")  # not held: not reported
     assert budget.feeding.cut("code", [letter]) == 0  # open: nothing is cut
-    budget.operating.close("code")
+    budget.operating.set_cap("code", 0)  # closes it
     assert budget.feeding.held("code") == [("c#t2", 3)]
     assert budget.feeding.cut("code", [letter, other]) == 1
     assert budget.feeding.cut("code", [letter]) == 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from budget_service.lease import producer_lease
 from foundation.errors import UnknownCategory
 from tokencap.cli_common import (
     PREFIX_OPT,
@@ -148,8 +149,6 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     with no producer running, `tokencap up CONFIG` (or `run`) again finishes them. Their
     lines in dead-letter.jsonl stay, as history. Conversation turns are not sent again (a
     turn needs the turns before it)."""
-    from foundation.wire import split_turn_id
-
     budget = open_budget(redis_url, prefix, run_name)
     known = list(budget.telemetry.status()["categories"])
     for name in categories:
@@ -157,12 +156,10 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
             raise UnknownCategory(budget.keys.run, name)
     total = 0
     for name in categories or known:
-        dead = budget.operating.dead_samples(name, reason)
-        turns = [i for i in dead if split_turn_id(i)]
-        moved = budget.operating.retry(name, [i for i in dead if not split_turn_id(i)], reason)
+        moved, turns = budget.operating.retry(name, reason)
         total += moved
-        left = f"; {len(turns)} conversation turn(s) stay dead" if turns else ""
+        left = f"; {turns} conversation turn(s) stay dead" if turns else ""
         click.echo(f"{name}: {moved} dead sample(s) sent again{left}")
-    if total and not budget.redis.exists(budget.keys.producer_lock):
+    if total and producer_lease(budget.redis, budget.keys).holder() is None:
         click.echo("no producer runs this run: `tokencap up CONFIG` (or `tokencap run CONFIG`) "
                    "feeds them again")

@@ -62,7 +62,7 @@ from producer.manifest import manifest_path
 from tokencap.export_conversations import (
     ConversationSink,
     Decoder,
-    MessagesFor,
+    SourceMessages,
 )
 from tokencap.export_sinks import (
     TRUNCATED,
@@ -96,7 +96,7 @@ def find_categories(out_dir: Path) -> list[str]:
 
 def make_sinks(
     folder: Path, formats: list[str], tokenizer: Decoder | None,
-    messages_for: MessagesFor | None, loss_mask: str = "generated",
+    messages_for: SourceMessages | None, loss_mask: str = "generated",
 ) -> list[Any]:
     """One sink per format, writing under `folder`."""
     sinks: list[Any] = []
@@ -221,7 +221,7 @@ def export(
     merged: bool = False,
     keep_truncated: bool = False,
     tokenizer: Decoder | None = None,
-    messages_for: MessagesFor | None = None,
+    messages_for: SourceMessages | None = None,
     allow_simulated: bool = False,
     loss_mask: str = "generated",
     consistent_only: bool = False,

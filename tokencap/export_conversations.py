@@ -17,7 +17,7 @@ from foundation.outputs import (
     read_rejected,
 )
 from foundation.wire import Outcome, Result
-from producer.replies import Unparsed
+from producer.replay import Replay
 from tokencap.export_sinks import (
     CategoryStats,
     JsonlSink,
@@ -25,6 +25,7 @@ from tokencap.export_sinks import (
 
 if TYPE_CHECKING:
     from foundation.config import Category, RunConfig
+    from producer.formats_conversation import Conversation
     from producer.render import Renderer
     from producer.source import CategorySource
 
@@ -52,7 +53,7 @@ class SourceMessages:
         self.renderer = renderer
         self.unmatched = 0
         self._sources: dict[str, Any] = {}
-        self._opened: dict[str, bool] = {}
+        self._replay: Replay | None = None
 
     def __call__(self, row: Result) -> list[dict] | None:
         sample = self._sample(row)
@@ -64,7 +65,7 @@ class SourceMessages:
             self.unmatched += 1
         return messages
 
-    def conversation(self, row: Result) -> Any:
+    def conversation(self, row: Result) -> Conversation | None:
         """The source `Conversation` of a turn row (None when the source changed)."""
         sample = self._sample(row)
         if sample is None or sample.sample_id != row.conversation_id:
@@ -72,33 +73,18 @@ class SourceMessages:
             return None
         return sample.conversation
 
-    def replies(self, tokenizer: Any) -> Any:
-        """The run's `ReplyParser` (how its generated turns entered the history)."""
-        from producer.replies import ReplyParser, reply_parser
+    def replay(self, tokenizer: Any) -> Replay:
+        """The run's `Replay` (how its generated turns entered the history), the producer's
+        own: with the run's renderer when there is one, else from `tokenizer`."""
+        if self._replay is None:
+            self._replay = Replay(self.cfg, self.renderer, tokenizer)
+        return self._replay
 
-        if self.renderer is not None:
-            return reply_parser(self.cfg, self.renderer)
-        template = tokenizer.chat_template
-        template = template if isinstance(template, str) else "\n".join(template.values())
-        return ReplyParser(tokenizer, template, self.cfg.reasoning_parser,
-                           self.cfg.tool_call_parser)
-
-    def opened(self, category: str, replies: Any) -> bool:
-        """Whether the category's generation prompt opened a reasoning block (as the
-        producer saw it: a reply cut before its end of reasoning is reasoning)."""
-        if category not in self._opened:
-            opened = False
-            if self.renderer is not None and replies.reasoning is not None:
-                try:
-                    cat = self.cfg.by_name(category)
-                except UnknownCategory:
-                    cat = None
-                from producer.source import template_kwargs
-
-                kwargs = template_kwargs(self.cfg, cat) if cat else self.cfg.chat_template_kwargs
-                opened = self.renderer.opens_reasoning(replies.reasoning.start, kwargs or None)
-            self._opened[category] = opened
-        return self._opened[category]
+    def category(self, name: str) -> Category | None:
+        try:
+            return self.cfg.by_name(name)
+        except UnknownCategory:
+            return None
 
     def _sample(self, row: Result) -> Any:
         from producer.formats import Rejected
@@ -176,13 +162,13 @@ class ConversationSink(JsonlSink):
     conversation still going on is not written (counted as in progress).
     """
 
-    def __init__(self, path: Path, tokenizer: Decoder, messages_for: MessagesFor | None
+    def __init__(self, path: Path, tokenizer: Decoder, source: SourceMessages | None
                  ) -> None:
-        super().__init__(path, lambda r, i: conversation_row(r, i, tokenizer, messages_for))
+        super().__init__(path, lambda r, i: conversation_row(r, i, tokenizer, source))
         self.tokenizer = tokenizer
-        self.messages_for = messages_for
+        self.source = source
         self._turns: dict[str, dict[int, Result]] = {}
-        self._replies: Any = None
+        self.replay = source.replay(tokenizer) if source else Replay(None, tokenizer=tokenizer)
         self.truncated_at: dict[str, int] = {}  # conversation -> its first turn dropped
         self.consistent_only = False
 
@@ -230,36 +216,16 @@ class ConversationSink(JsonlSink):
 
     def _write_conversation(self, conv_id: str, rows: list[Result], complete: bool,
                             stopped: str | None) -> None:
-        conv = None
-        source = getattr(self.messages_for, "conversation", None)
-        if source is not None:
-            conv = source(rows[0])
-        if self._replies is None:
-            replies_of = getattr(self.messages_for, "replies", None)
-            if replies_of is not None:
-                self._replies = replies_of(self.tokenizer)
-            else:
-                from producer.replies import ReplyParser
-
-                template = getattr(self.tokenizer, "chat_template", "") or ""
-                self._replies = ReplyParser(self.tokenizer, str(template))
+        conv: Conversation | None = None
+        cat = None
+        if self.source is not None:
+            conv = self.source.conversation(rows[0])
+            cat = self.source.category(rows[0].category)
+        stop_ids = (rows[0].sampling or {}).get("stop_token_ids") or []
+        messages = self.replay.transcript(conv, [r.output_ids for r in rows],
+                                          rows[0].conversation_id or "", stop_ids,
+                                          self.replay.opened(cat))
         tools = conv.tools if conv is not None else None
-        stop_ids = set((rows[0].sampling or {}).get("stop_token_ids") or [])
-        opened_of = getattr(self.messages_for, "opened", None)
-        opened = opened_of(rows[0].category, self._replies) if opened_of else False
-        outputs = [r.output_ids for r in rows]
-        conv_key = rows[0].conversation_id or ""
-        try:
-            generated = self._replies.messages(outputs, tools, conv_key, stop_ids, opened)
-        except Unparsed as exc:  # the conversation stopped on the turn that does not parse
-            generated = self._replies.messages(outputs[:-1], tools, conv_key, stop_ids, opened)
-            generated.append({"role": "assistant", "content": self._replies.text(
-                outputs[-1], stop_ids), "unparsed": exc.reason})
-        if conv is not None and len(rows) <= conv.turns:
-            messages = [*conv.prompt(generated[:-1], self._replies.result_ids(conv_key)),
-                        generated[-1]]
-        else:
-            messages = generated
         doc = {"id": conv_id, "category": rows[0].category, "complete": complete,
                "stopped": stopped, "turns": len(rows), "turns_total": rows[-1].turns_total,
                "finish_reasons": [r.finish_reason for r in rows],
