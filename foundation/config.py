@@ -39,8 +39,8 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 
-# the source formats producer/formats.py reads, and the multi-turn policies of
-# producer/formats_turns.py
+# the source formats producer/formats/__init__.py reads, and the multi-turn policies of
+# producer/formats/turns.py
 FORMATS = (
     "auto",
     "messages",
@@ -53,7 +53,7 @@ FORMATS = (
     "input_ids",
 )
 TURN_POLICIES = ("first", "last", "all")
-# `field_map` keys producer/formats_turns.py reads (one of the first two is required)
+# `field_map` keys producer/formats/turns.py reads (one of the first two is required)
 FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system", "tools")
 # the roles a `role_map` may map a source role onto
 MAPPED_ROLES = ("system", "developer", "user", "assistant", "tool", "function_call")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from foundation.config import Category, RunConfig
-from producer.formats_conversation import Conversation
+from producer.formats.conversation import Conversation
 from producer.replies import ReplyParser, Unparsed, reply_parser
 from producer.source import template_kwargs
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from producer.formats import Rejected
 from producer.readers import SourceIndex, read_sample
-from producer.readers_scan import UTF8_BOM, WHITESPACE
+from producer.readers.scan import UTF8_BOM, WHITESPACE
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import QWEN, ROOT, write_config

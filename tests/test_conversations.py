@@ -1,5 +1,5 @@
 """Conversations and agent traces as the producer reads them
-(`formats_turns.to_conversation`), how a generated turn becomes the next prompt's assistant
+(`formats.turns.to_conversation`), how a generated turn becomes the next prompt's assistant
 message (`producer.replies`), and the config keys of issue 13 (turns = "all", role_map,
 cap_tokens = "none")."""
 
@@ -14,7 +14,7 @@ from foundation.config import RunConfig
 from foundation.errors import ConfigError
 from foundation.wire import Result
 from producer.formats import Rejected
-from producer.formats_turns import to_conversation, to_prompt
+from producer.formats.turns import to_conversation, to_prompt
 from producer.readers import SourceIndex, read_sample
 from producer.render import Renderer
 from producer.replies import ReplyParser, Unparsed

@@ -20,7 +20,7 @@ from foundation.wire import Result
 from producer.readers import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
-from tokencap.cli_data import export_cmd
+from tokencap.cli.offline import export_cmd
 from tokencap.export import ExportError, export
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"

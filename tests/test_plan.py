@@ -15,7 +15,7 @@ from foundation.wire import Result
 from producer.readers import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
-from tokencap.cli_data import plan_cmd, preview_cmd
+from tokencap.cli.offline import plan_cmd, preview_cmd
 from tokencap.plan import PROMPT_SAMPLE_SIZE, Measured, plan, preview, totals
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"

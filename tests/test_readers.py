@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundation.errors import SourceError
-from producer import readers, readers_scan
+from producer import readers
 from producer.formats import FORMATS, Rejected, detect_format
-from producer.formats_turns import to_prompt
+from producer.formats.turns import to_prompt
 from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
+from producer.readers import scan as readers_scan
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 DATASETS = FIXTURES / "datasets"
@@ -308,7 +309,7 @@ def test_jsonl_and_json_array_index_to_the_same_records(
             assert len({sample_id(b, i) for i in range(len(b))}) == len(records)
 
 
-# --- formats_turns.to_prompt on records built in place ---
+# --- formats.turns.to_prompt on records built in place ---
 
 
 def test_single_turn_formats() -> None:

@@ -117,7 +117,7 @@ def test_rows_name_the_manifest_of_what_made_them(tmp_path, redis_url) -> None:
 def test_audit_reads_regenerated_conversations_as_specforge_writes_them(tmp_path) -> None:
     from click.testing import CliRunner
 
-    from tokencap.cli_data import audit_cmd
+    from tokencap.cli.offline import audit_cmd
 
     def call(name: str) -> dict:
         return {"id": "c", "type": "function",

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from producer.formats_turns import to_conversation
+from producer.formats.turns import to_conversation
 from producer.render import Renderer
 from producer.replies import reply_parser
 from sglang_sim.config import LengthDist

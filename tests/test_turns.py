@@ -29,7 +29,7 @@ from sglang_sim.testing import SimServer
 from testing.harness import RedisServer, started
 from tests.conftest import DATASETS, QWEN, write_config
 from tokencap.export import export
-from tokencap.export_conversations import SourceMessages
+from tokencap.export.conversations import SourceMessages
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ The same code the run uses, on rows made by this version, an earlier one, or ano
   calls (structured `tool_calls`, or parsed from its text with the family's tool-call
   parser) against the tool results after it: a result whose `name` is another function's
   (`tool_mismatch`), fewer results or more than calls (`tool_divergence`), a result that
-  answers no call (`orphan_tool_result`, `producer.formats_turns`'s check).
+  answers no call (`orphan_tool_result`, `producer.formats.turns`'s check).
 
 Counts per reason, and the first examples of each (id and file:line).
 """
@@ -33,7 +33,7 @@ from foundation.gate import GateReason, check
 from foundation.outputs import PART_GLOB, REJECTED_FILE
 from foundation.wire import Result
 from producer.formats import Rejected
-from producer.formats_turns import to_conversation
+from producer.formats.turns import to_conversation
 from producer.replies import ReplyParser, Unparsed
 
 EXAMPLES = 3  # examples shown per reason

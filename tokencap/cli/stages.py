@@ -14,7 +14,7 @@ import click
 
 from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.errors import SIGNALLED, TokencapError
-from tokencap.cli_common import (
+from tokencap.cli.find_run import (
     PREFIX_OPT,
     REDIS_OPT,
     RUN_OPT,

@@ -1,7 +1,7 @@
 """From one dataset record to its prompt (`to_prompt`) or its `Conversation`
 (`to_conversation`): the record's turns read in its format (or its `field_map`), kept by the
 turn policy ("first", "last", "all") and made chat messages. The formats and the checks of
-each field are `producer/formats.py`."""
+each field are `producer/formats/__init__.py`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from producer.formats import (
     turn_message,
     typed_field,
 )
-from producer.formats_conversation import Conversation
+from producer.formats.conversation import Conversation
 
 __all__ = ["to_conversation", "to_prompt"]
 

@@ -13,7 +13,7 @@ import click
 
 from budget_service.lease import producer_lease
 from foundation.errors import UnknownCategory
-from tokencap.cli_common import (
+from tokencap.cli.find_run import (
     PREFIX_OPT,
     REDIS_OPT,
     RUN_OPT,

@@ -1,9 +1,9 @@
 """The `tokencap` command: wiring only. Every option has an environment twin.
 
 Here: the group and the commands of the stack (`up`, `down`, `add-workers`, `token`, `sim`);
-the stages' commands are `tokencap.cli_stages`, those that look at or steer a run
-`tokencap.cli_ops`, the data commands `tokencap.cli_data`; the options they share
-`tokencap.cli_common`.
+the stages' commands are `tokencap.cli.stages`, those that look at or steer a run
+`tokencap.cli.ops`, the data commands `tokencap.cli.offline`; the options they share
+`tokencap.cli.find_run`.
 
 Exit codes: `foundation.errors.exit_codes()`, shown at the foot of `tokencap --help`.
 """
@@ -20,7 +20,7 @@ import click
 from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.errors import SIGNALLED, TokencapError, exit_codes_text
 from tokencap import logs
-from tokencap.cli_common import STATE_OPT
+from tokencap.cli.find_run import STATE_OPT
 
 
 def _fail(exc: TokencapError) -> None:
@@ -148,9 +148,9 @@ def token(state_dir: str) -> None:
 
 
 def _register_commands() -> None:
-    from tokencap.cli_data import audit_cmd, export_cmd, plan_cmd, preview_cmd
-    from tokencap.cli_ops import cap, report, retry, status
-    from tokencap.cli_stages import run, serve, worker, writer
+    from tokencap.cli.offline import audit_cmd, export_cmd, plan_cmd, preview_cmd
+    from tokencap.cli.ops import cap, report, retry, status
+    from tokencap.cli.stages import run, serve, worker, writer
 
     for cmd in (run, worker, writer, status, serve, cap, report, retry,
                 export_cmd, plan_cmd, preview_cmd, audit_cmd):
@@ -158,6 +158,3 @@ def _register_commands() -> None:
 
 
 _register_commands()
-
-if __name__ == "__main__":
-    main()

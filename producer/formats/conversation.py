@@ -1,5 +1,5 @@
 """`Conversation`: a dataset record normalised for the chat template (`to_conversation` in
-`producer/formats_turns.py` makes it), and the prompt of each of its turns with the model's
+`producer/formats/turns.py` makes it), and the prompt of each of its turns with the model's
 earlier turns in place of the source's."""
 
 from __future__ import annotations

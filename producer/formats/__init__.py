@@ -1,7 +1,7 @@
 """Normalise one dataset record into a chat prompt (or a pre-tokenized prompt): the formats,
 `Rejected`, and the checks of a record's fields and turns. `to_prompt` and `to_conversation`
-(the turn policies) are `producer/formats_turns.py`; `Conversation` (a record normalised, and
-the prompt of each of its turns) is `producer/formats_conversation.py`.
+(the turn policies) are `producer/formats/turns.py`; `Conversation` (a record normalised, and
+the prompt of each of its turns) is `producer/formats/conversation.py`.
 
 A record is one decoded JSON object (or Parquet row). `to_prompt` turns it into the
 messages a chat template renders, ending with the user turn the model must answer:

@@ -1,4 +1,4 @@
-"""The build pass of a `SourceIndex` (`producer/readers.py`): one streaming scan of each file
+"""The build pass of a `SourceIndex` (`producer/readers/`): one streaming scan of each file
 that keeps where its records lie (byte ranges and start lines of JSON and JSONL records in
 `array('q')`s, the row-group layout of Parquet), after decompressing a ``.gz`` or ``.zst``
 file once into the source cache (`source_cache`)."""

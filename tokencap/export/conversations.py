@@ -18,14 +18,14 @@ from foundation.outputs import (
 )
 from foundation.wire import Outcome, Result
 from producer.replay import Replay
-from tokencap.export_sinks import (
+from tokencap.export.sinks import (
     CategoryStats,
     JsonlSink,
 )
 
 if TYPE_CHECKING:
     from foundation.config import Category, RunConfig
-    from producer.formats_conversation import Conversation
+    from producer.formats.conversation import Conversation
     from producer.render import Renderer
     from producer.source import CategorySource
 

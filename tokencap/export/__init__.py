@@ -59,12 +59,12 @@ from foundation.outputs import (
     read_results,
 )
 from producer.manifest import manifest_path
-from tokencap.export_conversations import (
+from tokencap.export.conversations import (
     ConversationSink,
     Decoder,
     SourceMessages,
 )
-from tokencap.export_sinks import (
+from tokencap.export.sinks import (
     TRUNCATED,
     CategoryStats,
     JsonlSink,

@@ -12,7 +12,7 @@ a JSON array when its first non-space byte is ``[`` and JSONL when it is ``{``;
 streaming, into the source cache (`source_cache`; reused while the file is unchanged) and
 indexed there; its records keep the compressed file's name in `where` and ids. An index is
 not thread-safe: give each thread its own. The build pass (the scan of each file, the
-decompression) is `producer/readers_scan.py`.
+decompression) is `producer/readers/scan.py`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import IO, Any, NamedTuple, Self
 from foundation.errors import SourceError
 from foundation.sources import logical_stem
 from producer.formats import Rejected
-from producer.formats_conversation import Conversation
-from producer.formats_turns import to_conversation
-from producer.readers_scan import Segment, index_file
+from producer.formats.conversation import Conversation
+from producer.formats.turns import to_conversation
+from producer.readers.scan import Segment, index_file
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def read_sample(
     field_map: dict[str, str] | None = None,
     role_map: dict[str, str] | None = None,
 ) -> Sample:
-    """Read record `i` and normalise it with `formats_turns.to_conversation`.
+    """Read record `i` and normalise it with `formats.turns.to_conversation`.
 
     Raises `Rejected` with `where` and `sample_id` filled in. `source_id` is the record's
     own ``id`` field as a string (None when absent or not a string or integer).

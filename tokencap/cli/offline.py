@@ -138,7 +138,7 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
     a temporary name and renames it into place only when the whole export succeeded.
     """
     from tokencap.export import export
-    from tokencap.export_conversations import SourceMessages
+    from tokencap.export.conversations import SourceMessages
 
     cfg = _load(config_path) if config_path else None
     out = out_dir or (cfg.output_dir if cfg else None)
