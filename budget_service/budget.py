@@ -1,7 +1,9 @@
-"""`Budget`: one run's ledger in all its roles, for code that plays several (the CLI, tests).
+"""`Budget`: one run's ledger in all its roles, for code that plays several: the producer (it
+feeds, reads the states and the event log, and rebuilds the run after a Redis restart), the
+launcher, the CLI and tests.
 
-A process that plays one role holds that role's ledger (`budget_service.ledger` lists them):
-the producer `FeedingLedger`, a worker `SampleLedger`, the writer `WritingLedger`. The shared
+A worker holds only its role's ledger (`SampleLedger`), the writer only its own
+(`WritingLedger`); `budget_service.ledger` lists the roles. The shared
 reads (`Ledger`) are on `Budget` itself; the rest is reached by role: `budget.feeding.feed`,
 `budget.samples.admit`, `budget.writing.acknowledge`, `budget.operating.set_cap`,
 `budget.telemetry.status`.

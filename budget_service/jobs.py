@@ -137,7 +137,9 @@ def refusal(job: Job) -> str | None:
         cause = exc.__cause__ or exc.__context__ or exc
         return f"payload refused: {cause}"
     if name != JOB_FUNC:
-        return f"function {name!r} is not a tokencap job"
+        return (f"function {name!r} is not a tokencap job (this version runs {JOB_FUNC!r}; "
+                "a job of another version's path is dropped, and its sample sent again when "
+                "its lease runs out)")
     if kwargs or len(args) != 1:
         return "arguments: a tokencap job takes one JobRef and no keyword arguments"
     try:

@@ -147,7 +147,7 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     """Send dead-lettered samples again, e.g. after an engine outage: each stops being dead
     (counted once whatever happens next) and waits for the producer, which feeds it again;
     with no producer running, `tokencap up CONFIG` (or `run`) again finishes them. Their
-    lines in dead-letter.jsonl stay, as history. Conversation turns are not sent again (a
+    lines in failed.jsonl stay, as history. Conversation turns are not sent again (a
     turn needs the turns before it)."""
     budget = open_budget(redis_url, prefix, run_name)
     known = list(budget.telemetry.status()["categories"])

@@ -142,7 +142,9 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
            supervise: bool) -> None:
     """Write committed results to <out>/<category>/part-*.jsonl (fsync, then ack).
 
-    Also writes rejected and dead-lettered samples to <out>/<category>/dead-letter.jsonl.
+    Also writes the replies the reply gate kept out to rejected-replies.jsonl, samples never
+    generated (bad input, engine failures) to failed.jsonl, and conversations' turns held
+    back by a cap or stopped by policy to stopped.jsonl, beside them.
     One writer per run: a second one waits for the run's writer lease (lock_ttl_s x 1.5),
     then exits 8 naming the holder. A full disk is reported and retried; the run's
     admission pauses meanwhile (max_unwritten).
