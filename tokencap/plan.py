@@ -9,7 +9,7 @@ hand. Per category, with ``cap`` its cap and ``avail`` the records in its source
 - ``samples = min(ceil(cap / avg), avail)``; ``limited_by`` is "prompts" when the source
   runs out first, else "cap". An uncapped category (``cap_tokens = "none"``) takes every
   prompt: ``samples = avail``. With ``turns = "all"`` a record asks for one generation per
-  turn: ``plan --check`` counts the turns of the usable records (`check_sources`), plain
+  turn: ``plan --check`` counts the turns of the usable records (`survey` with `check`), plain
   ``plan`` counts records.
 - ``total_tokens = cap`` when limited by the cap (overshoot ignored), else
   ``samples * avg``: that is ``min(cap, avail * avg)`` up to rounding.
@@ -25,7 +25,7 @@ prompts the category stops at 3,000 samples and 7,500,000 tokens, 2.08 h at 1,00
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -37,9 +37,10 @@ from foundation.outputs import BadLine, category_dir, read_results
 
 if TYPE_CHECKING:
     from producer.render import Renderer
+    from producer.source import CategorySource
 
 PROMPT_SAMPLE_SIZE = 64  # prompts rendered to estimate mean prompt tokens
-CHECK_PROGRESS_EVERY = 5000  # records between progress lines of `check_sources`
+CHECK_PROGRESS_EVERY = 5000  # records between progress lines of `survey`
 CHECK_EXAMPLES = 3  # rejects shown per reason, with file:line
 PREVIEW_SCAN_LIMIT = 1000  # records tried per category before preview gives up
 SECONDS_PER_HOUR = 3600
@@ -56,7 +57,7 @@ class Measured(NamedTuple):
 
 
 class SourceCheck(msgspec.Struct):
-    """A category's sources read and rendered as the producer does (`check_sources`):
+    """A category's sources read and rendered as the producer does (`survey` with `check`):
     `records` in the files, `usable` ones, the `generations` these ask for (their turns with
     ``turns = "all"``, else one each) and the rejected ones by reason."""
 
@@ -177,84 +178,94 @@ def measure(out_dir: Path, categories: list[str]) -> dict[str, Measured]:
     return found
 
 
-def count_available(cfg: RunConfig) -> dict[str, int]:
-    """Records in each category's sources (rejected records included)."""
-    from producer.source import CategorySource
+class Survey(NamedTuple):
+    """What `survey` found in one category's sources."""
 
-    counts = {}
-    for cat in cfg.category:
-        with CategorySource.open(cfg, cat) as source:
-            counts[cat.name] = len(source)
-    return counts
+    records: int  # records in the files (rejected ones included)
+    checked: SourceCheck | None  # every record read, rendered and checked (`check`)
+    prompt_tokens: float | None  # mean prompt tokens, when asked for (`prompt_tokens_of`)
 
 
-def check_sources(cfg: RunConfig, renderer: Renderer | None,
-                  on_progress: Callable[[str, int, int], None] | None = None
-                  ) -> dict[str, SourceCheck]:
-    """Read, render and check every record of every category as the producer does
-    (`CategorySource.prompt`: the first prompt of a conversation, every fit check, with
-    `context_length` as the engine's context) and count the usable ones, the generations
-    they ask for, and the rejects by reason. `on_progress(category, done, total)` is called
-    now and then."""
-    from producer.formats import Rejected
+def survey(cfg: RunConfig, renderer: Renderer | None, check: bool = False,
+           prompt_tokens_of: Collection[str] = (),
+           on_progress: Callable[[str, int, int], None] | None = None,
+           sample_size: int = PROMPT_SAMPLE_SIZE) -> dict[str, Survey]:
+    """Each category's sources, opened once: how many records they hold; with `check`, every
+    record read, rendered and checked as the producer does (`CategorySource.prompt`: the
+    first prompt of a conversation, every fit check, with `context_length` as the engine's
+    context), the usable ones counted with the generations they ask for and the rejects by
+    reason; for the categories in `prompt_tokens_of`, the mean prompt tokens as the producer
+    renders them (with `check`: over every usable record; else over the first `sample_size`
+    prompts of the shuffled order; 0.0 when none renders). `on_progress(category, done,
+    total)` is called now and then while checking."""
     from producer.source import CategorySource
 
     out = {}
     for cat in cfg.category:
-        rejected: dict[str, int] = {}
-        examples: dict[str, list[str]] = {}
-        usable = generations = 0
+        mean = cat.name in prompt_tokens_of
         with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
-            for i in range(len(source)):
-                try:
-                    s = source.read(i)
-                    source.prompt(s)
-                except Rejected as exc:
-                    rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
-                    shown = examples.setdefault(exc.reason, [])
-                    if len(shown) < CHECK_EXAMPLES:
-                        shown.append(f"{exc.where or source.where(i)}: {exc}")
-                    continue
-                usable += 1
-                generations += s.conversation.turns if s.conversation else 1
-                if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
-                    on_progress(cat.name, i + 1, len(source))
-            out[cat.name] = SourceCheck(len(source), usable, generations,
-                                        dict(sorted(rejected.items())), examples)
+            checked = lengths = None
+            if check:
+                checked, lengths = _check(source, on_progress)
+            elif mean:
+                lengths = [len(item[2]) for item in _shuffled_prompts(source, renderer,
+                                                                      sample_size)
+                           if len(item) == 3]
+            tokens = (sum(lengths) / len(lengths) if lengths else 0.0) if mean else None
+            out[cat.name] = Survey(len(source), checked, tokens)
     return out
 
 
-def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, want: int):
-    """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
-    stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
+def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] | None
+           ) -> tuple[SourceCheck, list[int]]:
+    """Every record of `source` read, rendered and checked; the check and the usable
+    records' prompt lengths."""
     from producer.formats import Rejected
+
+    name = source.cat.name
+    rejected: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    lengths: list[int] = []
+    generations = 0
+    for i in range(len(source)):
+        try:
+            s = source.read(i)
+            prompt = source.prompt(s)
+        except Rejected as exc:
+            rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
+            shown = examples.setdefault(exc.reason, [])
+            if len(shown) < CHECK_EXAMPLES:
+                shown.append(f"{exc.where or source.where(i)}: {exc}")
+            continue
+        lengths.append(len(prompt.ids))
+        generations += s.conversation.turns if s.conversation else 1
+        if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
+            on_progress(name, i + 1, len(source))
+    return SourceCheck(len(source), len(lengths), generations,
+                       dict(sorted(rejected.items())), examples), lengths
+
+
+def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, want: int):
+    """`_shuffled_prompts` of the category's sources, opened for it."""
     from producer.source import CategorySource
 
     with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
-        for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT):
-            if isinstance(prompt, Rejected):
-                yield (first, prompt)
-                continue
-            text = prompt.text
-            if text is None and renderer is not None:
-                text = renderer.decode(prompt.ids)
-            yield (first, text, prompt.ids)
+        yield from _shuffled_prompts(source, renderer, want)
 
 
-def estimate_prompt_tokens(
-    cfg: RunConfig, renderer: Renderer | None, categories: list[str] | None = None,
-    sample_size: int = PROMPT_SAMPLE_SIZE,
-) -> dict[str, float]:
-    """Mean prompt tokens of the first `sample_size` prompts of each category's shuffled
-    order, rendered as the producer renders them (0.0 when none renders)."""
-    means = {}
-    for cat in cfg.category:
-        if categories is not None and cat.name not in categories:
+def _shuffled_prompts(source: CategorySource, renderer: Renderer | None, want: int):
+    """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
+    stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
+    from producer.formats import Rejected
+
+    for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT):
+        if isinstance(prompt, Rejected):
+            yield (first, prompt)
             continue
-        lengths = [len(item[2]) for item in _first_prompts(cfg, cat, renderer, sample_size)
-                   if len(item) == 3]
-        means[cat.name] = sum(lengths) / len(lengths) if lengths else 0.0
-    return means
+        text = prompt.text
+        if text is None and renderer is not None:
+            text = renderer.decode(prompt.ids)
+        yield (first, text, prompt.ids)
 
 
 class Preview(msgspec.Struct):

@@ -239,34 +239,23 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     Prompts are the records in the sources, or with --check the generations the usable
     records ask for.
     """
-    from tokencap.plan import (
-        check_sources,
-        count_available,
-        estimate_prompt_tokens,
-        measure,
-        plan,
-        totals,
-    )
+    from tokencap.plan import measure, plan, survey, totals
 
     cfg = _load(config)
     names = [c.name for c in cfg.category]
     measured = measure(Path(cfg.output_dir), names)
     chat = any(c.format != "input_ids" for c in cfg.category)
-    renderer = None
-    checked = None
-    if check:
-        renderer = _config_renderer(cfg) if chat else None
-        checked = check_sources(cfg, renderer, lambda name, done, n: click.echo(
-            f"{name}: checked {done:,} of {n:,} records", err=True))
-        available = {name: c.generations for name, c in checked.items()}
-    else:
-        available = count_available(cfg)
-    prompt_tokens = None
-    unmeasured = [n for n in names if n not in measured]
-    if cfg.count == "total" and unmeasured:
-        if renderer is None and any(cfg.by_name(n).format != "input_ids" for n in unmeasured):
-            renderer = _config_renderer(cfg)
-        prompt_tokens = estimate_prompt_tokens(cfg, renderer, unmeasured)
+    # prompt lengths matter where the prompt counts and nothing was measured yet
+    estimate = [n for n in names if n not in measured] if cfg.count == "total" else []
+    renders = check or any(cfg.by_name(n).format != "input_ids" for n in estimate)
+    renderer = _config_renderer(cfg) if chat and renders else None
+    found = survey(cfg, renderer, check, estimate, lambda name, done, n: click.echo(
+        f"{name}: checked {done:,} of {n:,} records", err=True))  # each source opened once
+    checked = {n: s.checked for n, s in found.items() if s.checked is not None} or None
+    available = {n: s.checked.generations if s.checked else s.records
+                 for n, s in found.items()}
+    prompt_tokens = {n: s.prompt_tokens for n, s in found.items()
+                     if s.prompt_tokens is not None} or None
     rows = plan(cfg, measured, available, tok_s, prompt_tokens)
     if checked is not None:
         rows = [msgspec.structs.replace(r, checked=checked[r.category]) for r in rows]
