@@ -8,8 +8,9 @@ every change one Lua call (`budget_service/lua/`):
 - `budget_service.operating.OperatorLedger`: operators (CLI, HTTP);
 - `budget_service.telemetry.TelemetryLedger`: status, `/metrics`, the live page.
 `budget_service.budget.Budget` holds all five for code that plays several roles (the
-producer, the launcher, the CLI, tests); workers and the writer hold their role's alone. Each role reads what every role may read (`Ledger`: the typed category states, the
-state hash, the length histogram, a sample's entry). The ledger's value encodings are
+producer, the launcher, the CLI, tests); workers and the writer hold their role's alone.
+Each role reads what every role may read (`Ledger`: the typed category states, the state
+hash, the length histogram, a sample's entry). The ledger's value encodings are
 `budget_service.codec`.
 """
 

@@ -1,6 +1,6 @@
 """The foundation: what every layer above shares, importing nothing of the project.
 
-Layers, from the ground up (tests/test_layers.py holds them):
+Layers, from the ground up (tests/docs/test_layers.py holds them):
 
 - **foundation** (this package): the run config, wire structs, errors with exit codes, the
   Redis connection, the output-file layout and its reader, the Redis backoff, what tokencap

@@ -31,7 +31,7 @@ os.environ["TOKENCAP_STATE_DIR"] = tempfile.mkdtemp(prefix="tokencap-no-stack-")
 # Compressed sources are decompressed into a cache: a private one, not the user's.
 os.environ["TOKENCAP_SOURCE_CACHE"] = tempfile.mkdtemp(prefix="tokencap-source-cache-")
 # A budget service a test starts (`tokencap up`, `tokencap serve`) takes any free port, never
-# 8321, where a stack `make up` started may be serving (tests/test_isolation.py).
+# 8321, where a stack `make up` started may be serving (tests/pipeline/test_isolation.py).
 os.environ["BUDGET_PORT"] = "0"
 os.environ["TOKENCAP_PORT"] = "0"
 # The Hugging Face cache (hub snapshots, the modules of trust_remote_code tokenizers): a
@@ -70,7 +70,7 @@ def redis_url(redis_server: RedisServer, redis: Redis) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that start a stack (`starts_stack`) run inside tests/test_isolation.py,
+    """The tests that start a stack (`starts_stack`) run inside tests/pipeline/test_isolation.py,
     beside a stack on the default port, when it is part of the session: not twice. The tests
     of a real engine (`real_engine`) run only when there is one (`make test-engine`, or
     TOKENCAP_ENGINE_URL)."""

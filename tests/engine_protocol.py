@@ -1,7 +1,7 @@
 """What an OpenAI-compatible engine (vLLM) answers to the requests tokencap sends, as facts
 a test can compare: the same checks run against the simulator's vLLM mode
-(tests/test_engine_protocol.py, in `make test`) and against vLLM itself
-(tests/test_real_engine.py, in `make test-engine`), and must give the facts `EXPECTED`
+(tests/unit/sglang_sim/test_protocol.py, in `make test`) and against vLLM itself
+(tests/pipeline/test_real_engine.py, in `make test-engine`), and must give the facts `EXPECTED`
 (read from vLLM 0.32.0's CPU build, docs/ENGINES.md).
 """
 

@@ -6,7 +6,7 @@ tokenizer.json is built from (a few MB each, where a tokenizer.json is 10-28 MB)
 `tokenizer.json` is built from one with transformers' `TikTokenConverter`, the family's
 pre-tokenizer pattern and its special tokens at their ids, then saved beside the family's
 own configs and chat template. gpt-oss's and Llama 3.1's come out byte-identical to the
-published files (`UPSTREAM_SHA256`, checked in tests/test_families.py); Kimi-K2.5's encode
+published files (`UPSTREAM_SHA256`, checked in tests/pipeline/test_families.py); Kimi-K2.5's encode
 as the model's own tokenizer does (`kimi-k2.5/reference_encodings.json`).
 
 `folder(name, dest)` makes one; `kimi_with_code(dest)` the Kimi folder as a user has it,

@@ -1,5 +1,5 @@
-"""A callback a forged job may name (tests/test_worker_security.py): when anything calls it,
-it leaves the file named by TOKENCAP_TEST_MARKER, so a test sees that it ran."""
+"""A callback a forged job may name (tests/unit/budget_service/test_jobs.py): when anything
+calls it, it leaves the file named by TOKENCAP_TEST_MARKER, so a test sees that it ran."""
 
 from __future__ import annotations
 

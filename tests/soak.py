@@ -26,8 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SELECTION = [
     "tests/faults",
-    "tests/test_feeder.py::test_feeds_redis_lost_are_fed_again",
-    "tests/test_ops.py::test_adaptive_concurrency_keeps_the_engine_queue_short",
+    "tests/unit/producer/test_feeder.py::test_feeds_redis_lost_are_fed_again",
+    "tests/pipeline/test_ops.py::test_adaptive_concurrency_keeps_the_engine_queue_short",
 ]
 
 

@@ -16,17 +16,16 @@ import shlex
 import shutil
 import subprocess
 import tomllib
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import ROOT
 from tokencap.cli import main
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"

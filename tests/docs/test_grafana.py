@@ -14,7 +14,7 @@ from budget_service.keys import Keys
 from budget_service.telemetry import CATEGORY_GAUGES, render_metrics
 from sglang_sim.testing import SimServer
 from tests.conftest import ROOT
-from tests.test_lua import make_cfg
+from tests.helpers import make_cfg
 
 DASHBOARD = ROOT / "docker" / "grafana" / "tokencap.json"
 DS_UID = "${DS_PROMETHEUS}"

@@ -98,20 +98,19 @@ def test_a_worker_process_refuses_forged_jobs_whole(redis, redis_url, tmp_path) 
     """Jobs for the allowed function with a foreign callback, a retry or a webhook, and one
     naming os.system, on a real run's queue, and a real `tokencap worker --burst` process:
     nothing is called (a marker file), nothing posted (a local HTTP listener), each job is
-    refused once and deleted (tests/test_worker_security.py has the same for each field,
+    refused once and deleted (tests/unit/budget_service/test_jobs.py has the same for each field,
     in-process)."""
     import os
 
     from budget_service.budget import Budget
     from budget_service.keys import Keys
-    from tests.test_lua import make_cfg
-    from tests.test_worker_security import _Listener, producers_job
+    from tests.helpers import Listener, make_cfg, producers_job
 
     keys = Keys("tokencap", "t")
     Budget(redis, keys).feeding.init_run(make_cfg())
     q = Queue(keys.queue_name("code"), connection=redis, serializer=MsgspecSerializer)
     marker = tmp_path / "called"
-    listener = _Listener()
+    listener = Listener()
     try:
         forged = [
             producers_job(q, on_success=Callback("tests.hooks.mark")),

@@ -21,7 +21,7 @@ from budget_service.keys import Keys
 from foundation.config import DEFAULT_BUDGET_PORT
 from tests.conftest import ROOT
 from tests.faults.common import FAULT_KNOBS
-from tests.test_stack import STACK_VARS
+from tests.helpers import STACK_VARS
 from tokencap import processes
 
 pytestmark = pytest.mark.slow

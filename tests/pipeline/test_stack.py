@@ -15,11 +15,9 @@ import requests
 
 from testing.harness import free_port
 from tests.faults.common import FAULT_KNOBS
+from tests.helpers import STACK_VARS
 
 pytestmark = pytest.mark.starts_stack
-
-STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKENCAP_PREFIX",
-              "TOKENCAP_TOKEN", "TOKENCAP_STATE_DIR", "BUDGET_PORT")
 
 
 def _shell(**extra: str) -> dict[str, str]:

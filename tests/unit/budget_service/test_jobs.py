@@ -8,8 +8,6 @@ listener records any webhook request.
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import msgspec
@@ -27,10 +25,9 @@ from budget_service.jobs import (
 )
 from budget_service.keys import Keys
 from consumers.worker import make_worker, run_worker
-from foundation.wire import JobRef
+from tests.helpers import FORGED_REF, Listener, producers_job
 
 KEYS = Keys("tokencap", "sec")
-REF = msgspec.to_builtins(JobRef(run="sec", category="q", sample_id="s:1"))
 
 
 def test_the_allowed_job_function_is_consumers_job_process() -> None:
@@ -42,12 +39,6 @@ def test_the_allowed_job_function_is_consumers_job_process() -> None:
 
 def queue(redis) -> Queue:
     return Queue(KEYS.queue_name("q"), connection=redis, serializer=MsgspecSerializer)
-
-
-def producers_job(q: Queue, **extra: object) -> Job:
-    """A job as the producer enqueues it (producer/feeder.py), plus `extra` enqueue options."""
-    return q.enqueue(JOB_FUNC, REF, result_ttl=JOB_RESULT_TTL_S, failure_ttl=JOB_FAILURE_TTL_S,
-                     **extra)
 
 
 def refused(redis) -> list[dict]:
@@ -108,45 +99,19 @@ def test_the_allowed_function_with_a_foreign_hook_is_refused_whole(redis, tmp_pa
 def test_a_dependency_or_foreign_ttls_are_refused(redis) -> None:
     q = queue(redis)
     first = producers_job(q)
-    dependent = q.enqueue(JOB_FUNC, REF, job_id="dep", depends_on=first,
+    dependent = q.enqueue(JOB_FUNC, FORGED_REF, job_id="dep", depends_on=first,
                           result_ttl=JOB_RESULT_TTL_S, failure_ttl=JOB_FAILURE_TTL_S)
     assert "dependencies" in (refusal(dependent) or "")
-    kept = q.enqueue(JOB_FUNC, REF, job_id="ttl", result_ttl=-1, failure_ttl=JOB_FAILURE_TTL_S)
+    kept = q.enqueue(JOB_FUNC, FORGED_REF, job_id="ttl", result_ttl=-1,
+                     failure_ttl=JOB_FAILURE_TTL_S)
     assert "TTL" in (refusal(kept) or "")
-    extra = q.enqueue(JOB_FUNC, REF, "more", job_id="args", result_ttl=JOB_RESULT_TTL_S,
+    extra = q.enqueue(JOB_FUNC, FORGED_REF, "more", job_id="args", result_ttl=JOB_RESULT_TTL_S,
                       failure_ttl=JOB_FAILURE_TTL_S)
     assert "arguments" in (refusal(extra) or "")
 
 
-class _Listener:
-    """A local HTTP server that records every request (a webhook target)."""
-
-    def __init__(self) -> None:
-        self.requests: list[str] = []
-        hits = self.requests
-
-        class Handler(BaseHTTPRequestHandler):
-            def _hit(self) -> None:
-                hits.append(f"{self.command} {self.path}")
-                self.send_response(200)
-                self.end_headers()
-
-            do_GET = do_POST = _hit  # noqa: N815
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_a_refused_job_posts_no_webhook(redis, tmp_path: Path) -> None:
-    listener = _Listener()
+    listener = Listener()
     try:
         q = queue(redis)
         hooks = [Webhook(listener.url, "failed", method="POST"),

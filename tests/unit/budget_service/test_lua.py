@@ -18,20 +18,10 @@ from budget_service.budget import Budget
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.ledger import now_ms, prompt_digest
 from budget_service.scripts import CATEGORY_SCRIPTS, LUA_DIR, OTHER_SCRIPTS
-from foundation.config import Category, RunConfig, SamplingParams
 from foundation.engine_info import EngineInfo
 from foundation.errors import RunMismatch
 from foundation.wire import DeadLetter, Pending, Result, encode
-
-LEASE_MS = 30_000
-
-
-def make_cfg(cap: int = 1000, cats: tuple[str, ...] = ("code",)) -> RunConfig:
-    return RunConfig(
-        run="t", output_dir="/tmp/unused", cap_tokens=cap,
-        category=[Category(name=c, sampling=SamplingParams(max_new_tokens=64), sources=["x"])
-                  for c in cats],
-    )
+from tests.helpers import LEASE_MS, feed, make_cfg, pending, result
 
 
 @pytest.fixture
@@ -39,27 +29,6 @@ def budget(redis) -> Budget:
     b = Budget(redis, Keys("tokencap", "t"))
     b.feeding.init_run(make_cfg())
     return b
-
-
-def pending(sid: str, prompt: tuple[int, ...] = (1, 2, 3)) -> Pending:
-    return Pending(sample_id=sid, ordinal=0, prompt_ids=list(prompt),
-                   sampling={"max_new_tokens": 64})
-
-
-def result(sid: str, n: int, finish: str = "stop") -> Result:
-    return Result(id=sid, category="code", prompt_ids=[1, 2, 3], output_ids=list(range(n)),
-                  prompt_tokens=3, completion_tokens=n, finish_reason=finish, text="x",
-                  sampling={}, counted_tokens=n)
-
-
-def feed(budget: Budget, sid: str, prompt: tuple[int, ...] | None = None,
-         category: str = "code") -> int:
-    """Feed one sample at the current cursor; 1 if it was recorded now."""
-    at = budget.feeding.cursor(category)
-    ids = budget.feeding.feed(category, at, at + 1, now_ms() + LEASE_MS,
-                      [pending(sid, prompt or (1, 2, 3, len(sid), *map(ord, sid)))], [])
-    assert ids is not None
-    return len(ids)
 
 
 def ck(budget: Budget, category: str = "code") -> CategoryKeys:

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from foundation.config import load_config
+from foundation.config import RunConfig, load_config
 from foundation.errors import ConfigError
-from tests.conftest import DATASETS, QWEN
+from tests.conftest import DATASETS, QWEN, write_config
 
 SRC = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 
@@ -113,3 +113,32 @@ def test_heartbeat_is_at_most_a_third_of_the_lease(lease_s, heartbeat_s, beat) -
                     category=[Category(name="a", sources=["x"],
                                        sampling=SamplingParams(max_new_tokens=1))])
     assert RunContext(None, cfg, ["http://127.0.0.1:1"]).beat_s == pytest.approx(beat)
+
+
+def test_config_keys_of_conversations(tmp_path) -> None:
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"question": "q"}\n')
+
+    def config(body: str) -> RunConfig:
+        return write_config(tmp_path, f"""
+run = "r"
+output_dir = "out"
+tokenizer = "{QWEN}"
+cap_tokens = "none"
+[[category]]
+name = "c"
+source = "{src}"
+sampling = {{ max_new_tokens = 8 }}
+{body}
+""")
+
+    cfg = config('turns = "all"\nrole_map = { bot = "assistant" }')
+    cat = cfg.category[0]
+    assert (cat.turns, cat.role_map, cfg.cap_for(cat)) == ("all", {"bot": "assistant"}, None)
+    assert cfg.cap_for(config("cap_tokens = 500").category[0]) == 500
+    with pytest.raises(ConfigError, match=r"role_map.*'robot'"):
+        config('role_map = { bot = "robot" }')
+    with pytest.raises(ConfigError, match="turns"):
+        config('turns = "all"\nformat = "input_ids"')
+    with pytest.raises(ConfigError, match="cap_tokens"):
+        config('cap_tokens = "lots"')

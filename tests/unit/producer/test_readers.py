@@ -17,9 +17,7 @@ from producer.formats import FORMATS, Rejected, detect_format
 from producer.formats.turns import to_prompt
 from producer.readers import SourceIndex, read_sample, sample_id, shuffled_order
 from producer.readers import scan as readers_scan
-
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-DATASETS = FIXTURES / "datasets"
+from tests.conftest import DATASETS
 
 # (file, records, detected format)
 FIXTURE_FILES = [

@@ -13,13 +13,11 @@ from foundation.errors import TokencapError
 from producer.formats import Rejected
 from producer.readers import SourceIndex, read_sample
 from producer.render import Renderer, TokenizerError
+from tests.conftest import DATASETS, FIXTURES, QWEN
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when transformers is first imported
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
 PHI3 = FIXTURES / "tokenizers" / "phi-3-mini"
-DATASETS = FIXTURES / "datasets"
 PROMPTS_PER_FILE = 40
 
 # From PROVENANCE.md (transformers 5.24 / tokenizers 0.23).
@@ -187,3 +185,15 @@ def test_missing_or_unusable_tokenizer_is_a_tokenizer_error(tmp_path: Path) -> N
         Renderer(bare)
     assert issubclass(TokenizerError, ValueError)
     assert issubclass(TokenizerError, TokencapError)
+
+
+def test_developer_becomes_system_unless_the_template_knows_it(qwen: Renderer) -> None:
+    messages = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    assert qwen.knows_role("developer") is False
+    text = qwen.render_text(messages)
+    assert text == qwen.render_text([{"role": "system", "content": "Be terse."}, messages[1]])
+    qwen._developer = True  # a template that knows the role gets it as is
+    try:
+        assert qwen.prepare(messages) == messages
+    finally:
+        qwen._developer = None

@@ -30,6 +30,7 @@ from sglang_sim.testing import (
     time_fraction_below,
 )
 from testing.harness import wait_until
+from tests.conftest import ROOT
 
 FAST = 1000.0  # time scale for tests that only look at protocol behaviour
 TIMEOUT_S = 30.0
@@ -482,7 +483,7 @@ def test_cli_help_describes_simulator() -> None:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=ROOT,
     ).stdout
     assert "SIMULATOR" in out and "--max-queued-requests" in out and "--time-scale" in out
 

@@ -164,6 +164,27 @@ def test_plan_cli_with_count_total_renders_prompts_to_estimate(tmp_path):
     assert rows["math"]["avg_output_tokens"] == 400
 
 
+@pytest.mark.parametrize("check", [False, True])
+def test_plan_opens_each_categorys_sources_once(tmp_path, monkeypatch, check):
+    """Counting, checking and the prompt-length estimate share one pass per category."""
+    from producer.source import CategorySource
+
+    opened: list[str] = []
+    real = CategorySource.open.__func__  # type: ignore[attr-defined]
+
+    def counting(cls, cfg, cat, *args, **kwargs):
+        opened.append(cat.name)
+        return real(cls, cfg, cat, *args, **kwargs)
+
+    monkeypatch.setattr(CategorySource, "open", classmethod(counting))
+    cfg_path = _config(tmp_path, head='count = "total"')
+    res = CliRunner().invoke(plan_cmd, [str(cfg_path), "--json", *(["--check"] if check else [])])
+    assert res.exit_code == 0, res.output
+    assert sorted(opened) == ["chat", "math"]
+    rows = {r["category"]: r for r in json.loads(res.stdout)["categories"]}
+    assert rows["math"]["avg_tokens"] > rows["math"]["avg_output_tokens"]  # the prompt counted
+
+
 def test_plan_cli_bad_config_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('run = "x"\noutput_dir = "o"\n', encoding="utf-8")

@@ -22,7 +22,7 @@ from budget_service.keys import Keys
 from foundation.engine_load import parse_metrics as parse_sglang_metrics
 from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
-from tests.test_lua import LEASE_MS, feed, make_cfg, result
+from tests.helpers import LEASE_MS, feed, make_cfg, result
 from tokencap.progress import summary_table
 from tokencap.rates import CategoryRate, RateTracker, format_eta, series_rates, tok_s
 from tokencap.watch import (

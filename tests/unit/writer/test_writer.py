@@ -1,7 +1,8 @@
 """A writer starting on files whose samples Redis has not seen marked written says why: the
 writer before it stopped between its fsync and its acknowledge (the entries are still in the
 streams), or Redis lost the marks (the entries are gone too). Either way each sample is
-marked once and written once."""
+marked once and written once; a conversation's turn generated again after Redis lost its
+commit is not written twice, and the conversation goes on from the turn on disk."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.outputs import read_results
-from tests.test_lua import LEASE_MS, feed, make_cfg, result
+from foundation.wire import Result
+from tests.helpers import LEASE_MS, feed, make_cfg, result
 from writer.writer import Writer
 
 
@@ -78,3 +80,37 @@ def test_a_writer_starting_after_redis_lost_the_marks_says_so(tmp_path: Path, re
     assert "3 samples on disk had no written mark in Redis" in text and "lost" in text
     assert "not acknowledged" not in text
     assert budget.writing.written("code", ["a", "b", "c"]) == ["20", "20", "20"]
+
+
+# -- conversations go on from what is on disk -------------------------------------------
+
+def turn_row(turn: int, out: list[int]) -> Result:
+    return Result(id=f"c#t{turn}", category="code", prompt_ids=[1, 2], output_ids=out,
+                  prompt_tokens=2, completion_tokens=len(out), finish_reason="stop", text="x",
+                  sampling={}, counted_tokens=len(out), ordinal=4, conversation_id="c",
+                  turn=turn, turns_total=3)
+
+
+def test_a_turn_generated_again_goes_on_from_the_row_on_disk(tmp_path, redis) -> None:
+    """Redis lost turn 1's commit after the writer wrote it; turn 1 was generated again
+    (other output) and committed: the file keeps the first, and the conversation goes on
+    from the first, the one on disk."""
+    keys = Keys("tokencap", "t")
+    budget = Budget(redis, keys)
+    budget.feeding.init_run(make_cfg())
+    on_disk = turn_row(1, [11, 12, 13])
+    writer = Writer(redis, keys, ["code"], tmp_path)
+    budget.samples.commit(on_disk, 0, 0.0)
+    assert writer.drain_once(block_ms=None) == 1
+    assert budget.feeding.followups("code", 10)[0].outputs == [[11, 12, 13]]
+    redis.flushdb()  # Redis restarted empty: the commit, the marks, the follow-up are gone
+    budget.feeding.init_run(make_cfg())
+    again = turn_row(1, [21, 22])
+    budget.samples.commit(again, 0, 0.0)
+    writer2 = Writer(redis, keys, ["code"], tmp_path)  # a writer starting on the files
+    assert writer2.drain_once(block_ms=None) == 0  # not written twice
+    [f] = budget.feeding.followups("code", 10)
+    assert (f.sample_id, f.ordinal, f.outputs) == ("c#t2", 4, [[11, 12, 13]])
+    assert budget.state("code")["used"] == 3  # corrected to what the file holds
+    writer.close()
+    writer2.close()

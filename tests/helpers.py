@@ -1,0 +1,103 @@
+"""Helpers several test modules share; no test module imports another one.
+
+- the ledger, driven directly (`make_cfg`, `pending`, `result`, `feed`, `LEASE_MS`): a run
+  of one or more categories with small caps, its samples fed one at a time and their results;
+- the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
+  shell does not have;
+- forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
+  options a forger adds, and a local HTTP listener that records any webhook request.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import msgspec
+from rq import Queue
+from rq.job import Job
+
+from budget_service.budget import Budget
+from budget_service.jobs import JOB_FAILURE_TTL_S, JOB_FUNC, JOB_RESULT_TTL_S
+from budget_service.ledger import now_ms
+from foundation.config import Category, RunConfig, SamplingParams
+from foundation.wire import JobRef, Pending, Result
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+LEASE_MS = 30_000
+
+
+def make_cfg(cap: int = 1000, cats: tuple[str, ...] = ("code",)) -> RunConfig:
+    """Run "t": each of `cats` capped at `cap` tokens, `max_new_tokens` 64."""
+    return RunConfig(
+        run="t", output_dir="/tmp/unused", cap_tokens=cap,
+        category=[Category(name=c, sampling=SamplingParams(max_new_tokens=64), sources=["x"])
+                  for c in cats],
+    )
+
+
+def pending(sid: str, prompt: tuple[int, ...] = (1, 2, 3)) -> Pending:
+    return Pending(sample_id=sid, ordinal=0, prompt_ids=list(prompt),
+                   sampling={"max_new_tokens": 64})
+
+
+def result(sid: str, n: int, finish: str = "stop") -> Result:
+    """A result of category "code" with `n` output tokens, all counted."""
+    return Result(id=sid, category="code", prompt_ids=[1, 2, 3], output_ids=list(range(n)),
+                  prompt_tokens=3, completion_tokens=n, finish_reason=finish, text="x",
+                  sampling={}, counted_tokens=n)
+
+
+def feed(budget: Budget, sid: str, prompt: tuple[int, ...] | None = None,
+         category: str = "code") -> int:
+    """Feed one sample at the current cursor; 1 if it was recorded now."""
+    at = budget.feeding.cursor(category)
+    ids = budget.feeding.feed(category, at, at + 1, now_ms() + LEASE_MS,
+                              [pending(sid, prompt or (1, 2, 3, len(sid), *map(ord, sid)))], [])
+    assert ids is not None
+    return len(ids)
+
+
+# -- the stack's shell --------------------------------------------------------------------------
+
+STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKENCAP_PREFIX",
+              "TOKENCAP_TOKEN", "TOKENCAP_STATE_DIR", "BUDGET_PORT")
+
+
+# -- forged jobs --------------------------------------------------------------------------------
+
+FORGED_REF = msgspec.to_builtins(JobRef(run="sec", category="q", sample_id="s:1"))
+
+
+def producers_job(q: Queue, **extra: object) -> Job:
+    """A job as the producer enqueues it (producer/feeder.py), plus `extra` enqueue options."""
+    return q.enqueue(JOB_FUNC, FORGED_REF, result_ttl=JOB_RESULT_TTL_S,
+                     failure_ttl=JOB_FAILURE_TTL_S, **extra)
+
+
+class Listener:
+    """A local HTTP server that records every request (a webhook target)."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        hits = self.requests
+
+        class Handler(BaseHTTPRequestHandler):
+            def _hit(self) -> None:
+                hits.append(f"{self.command} {self.path}")
+                self.send_response(200)
+                self.end_headers()
+
+            do_GET = do_POST = _hit  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
