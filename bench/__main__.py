@@ -29,15 +29,16 @@ from bench import (  # noqa: E402
     affinity,
     cap,
     ceiling,
-    common,
+    context,
     footprint,
     gate,
     saturation,
     tail,
     tokenize,
 )
+from testing.harness import ROOT  # noqa: E402
 
-SCENARIOS: dict[str, Callable[[common.Bench], dict[str, Any]]] = {
+SCENARIOS: dict[str, Callable[[context.Bench], dict[str, Any]]] = {
     "saturation": saturation.run,
     "ceiling": ceiling.run,
     "cap": cap.run,
@@ -57,7 +58,7 @@ def _git() -> dict[str, Any]:
     import subprocess
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=common.ROOT, capture_output=True,
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
                               text=True, check=False).stdout.strip()
 
     dirty = [line[3:] for line in git("status", "--porcelain").splitlines()
@@ -115,15 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                         "scenarios": names, "workdir": str(workdir),
                                         "git": _git(),
-                                        "machine_before": common.machine()},
+                                        "machine_before": context.machine()},
                                "scenarios": {}}
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so every scenario stops what it started.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    bench = common.Bench(workdir)
+    bench = context.Bench(workdir)
     failed = False
     try:
         for name in names:
-            common.log(f"== {name}")
+            context.log(f"== {name}")
             ts = time.monotonic()
             try:
                 res = SCENARIOS[name](bench)
@@ -131,15 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
                 traceback.print_exc()
                 res = {"error": f"{type(exc).__name__}: {exc}",
-                       "rows": [common.row(name, "ERROR", None, target=str(exc)[:60],
+                       "rows": [context.row(name, "ERROR", None, target=str(exc)[:60],
                                            ok=False)]}
             res["wall_s"] = round(time.monotonic() - ts, 1)
             results["scenarios"][name] = res
-            common.log(f"== {name} done in {res['wall_s']} s")
+            context.log(f"== {name} done in {res['wall_s']} s")
     finally:
         bench.close(args.keep)
     results["meta"]["wall_s"] = round(time.monotonic() - t0, 1)
-    results["meta"]["machine_after"] = common.machine()
+    results["meta"]["machine_after"] = context.machine()
     rows = [r for res in results["scenarios"].values() for r in res["rows"]]
     print(table(rows))
     print(f"\ntotal wall time {results['meta']['wall_s']} s at commit "

@@ -15,17 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import (
-    Bench,
-    Cat,
-    Pipeline,
-    config_toml,
-    load_run_config,
-    log,
-    measure_window,
-    row,
-)
+from bench.context import Bench, log, row
+from bench.measure import Pipeline, measure_window
 from bench.sim import Sim, SimSettings, window_figures
+from bench.sources import Cat, config_toml, load_run_config
 
 NAME = "adaptive"
 BATCH = 8

@@ -34,17 +34,10 @@ from statistics import quantiles
 from typing import Any
 
 from bench import saturation
-from bench.common import (
-    QWEN,
-    Bench,
-    Pipeline,
-    config_toml,
-    load_run_config,
-    log,
-    measure_window,
-    row,
-)
+from bench.context import Bench, log, row
+from bench.measure import Pipeline, measure_window
 from bench.sim import Sim, SimSettings
+from bench.sources import QWEN, config_toml, load_run_config
 
 NAME = "affinity"
 SEED = 31

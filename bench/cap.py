@@ -25,19 +25,11 @@ import os
 import time
 from typing import Any
 
-from bench.common import (
-    Bench,
-    Cat,
-    Pipeline,
-    Sampler,
-    config_toml,
-    load_run_config,
-    log,
-    ordered_prompts,
-    row,
-)
+from bench.context import Bench, log, row
 from bench.direct import Feed, stop_after_passing
+from bench.measure import Pipeline, Sampler
 from bench.sim import Sim, SimSettings
+from bench.sources import Cat, config_toml, load_run_config, ordered_prompts
 from sglang_sim.testing import time_fraction_below
 
 NAME = "cap"

@@ -26,23 +26,11 @@ import psutil
 from rq import Queue, Worker
 from rq.registry import FinishedJobRegistry
 
-from bench.common import (
-    PY,
-    Bench,
-    Cat,
-    Pipeline,
-    Sampler,
-    child_env,
-    commandstats,
-    config_toml,
-    counters,
-    delta,
-    load_run_config,
-    log,
-    row,
-    wait_for,
-)
+from bench.context import PY, Bench, log, row, wait_for
+from bench.measure import Pipeline, Sampler, commandstats, counters, delta
 from bench.sim import Sim, SimSettings
+from bench.sources import Cat, config_toml, load_run_config
+from testing.harness import child_env
 
 NAME = "ceiling"
 JOBS = 1500

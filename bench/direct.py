@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench.common import Cat
+from bench.sources import Cat
 
 CATEGORY_HEADER = "X-Tokencap-Category"
 _enc = msgspec.json.Encoder()

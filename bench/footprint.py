@@ -21,21 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    PY,
-    QWEN,
-    Bench,
-    Cat,
-    Pipeline,
-    child_env,
-    config_toml,
-    load_run_config,
-    log,
-    mem_mb,
-    row,
-    wait_for,
-)
+from bench.context import PY, Bench, log, row, wait_for
+from bench.measure import Pipeline, mem_mb
 from bench.sim import Sim, SimSettings
+from bench.sources import QWEN, Cat, config_toml, load_run_config
+from testing.harness import child_env
 
 NAME = "footprint"
 TARGET_MB = 50.0

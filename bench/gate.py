@@ -25,10 +25,11 @@ from typing import Any
 
 import msgspec
 
-from bench.common import ROOT, Bench, log, row
+from bench.context import Bench, log, row
 from budget_service.ledger import prompt_digest
 from foundation.gate import check
 from foundation.wire import Result
+from testing.harness import ROOT
 
 NAME = "gate"
 REPLIES = ROOT / "tests" / "fixtures" / "replies" / "real_replies.jsonl.gz"

@@ -14,20 +14,11 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any
 
-from bench.common import (
-    Bench,
-    Cat,
-    Pipeline,
-    config_toml,
-    load_run_config,
-    log,
-    measure_window,
-    mem_mb,
-    ordered_prompts,
-    row,
-)
+from bench.context import Bench, log, row
 from bench.direct import Feed, saturate
+from bench.measure import Pipeline, measure_window, mem_mb
 from bench.sim import Sim, SimSettings, window_figures
+from bench.sources import Cat, config_toml, load_run_config, ordered_prompts
 
 NAME = "saturation"
 SEED = 11

@@ -12,7 +12,8 @@ from typing import Any
 import psutil
 import requests
 
-from bench.common import PY, STOP_TIMEOUT_S, child_env, free_port, wait_for
+from bench.context import PY, wait_for
+from testing.harness import STOP_TIMEOUT_S, child_env, free_port
 
 
 @dataclass

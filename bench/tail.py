@@ -17,11 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import cap
-from bench.common import (
-    Bench,
-    log,
-    row,
-)
+from bench.context import Bench, log, row
 from bench.sim import Sim
 from sglang_sim.testing import time_fraction_below
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from bench.common import QWEN, SHAREGPT, Bench, load_run_config, log, row
+from bench.context import Bench, log, row
+from bench.sources import QWEN, SHAREGPT, load_run_config
 
 NAME = "tokenize"
 PROMPTS = 4000

@@ -32,7 +32,7 @@ from budget_service.budget import Budget
 from budget_service.ledger import cap_text, now_ms, parse_cap
 from budget_service.telemetry import render_metrics
 from foundation.config import DEFAULT_BUDGET_PORT
-from foundation.engine import engine_specs
+from foundation.engine_api import engine_specs
 from foundation.engine_load import LoadReader
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The engine client of a worker: one `requests.Session` per process, timeouts always set,
 retries with backoff on 429/502/503/504 and connection errors, each engine asked in its own
-API (SGLang's `/generate` or an OpenAI-compatible `/v1/completions`, `foundation.engine`),
+API (SGLang's `/generate` or an OpenAI-compatible `/v1/completions`, `foundation.engine_api`),
 replies validated, every generation labelled with the model and engine version that made it.
 
 HTTP errors are translated to `EngineError` subclasses here and nowhere else. No
@@ -26,9 +26,9 @@ from urllib3.exceptions import (
 )
 from urllib3.util.retry import Retry
 
-from consumers.engines import EnginePool
+from consumers.routing import EnginePool
 from consumers.stats import EngineStats
-from foundation.engine import (
+from foundation.engine_api import (
     BACKOFF_FACTOR_S,
     BACKOFF_JITTER_S,
     RETRY_STATUSES,
@@ -60,7 +60,7 @@ CATEGORY_HEADER = "X-Tokencap-Category"
 
 
 def parse_reply(body: bytes, n_prompt: int, engine: str, latency_s: float) -> Generation:
-    """A SGLang `/generate` reply, validated (`foundation.engine.parse`)."""
+    """A SGLang `/generate` reply, validated (`foundation.engine_api.parse`)."""
     return parse("sglang", body, n_prompt, engine, latency_s)
 
 

@@ -23,7 +23,7 @@ from budget_service.samples import SampleLedger
 from consumers.client import EngineClient, EngineError, Generation
 from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
-from foundation.engine import parse_urls
+from foundation.engine_api import parse_urls
 from foundation.errors import RunNotFound
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
 from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result

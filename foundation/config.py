@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from foundation.engine import auto_read_timeout
+from foundation.engine_api import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
 from foundation.gate import ReplyMarkers
 from foundation.sources import SourceMissing, expand_source, resolve_tokenizer
@@ -157,7 +157,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     lock_ttl_s: PositiveFloat = 15.0
     connect_timeout_s: PositiveFloat = 3.05
     # seconds a request may take to answer; "auto": a floor plus max_new_tokens at a quarter
-    # of the decode rate observed per request (`foundation.engine.auto_read_timeout`)
+    # of the decode rate observed per request (`foundation.engine_api.auto_read_timeout`)
     read_timeout_s: PositiveFloat | Literal["auto"] = "auto"
     http_retries: NonNegInt = 5
     adaptive_max_queue: NonNegInt | None = None

@@ -71,7 +71,7 @@ class Pending(Struct, frozen=True):
     # its history replays a tool result of the source for a call of the same function the
     # model made with other arguments (False); None when no result is replayed
     tool_args_match: bool | None = None
-    # where to send it (`consumers.engines`): the engine that served the conversation's turn
+    # where to send it (`consumers.routing`): the engine that served the conversation's turn
     # before, and a key of its prompt's first tokens (samples sharing a long prefix share it)
     prefer_engine: str = ""
     affinity: str = ""

@@ -267,7 +267,7 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
 
 
 def _context_length(url: str) -> int | None:
-    from foundation.engine import engine_specs
+    from foundation.engine_api import engine_specs
     from foundation.engine_info import context_length
 
     return context_length(engine_specs([url]))

@@ -44,7 +44,7 @@ from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import Category, RunConfig
-from producer.conversations import Conversations
+from producer.followups import FollowUps
 from producer.readers import SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
@@ -138,7 +138,7 @@ class Producer:
         self._feedable = len(cfg.category)  # categories that can be fed, as of the last tick
         self._keys_seen: OrderedDict[str, None] = OrderedDict()  # affinity keys, last first
         self._affinity = self._shared_key if cfg.affinity else None
-        self.conversations = Conversations(cfg, self.budget, renderer, self._enqueue,
+        self.followups = FollowUps(cfg, self.budget, renderer, self._enqueue,
                                            self._affinity)
 
     # -- setup -------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class Producer:
             done = reaped + self.unpark(feed, st)
             if st.state == "open":
                 # next turns of conversations; in other categories, samples sent again
-                followed = self.conversations.follow(feed.source, st,
+                followed = self.followups.follow(feed.source, st,
                                                      self._room(st, follow=True))
                 st = msgspec.structs.replace(st, pending=st.pending + followed)
                 done += followed
@@ -181,7 +181,7 @@ class Producer:
                     elif self.budget.feeding.cursor(name) != feed.cursor:
                         self.resync(feed)
             elif st.state == "closed" and feed.turns:
-                self.conversations.report_cut(feed.source, st)
+                self.followups.report_cut(feed.source, st)
             work += done
         return work
 

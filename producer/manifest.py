@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from foundation.config import RunConfig, config_to_json
-from foundation.engine import display
+from foundation.engine_api import display
 from foundation.engine_info import EngineInfo
 
 if TYPE_CHECKING:

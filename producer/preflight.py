@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 import requests
 
 from foundation.config import RunConfig
-from foundation.engine import (
+from foundation.engine_api import (
     EngineError,
     EngineSpec,
     engine_specs,

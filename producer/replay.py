@@ -5,7 +5,7 @@ earlier assistant turn replaced by the model's: its output ids read into an assi
 by the run's `ReplyParser` (reasoning and tool calls split where the family's parsers find
 them; a reasoning block is open from the start when the category's generation prompt opens
 it), and the source's tool results re-keyed to the model's calls (`Conversation.prompt`).
-The producer feeds next turns from it (`producer.conversations`); the conversations export
+The producer feeds next turns from it (`producer.followups`); the conversations export
 writes whole regenerated conversations from it (`tokencap.export.conversations`): both read
 a generated turn the same way.
 """

@@ -16,7 +16,7 @@ with every check the run makes:
    dead letters of what was rejected; with `turns`, each conversation's next turn, checked
    against the turn before it (`prefix`).
 
-The producer feeds with it (`producer.feeder`, `producer.conversations`); `tokencap plan
+The producer feeds with it (`producer.feeder`, `producer.followups`); `tokencap plan
 --check` counts with it, `tokencap preview` shows its prompts, `tokencap export` re-reads
 records with it, and the GPU check derives its expected prompts from it: what `plan` says
 fits is what the run feeds.

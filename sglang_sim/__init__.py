@@ -6,7 +6,7 @@ model path is ``tokencap-sglang-sim``, ``/server_info`` has ``"simulator": true`
 WARNING at start. Outputs are synthetic token ids (see ``sglang_sim.outputs``).
 
 - ``sglang_sim.config``: ``SimConfig`` (all knobs), ``LengthDist``, ``FaultConfig``, profiles;
-- ``sglang_sim.engine``: the batching model (no HTTP);
+- ``sglang_sim.scheduler``: the batching model (no HTTP);
 - ``sglang_sim.server``: the aiohttp app (``create_app``, ``start_server``);
 - ``sglang_sim.testing``: ``SimServer`` (in-process, background thread) and
   ``start_sim_subprocess`` for tests and benchmarks;

@@ -39,7 +39,6 @@ from aiohttp import web
 
 from sglang_sim import info
 from sglang_sim.config import VLLM_VERSION, SimConfig, version
-from sglang_sim.engine import Engine
 from sglang_sim.faults import FaultInjector
 from sglang_sim.jobs import DuplicateRidError, Job, QueueFullError
 from sglang_sim.metrics import LatencyHistogram, render, split
@@ -55,6 +54,7 @@ from sglang_sim.protocol import (
     schema_error,
     validate_generate,
 )
+from sglang_sim.scheduler import Engine
 from sglang_sim.text import TextOutputs
 
 logger = logging.getLogger(__name__)
@@ -465,7 +465,7 @@ async def post_faults(request: web.Request) -> web.Response:
 
 
 async def _start_engine(app: web.Application) -> None:
-    app[TASK_KEY] = asyncio.create_task(app[ENGINE_KEY].run(), name="sglang_sim.engine")
+    app[TASK_KEY] = asyncio.create_task(app[ENGINE_KEY].run(), name="sglang_sim.scheduler")
 
 
 async def _stop_engine(app: web.Application) -> None:

@@ -36,7 +36,7 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.config import DEFAULT_BUDGET_PORT, load_config
-from foundation.engine import parse_urls
+from foundation.engine_api import parse_urls
 from foundation.engine_info import healthy
 from foundation.errors import SIGNALLED, TokencapError
 from foundation.redisconn import connect

@@ -27,7 +27,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from foundation.engine import engine_spec
+from foundation.engine_api import engine_spec
 from foundation.engine_load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
 from tokencap.progress import SIMULATED_TEXT, gate_lines

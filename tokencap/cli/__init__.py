@@ -85,7 +85,7 @@ def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: b
     a crash of the whole stack (pid files name a process by pid and start time: stale ones
     are replaced). While it feeds, a writer, budget service, simulator or worker of the
     stack that dies is started again."""
-    from foundation.engine import display
+    from foundation.engine_api import display
     from tokencap.launcher import Stack
 
     sglang_url = os.environ.get("SGLANG_URL")

@@ -55,7 +55,7 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
             _event_line(e) for e in events) or "no events")
         return
     if watch_flag:
-        from foundation.engine import parse_urls
+        from foundation.engine_api import parse_urls
         from tokencap.watch import watch
 
         watch(budget.telemetry.status, parse_urls(sglang_url), budget.telemetry.workers,

@@ -46,7 +46,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     Safe to stop and restart: committed samples are never fed again.
     """
     from foundation.config import load_config
-    from foundation.engine import parse_urls
+    from foundation.engine_api import parse_urls
     from foundation.redisconn import connect
     from producer.run import run_to_end
     from tokencap.progress import ProgressPrinter, summary_table
@@ -100,7 +100,7 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
         sys.exit(run_pool(argv, env, pool, restart=not burst))
     from consumers.job import configure, flush_stats
     from consumers.worker import supervise
-    from foundation.engine import parse_urls
+    from foundation.engine_api import parse_urls
     from foundation.redisconn import connect
 
     urls = parse_urls(sglang_url)

@@ -17,7 +17,7 @@ from consumers.client import (
     Unreachable,
     parse_reply,
 )
-from consumers.engines import EnginePool
+from consumers.routing import EnginePool
 from foundation.engine_load import LoadReader
 from sglang_sim.testing import SimServer
 from testing.harness import free_port
@@ -97,7 +97,7 @@ def test_read_timeout(sim) -> None:
 
 
 def test_the_auto_read_timeout_grows_with_max_new_tokens_and_a_slow_decode() -> None:
-    from foundation.engine import auto_read_timeout
+    from foundation.engine_api import auto_read_timeout
 
     c = client(["http://e"], read_timeout_s=None)  # read_timeout_s = "auto"
     # nothing observed yet: a floor plus max_new_tokens at the slowest decode assumed
@@ -221,7 +221,7 @@ class _Draw:
 
 
 def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> None:
-    from consumers import engines
+    from consumers import routing as engines
 
     monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # every look is a new reading
@@ -234,7 +234,7 @@ def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> 
 
 
 def test_adaptive_gate_thins_the_passes_as_the_queue_fills(monkeypatch) -> None:
-    from consumers import engines
+    from consumers import routing as engines
 
     monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)
@@ -247,7 +247,7 @@ def test_adaptive_gate_thins_the_passes_as_the_queue_fills(monkeypatch) -> None:
 
 
 def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatch) -> None:
-    from consumers import engines
+    from consumers import routing as engines
 
     monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)  # the first reading stays
@@ -263,7 +263,7 @@ def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatc
 
 
 def test_a_worker_back_from_idle_reads_the_queue_afresh(monkeypatch) -> None:
-    from consumers import engines
+    from consumers import routing as engines
 
     monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
     monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)
@@ -337,7 +337,7 @@ def test_vllm_completions_give_token_ids_finish_reason_and_usage() -> None:
 
 
 def test_a_vllm_that_ignores_return_token_ids_is_refused() -> None:
-    from foundation.engine import parse
+    from foundation.engine_api import parse
 
     old = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
                       "usage": {"prompt_tokens": 9, "completion_tokens": 2}}).encode()
@@ -347,7 +347,7 @@ def test_a_vllm_that_ignores_return_token_ids_is_refused() -> None:
 
 def test_the_simulator_maps_vllm_fields_back_to_the_params_the_client_maps_them_from() -> None:
     # two sides of one protocol, written apart (the simulator imports nothing of tokencap)
-    from foundation.engine import OPENAI_PARAMS
+    from foundation.engine_api import OPENAI_PARAMS
     from sglang_sim.protocol import VLLM_PARAMS
 
     assert {v: k for k, v in OPENAI_PARAMS.items()} == VLLM_PARAMS

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_sim.config import DEFAULT_EOS_TOKEN_ID, LengthDist, SimConfig, version
-from sglang_sim.engine import Engine
 from sglang_sim.jobs import Job
+from sglang_sim.scheduler import Engine
 from sglang_sim.testing import (
     SimServer,
     busy_throughput,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from foundation.engine import HEALTH_TIMEOUT_S
+from foundation.engine_api import HEALTH_TIMEOUT_S
 from foundation.engine_load import NO_LOAD_READINGS, LoadReader
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""What the producer feeds besides new records: conversations' next turns, retried samples,
-and the cut records of conversations a closed category holds back.
+"""Follow-ups: what the producer feeds besides new records (what the ledger's `follow` set
+holds): conversations' next turns and retried samples, and the cut records of conversations
+a closed category holds back.
 
 With ``turns = "all"`` a record is one generation per assistant turn. Once the writer wrote
 turn j (`FeedingLedger.followups` lists it), turn j+1's prompt is the source up to that turn with
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Conversations:
+class FollowUps:
     """Feeds next turns and retried samples, and reports cut conversations, per category.
 
     `enqueue(category, [(sample id, seq, prompt tokens)], at_front)` enqueues the jobs of

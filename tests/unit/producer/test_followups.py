@@ -1,4 +1,4 @@
-"""`producer/conversations.py`: what the producer feeds besides new records, against the real
+"""`producer/followups.py`: what the producer feeds besides new records, against the real
 ledger (`Budget` on the test Redis) and a `CategorySource` over a small JSONL source with the
 Qwen2.5 fixture tokenizer. Dead samples `tokencap retry` sent back are fed again by `follow`
 (their jobs enqueued through the `enqueue` it was given); a conversation's next turn is fed
@@ -19,7 +19,7 @@ from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms, turn_event
 from foundation.config import RunConfig
 from foundation.wire import DeadLetter, Outcome, Pending, Result, turn_id
-from producer.conversations import Conversations
+from producer.followups import FollowUps
 from producer.render import Renderer
 from producer.source import CategorySource
 from tests.conftest import QWEN, write_config
@@ -60,7 +60,7 @@ sampling = {{ max_new_tokens = 32 }}
 
 
 class Setup:
-    """The run's ledger, the category's source, and `Conversations` recording its enqueues."""
+    """The run's ledger, the category's source, and `FollowUps` recording its enqueues."""
 
     def __init__(self, tmp: Path, redis: Redis, qwen: Renderer, turns: str) -> None:
         self.cfg = config(tmp, turns)
@@ -68,7 +68,7 @@ class Setup:
         self.budget.feeding.init_run(self.cfg)
         self.source = CategorySource.open(self.cfg, self.cfg.category[0], qwen, CONTEXT)
         self.jobs: Jobs = []
-        self.conversations = Conversations(
+        self.followups = FollowUps(
             self.cfg, self.budget, qwen,
             lambda c, refs, front: self.jobs.append((c, list(refs), front)), None)
 
@@ -100,13 +100,13 @@ def test_a_dead_sample_sent_back_by_retry_is_fed_again(tmp_path, redis, qwen) ->
     first, second = run.feed([0, 2])
     run.dead(first.sample_id, "server_error")
     run.dead(second.sample_id, "timeout")
-    assert run.conversations.follow(run.source, run.state(), 10) == 0  # nothing waits yet
+    assert run.followups.follow(run.source, run.state(), 10) == 0  # nothing waits yet
     assert run.budget.operating.retry(CAT, "server_error") == (1, 0)
     st = run.state()
     assert (st.followups, st.failed) == (1, 1)
-    assert run.conversations.follow(run.source, st, 0) == 0  # no room: nothing fed
+    assert run.followups.follow(run.source, st, 0) == 0  # no room: nothing fed
     assert run.jobs == []
-    assert run.conversations.follow(run.source, st, 10) == 1
+    assert run.followups.follow(run.source, st, 10) == 1
     # one job, at the back of the queue, with the prompt rendered again from the record
     assert run.jobs == [(CAT, [(first.sample_id, 0, len(first.prompt_ids))], False)]
     again = run.budget.entry(CAT, first.sample_id).pending
@@ -115,7 +115,7 @@ def test_a_dead_sample_sent_back_by_retry_is_fed_again(tmp_path, redis, qwen) ->
     assert (st.followups, st.pending, st.failed) == (0, 1, 1)
     assert run.budget.writing.final_marks(CAT) == {second.sample_id: "d:timeout"}
     # fed once: nothing waits any more
-    assert run.conversations.follow(run.source, st, 10) == 0
+    assert run.followups.follow(run.source, st, 10) == 0
     assert len(run.jobs) == 1
 
 
@@ -125,7 +125,7 @@ def test_a_retried_sample_whose_record_is_gone_is_rejected(tmp_path, redis, qwen
     assert run.budget.feeding.feed(CAT, 0, 1, now_ms() + LEASE_MS, [gone], []) == ["src:9"]
     run.dead("src:9", "server_error")
     assert run.budget.operating.retry(CAT) == (1, 0)
-    assert run.conversations.follow(run.source, run.state(), 10) == 1
+    assert run.followups.follow(run.source, run.state(), 10) == 1
     assert run.jobs == [(CAT, [], False)]  # nothing to enqueue
     assert run.budget.writing.final_marks(CAT) == {"src:9": "r:source_changed"}
     [letter] = [d for d in run.letters() if d.reason == "source_changed"]
@@ -149,7 +149,7 @@ def test_the_next_turn_is_fed_from_the_written_turn_at_the_front(tmp_path, redis
     ev = turn_event(row)
     assert ev is not None and ev.next_id == turn_id("src:1", 2)
     run.budget.feeding.restore_followups(CAT, [ev])  # as the writer's acknowledge leaves it
-    assert run.conversations.follow(run.source, run.state(), 10) == 1
+    assert run.followups.follow(run.source, run.state(), 10) == 1
     [(cat, [(sid, seq, tokens)], front)] = run.jobs
     assert (cat, sid, seq, front) == (CAT, "src:1#t2", 0, True)
     p = run.budget.entry(CAT, sid).pending
@@ -170,7 +170,7 @@ def test_a_next_turn_whose_record_changed_stops_its_conversation(tmp_path, redis
     ev = turn_event(msgspec.structs.replace(row, id="other:1#t1", conversation_id="other:1"))
     assert ev is not None
     run.budget.feeding.restore_followups(CAT, [ev])  # its record's position holds src:1
-    assert run.conversations.follow(run.source, run.state(), 10) == 1
+    assert run.followups.follow(run.source, run.state(), 10) == 1
     assert run.jobs == [(CAT, [], True)]
     [letter] = run.letters()
     assert (letter.id, letter.outcome, letter.reason, letter.where) == (
@@ -186,7 +186,7 @@ def test_a_closed_category_reports_each_held_turn_once(tmp_path, redis, qwen) ->
     assert closed
     st = run.state()
     assert (st.state, st.followups) == ("closed", 2)
-    assert run.conversations.report_cut(run.source, st) == 2
+    assert run.followups.report_cut(run.source, st) == 2
     cut = sorted(run.letters(), key=lambda d: d.id)
     assert [(d.id, d.outcome, d.reason, d.conversation_id, d.turn, d.turns_total, d.where)
             for d in cut] == [
@@ -194,8 +194,8 @@ def test_a_closed_category_reports_each_held_turn_once(tmp_path, redis, qwen) ->
         ("src:2#t2", Outcome.CUT, "cap", "src:2", 2, 2, "../src.jsonl:2"),
     ]
     # once: neither this producer nor a new one reports them again
-    assert run.conversations.report_cut(run.source, run.state()) == 0
-    fresh = Conversations(run.cfg, run.budget, qwen, lambda *a: None, None)
+    assert run.followups.report_cut(run.source, run.state()) == 0
+    fresh = FollowUps(run.cfg, run.budget, qwen, lambda *a: None, None)
     assert fresh.report_cut(run.source, run.state()) == 0
     assert len(run.letters()) == 2
     # a cut turn is not an end: it still waits, and nothing was enqueued
