@@ -46,7 +46,7 @@ test-fast: install ## ruff, mypy, and the tests not marked slow (no fault inject
 	$(BIN)/mypy
 	$(BIN)/pytest -q -m "not slow"
 
-test-engine: install ## The real-engine tests against vLLM's CPU build (its venv and a tiny model made once under ~/.cache/tokencap; TOKENCAP_ENGINE_URL: your own server)
+test-engine: install ## The real-engine tests against vLLM's CPU build, and the trainers' own code on our exports (their venvs and a tiny model made once under ~/.cache/tokencap; TOKENCAP_ENGINE_URL: your own server)
 	$(BIN)/python tests/engine/run.py
 
 soak: install ## Fault tests in a loop beside LOAD busy processes until each passes RUNS times in a row

@@ -30,6 +30,7 @@ from bench import (  # noqa: E402
     cap,
     ceiling,
     context,
+    export,
     footprint,
     gate,
     saturation,
@@ -48,6 +49,7 @@ SCENARIOS: dict[str, Callable[[context.Bench], dict[str, Any]]] = {
     "adaptive": adaptive.run,
     "affinity": affinity.run,
     "gate": gate.run,
+    "export": export.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results.json"
 DESCRIPTION = "Run tokencap's benchmark scenarios; print one table; write bench/results.json."

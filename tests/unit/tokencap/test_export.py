@@ -146,7 +146,10 @@ def test_truncated_are_dropped_and_counted_unless_kept(tmp_path, built):
         "output_tokens": sum(len(r["result"].output_ids) for r in built["math_qa"]),
         "dropped_truncated": 0, "dropped_after_truncated": 0, "dropped_inconsistent": 0,
         "dropped_tool_args": 0, "made_by": [], "duplicates": 0, "bad_lines": 0, "bad": [],
-        "conversations": 0, "conversations_complete": 0, "conversations_in_progress": 0}
+        "conversations": 0, "conversations_complete": 0, "conversations_in_progress": 0,
+        "truncated_to_limit": 0, "dropped_over_length": 0, "dropped_too_few_loss_tokens": 0,
+        "loss_tokens": sum(len(r["result"].output_ids) for r in built["math_qa"]),
+        "eval_rows": 0, "eval_tokens": 0}
     kept = {r["id"]: r for r in _jsonl(tmp_path / "b" / "math_qa" / "specforge.jsonl")}
     assert kept[cut.id]["loss_mask"][-len(cut.output_ids):] == [1] * len(cut.output_ids)
 
@@ -176,8 +179,10 @@ def test_merged_holds_every_category_by_category_one_each(tmp_path, built):
     out = _write_out(tmp_path, built)
     by_cat = export(out, tmp_path / "split", ["specforge"])
     merged = export(out, tmp_path / "merged", ["specforge"], merged=True)
-    assert sorted(p.name for p in (tmp_path / "split").iterdir()) == sorted(SOURCES)
-    assert [p.name for p in (tmp_path / "merged").iterdir()] == ["specforge.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "split").iterdir()) == sorted(
+        [*SOURCES, "export-manifest.json"])
+    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == [
+        "export-manifest.json", "specforge.jsonl"]
     split_rows = {cat: _jsonl(tmp_path / "split" / cat / "specforge.jsonl") for cat in SOURCES}
     merged_rows = _jsonl(tmp_path / "merged" / "specforge.jsonl")
     expected = [{**r, "id": f"{cat}/{r['id']}"} for cat in SOURCES for r in split_rows[cat]]
