@@ -55,10 +55,13 @@ def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[
         cache: dict[str, Counter[str]] = {}
         failures: Counter[str] = Counter()
         gated: Counter[str] = Counter()  # replies the gate kept out of training, by reason
+        freq = _Freq()  # the output ids of training rows: what a draft trains on
         for r in read_committed(cat_dir):
             if not isinstance(r, BadLine):
                 if r.gate:
                     gated[f"reply kept out: {r.gate}"] += 1
+                else:
+                    freq.add(r.output_ids)
                 lengths.append(r.completion_tokens)
                 finish[r.finish_reason] += 1
                 c = cache.setdefault(r.engine, Counter())
@@ -72,8 +75,46 @@ def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[
             if not isinstance(d, BadLine) and d.outcome != "cut":
                 failures[f"{d.outcome}: {d.reason}"] += 1
         data[name] = {"lengths": lengths, "finish": finish, "failures": failures, "gated": gated,
-                      "cache": cache}
+                      "cache": cache, "freq": freq}
     return data
+
+
+class _Freq:
+    """Counts of token ids over a vocabulary that grows to the largest id seen."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.np = np
+        self.counts = np.zeros(0, dtype=np.int64)
+
+    def add(self, ids: list[int]) -> None:
+        if ids:
+            self._add_counts(self.np.bincount(self.np.asarray(ids, dtype=self.np.int64)))
+
+    def _add_counts(self, got: Any) -> None:
+        if got.size > self.counts.size:
+            got = got.copy()
+            got[: self.counts.size] += self.counts
+            self.counts = got
+        else:
+            self.counts[: got.size] += got
+
+    def merged(self, others: list[_Freq]) -> _Freq:
+        out = _Freq()
+        for other in [self, *others]:
+            out._add_counts(other.counts)
+        return out
+
+    def coverage(self) -> dict[str, float | None]:
+        """Share of the output tokens inside the top 16K / 32K / 64K ids (the draft
+        vocabulary's candidates: `tokencap.export.vocab`)."""
+        from tokencap.export.vocab import COVERAGE_SIZES
+
+        ranked = self.np.sort(self.counts)[::-1]
+        total = int(ranked.sum())
+        return {str(k): float(ranked[:k].sum()) / total if total else None
+                for k in COVERAGE_SIZES}
 
 
 def _kept_out(c: dict[str, Any]) -> str:
@@ -263,6 +304,20 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         f"<td>{share(c['reused'], c['reusable'])}</td></tr>"
         for n in names for u, c in sorted(data[n]["cache"].items())) or \
         '<tr><td colspan="7">no rows</td></tr>'
+    def pct(v: float | None) -> str:
+        return "–" if v is None else f"{100 * v:.2f}%"
+
+    freqs = {n: data[n]["freq"] for n in names}
+    if names:
+        freqs["all categories"] = freqs[names[0]].merged([freqs[n] for n in names[1:]])
+    vocab_rows = "".join(
+        f'<tr data-category="{_esc(n)}" '
+        + " ".join(f'data-top-{k}="{v if v is not None else ""}"'
+                   for k, v in f.coverage().items())
+        + f"><td>{_esc(n)}</td><td>{int(f.counts.sum()):,}</td>"
+        f"<td>{int((f.counts > 0).sum()):,}</td>"
+        + "".join(f"<td>{pct(v)}</td>" for v in f.coverage().values()) + "</tr>"
+        for n, f in freqs.items())
     simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
                  "outputs are synthetic.</p>") if status.get("simulated") else ""
     page = f"""<!doctype html>
@@ -287,6 +342,12 @@ shares with the turn before it (reusable: what the engine that served that turn 
 hold); the last column is the share of the reusable tokens that were served from cache.</p>
 <table id="cache"><tr><th>category</th><th>engine</th><th>samples</th><th>prompt tokens</th>
 <th>cached</th><th>reusable</th><th>reusable served from cache</th></tr>{cache_rows}</table>
+<h2>Draft vocabulary coverage</h2>
+<p>Share of the output tokens of training rows inside the most frequent 16K, 32K and 64K ids:
+what an EAGLE-3 draft of that vocabulary can predict (`tokencap export` writes the mapping,
+from the train rows within its length limit).</p>
+<table id="vocab"><tr><th>category</th><th>output tokens</th><th>distinct ids</th>
+<th>top 16K</th><th>top 32K</th><th>top 64K</th></tr>{vocab_rows}</table>
 {figures}
 <h2>Cap changes</h2><table id="events">{event_rows}</table>
 </body></html>

@@ -62,6 +62,14 @@ def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
         cached = sum(r["cached_tokens"] or 0 for r in rows)
         assert f'data-category="{name}" data-engine="{sim.url}" data-cached="{cached}" ' in text
         assert cached == st["cached_tokens"]
+        # the draft vocabulary's coverage, from the output ids of the training rows
+        import numpy as np
+
+        counts = np.sort(np.bincount(np.concatenate(
+            [np.asarray(r.output_ids) for r in pipe.results(name)])))[::-1]
+        top = float(counts[:16384].sum()) / counts.sum()
+        assert f'data-category="{name}" data-top-16384="{top}"' in text
+    assert 'data-category="all categories"' in text
     points = int(re.search(r'id="fig-throughput" data-points="(\d+)"', text)[1])
     assert points >= 2
     assert "b</td><td>4000 → 5000</td><td>test</td>" in text  # the cap change
