@@ -61,11 +61,17 @@ def test_raising_a_closed_cap_reopens_and_lowering_an_open_one_closes(tmp_path,
                 # a closed category gets more budget: it must reopen and finish at 5,000
                 events["raised"] = pipe.budget.operating.set_cap("a", 5000)
             if "lowered" not in events and st["b"]["used"] >= 2000:
-                ck = pipe.keys.cat("b")
-                committed = {k.decode() for k in pipe.redis.hkeys(ck.final)}
-                in_flight = {k.decode() for k in pipe.redis.hkeys(ck.reserved)}
                 pipe.budget.operating.set_cap("b", st["b"]["used"])
-                events["lowered"] = (committed, in_flight)
+                # closed, nothing more is admitted: what can still commit is what was final
+                # or reserved then, read in one transaction (read apart, and before the cap
+                # change, a worker could admit a sample, or commit one, between the reads)
+                ck = pipe.keys.cat("b")
+                tx = pipe.redis.pipeline(transaction=True)
+                tx.hkeys(ck.final)
+                tx.hkeys(ck.reserved)
+                final, reserved = tx.execute()
+                events["lowered"] = ({k.decode() for k in final},
+                                     {k.decode() for k in reserved})
             return False
 
         try:
