@@ -38,6 +38,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, epilog="Exit codes: " + exit_codes_text() + ".")
 @click.option("--log-level", envvar="TOKENCAP_LOG_LEVEL", default="INFO", show_default=True,
+              type=click.Choice(logs.LEVELS, case_sensitive=False),
               help="Logging level. Env: TOKENCAP_LOG_LEVEL.")
 @click.version_option(package_name="tokencap")
 def main(log_level: str) -> None:

@@ -1,6 +1,12 @@
 """What the `tokencap` commands share: the options that find a run (--state-dir, --redis-url,
 --sglang-url, --run, --prefix; each falls back on the stack's run file) and the lookup of the
-run and its `Budget` in Redis."""
+run and its `Budget` in Redis.
+
+A run is always named before it is touched: `open_budget` says which run, on which Redis
+(password hidden) and under which prefix, and where each came from (a flag or its
+environment variable, the stack's run file, or a default); a command that changes a run
+refuses one it found only by a fallback (the default Redis, or the only run there), naming
+the flag that would make it explicit."""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ if TYPE_CHECKING:
     from foundation.config import RunConfig
 
 STATE_META = "tokencap.state_dir"
+SOURCE_META = "tokencap.source."  # + a run-file key: where the option's value came from
+FLAG, RUN_FILE, DEFAULT = "flag", "run file", "default"
 
 
 def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -29,10 +37,13 @@ def _from_run_file(key: str, default: str | None = None) -> Any:
     else `default`."""
     def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
         if value:
+            ctx.meta[SOURCE_META + key] = FLAG
             return value
         from tokencap.runfile import run_file, state_dir
 
-        return run_file(state_dir(ctx.meta.get(STATE_META))).get(key) or default
+        found = run_file(state_dir(ctx.meta.get(STATE_META))).get(key)
+        ctx.meta[SOURCE_META + key] = RUN_FILE if found else DEFAULT
+        return found or default
     return callback
 
 
@@ -54,8 +65,10 @@ RUN_OPT = click.option("--run", "run_name", envvar="TOKENCAP_RUN", default=None,
                        callback=_from_run_file("TOKENCAP_RUN"),
                        help="Run name (default: the stack's, else the only run in Redis). "
                        "Env: TOKENCAP_RUN.")
-PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default=DEFAULT_KEY_PREFIX,
-                          show_default=True, help="Redis key prefix. Env: TOKENCAP_PREFIX.")
+PREFIX_OPT = click.option("--prefix", envvar="TOKENCAP_PREFIX", default=None,
+                          callback=_from_run_file("TOKENCAP_PREFIX", DEFAULT_KEY_PREFIX),
+                          help="Redis key prefix. Env: TOKENCAP_PREFIX. Default: the stack's "
+                          f"run file, else {DEFAULT_KEY_PREFIX}.")
 
 
 def stack_run_options(command: Any) -> Any:
@@ -67,6 +80,7 @@ def stack_run_options(command: Any) -> Any:
 
 
 def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
+    """`run_name`, else the only run under `prefix` in this Redis."""
     from budget_service.keys import Keys
 
     if run_name:
@@ -89,15 +103,42 @@ def stored_config(budget: Budget) -> RunConfig:
     return cfg
 
 
-def open_budget(redis_url: str, prefix: str, run_name: str | None) -> Any:
+def _sources() -> dict[str, str]:
+    """Where this command's connection settings came from (FLAG, RUN_FILE or DEFAULT)."""
+    ctx = click.get_current_context(silent=True)
+    meta = ctx.meta if ctx is not None else {}
+    return {key: meta.get(SOURCE_META + key, FLAG)
+            for key in ("REDIS_URL", "TOKENCAP_RUN", "TOKENCAP_PREFIX")}
+
+
+def open_budget(redis_url: str, prefix: str, run_name: str | None,
+                changes: str = "") -> Any:
+    """The run's `Budget`, after one line on stderr naming the run, the Redis and the prefix
+    it acts on and where they came from. `changes` (what the command is about to do, e.g.
+    "change a cap"): refused when the run was found only by a fallback."""
     from budget_service.budget import Budget
     from budget_service.keys import Keys
-    from foundation.redisconn import connect
+    from foundation.redisconn import connect, redact
 
+    sources = _sources()
     redis = connect(redis_url)
     run = _resolve_run(redis, prefix, run_name)
+    found_by = {"run": "the only run in this Redis" if not run_name
+                else sources["TOKENCAP_RUN"],
+                "redis": sources["REDIS_URL"], "prefix": sources["TOKENCAP_PREFIX"]}
+    click.echo(f"run {run} on {redact(redis_url)} (prefix {prefix}; run from "
+               f"{found_by['run']}, Redis from {found_by['redis']})", err=True)
+    if changes:
+        guessed = [what for what, src in (("--run", found_by["run"]),
+                                          ("--redis-url", found_by["redis"]))
+                   if src in (DEFAULT, "the only run in this Redis")]
+        if guessed:
+            raise TokencapError(
+                f"will not {changes} on run {run!r} found only by a fallback (no run file "
+                f"in this folder's state dir, no {' or '.join(guessed)}): name it with "
+                f"--run {run} --redis-url {redact(redis_url)}, or run this in the folder of "
+                "the stack `tokencap up` started")
     budget = Budget(redis, Keys(prefix, run))
     if not budget.has_run():
         raise RunNotFound(f"run {run!r} not found in Redis (prefix {prefix!r})")
     return budget
-

@@ -107,7 +107,7 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
     closes it at once."""
     from budget_service.ledger import cap_text
 
-    budget = open_budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name, changes="change a cap")
     if category not in budget.telemetry.status()["categories"]:
         raise UnknownCategory(budget.keys.run, category)
     who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
@@ -129,7 +129,7 @@ def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     rejected/dead by reason, cap changes. `up` writes one at the end of a run."""
     from tokencap.report import build_report
 
-    budget = open_budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name, changes="write a report")
     out = Path(out_dir or stored_config(budget).output_dir)
     path = build_report(budget, out, Path(dest) if dest else out)
     click.echo(f"report: {path}")
@@ -149,7 +149,7 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     with no producer running, `tokencap up CONFIG` (or `run`) again finishes them. Their
     lines in failed.jsonl stay, as history. Conversation turns are not sent again (a
     turn needs the turns before it)."""
-    budget = open_budget(redis_url, prefix, run_name)
+    budget = open_budget(redis_url, prefix, run_name, changes="send dead samples again")
     known = list(budget.telemetry.status()["categories"])
     for name in categories:
         if name not in known:

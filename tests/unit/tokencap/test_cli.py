@@ -90,3 +90,12 @@ def test_the_exit_codes_are_one_table_shown_in_help_and_the_readme() -> None:
     shown = CliRunner().invoke(main, ["--help"])
     assert shown.exit_code == 0
     assert exit_codes_text() in " ".join(shown.output.split())
+
+
+@pytest.mark.parametrize(("argv", "env"), [(["--log-level", "LOUD", "status"], {}),
+                                           (["status"], {"TOKENCAP_LOG_LEVEL": "loud"})])
+def test_a_bad_log_level_is_a_usage_error_listing_the_levels(argv, env) -> None:
+    out = CliRunner().invoke(main, argv, env=env)
+    assert out.exit_code == 2
+    assert "'loud' is not one of" in out.output.lower() and "warning" in out.output
+    assert "Traceback" not in out.output

@@ -1,0 +1,75 @@
+"""`tokencap/cli/find_run.py`: a run is always named before it is touched. Every command
+says which run, on which Redis, under which prefix, and where each came from; a command that
+changes a run refuses one found only by a fallback; the prefix comes from the run file like
+the URL does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from redis import Redis
+
+from budget_service.budget import Budget
+from budget_service.keys import Keys
+from tests.helpers import make_cfg
+from tokencap.cli import main
+from tokencap.runfile import RUN_FILE
+
+
+@pytest.fixture
+def run_in_redis(redis: Redis) -> Budget:
+    budget = Budget(redis, Keys("tokencap", "t"))
+    budget.feeding.init_run(make_cfg(cap=1000))
+    return budget
+
+
+def invoke(tmp: Path, *args: str) -> object:
+    """The command with a state dir that holds no run file, and no connection variables."""
+    return CliRunner().invoke(main, [*args, "--state-dir", str(tmp / "no-stack")],
+                              env={"TOKENCAP_RUN": None, "REDIS_URL": None,
+                                   "TOKENCAP_PREFIX": None, "TOKENCAP_STATE_DIR": None})
+
+
+@pytest.mark.parametrize("command", [["cap", "set", "code", "5000"], ["retry"],
+                                     ["report"]])
+def test_a_command_that_changes_a_run_refuses_the_only_run_it_found_by_fallback(
+        tmp_path, redis_url, run_in_redis, command) -> None:
+    res = invoke(tmp_path, *command, "--redis-url", redis_url)
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "found only by a fallback" in res.output and "--run t" in res.output
+    assert run_in_redis.state("code")["cap"] == 1000  # nothing changed
+
+
+def test_named_the_same_command_acts_and_says_on_what(tmp_path, redis_url,
+                                                     run_in_redis) -> None:
+    res = invoke(tmp_path, "cap", "set", "code", "5000", "--redis-url", redis_url,
+                 "--run", "t")
+    assert res.exit_code == 0, res.output
+    assert f"run t on {redis_url} (prefix tokencap; run from flag, Redis from flag)" \
+        in res.stderr
+    assert run_in_redis.state("code")["cap"] == 5000
+
+
+def test_reading_a_run_found_by_fallback_is_allowed_and_named(tmp_path, redis_url,
+                                                              run_in_redis) -> None:
+    res = invoke(tmp_path, "status", "--json", "--redis-url", redis_url)
+    assert res.exit_code == 0, res.output
+    assert "run t on" in res.stderr and "the only run in this Redis" in res.stderr
+    assert res.stdout.lstrip().startswith("{")  # the document alone on stdout
+
+
+def test_the_prefix_comes_from_the_run_file_like_the_url(tmp_path, redis, redis_url) -> None:
+    budget = Budget(redis, Keys("custom", "mine"))
+    budget.feeding.init_run(make_cfg(cap=1000))
+    state = tmp_path / ".run"
+    state.mkdir()
+    (state / RUN_FILE).write_text(f"REDIS_URL={redis_url}\nTOKENCAP_RUN=mine\n"
+                                  "TOKENCAP_PREFIX=custom\n")
+    runner = CliRunner()
+    res = runner.invoke(main, ["cap", "set", "code", "7000", "--state-dir", str(state)],
+                        env={"TOKENCAP_RUN": None, "REDIS_URL": None, "TOKENCAP_PREFIX": None})
+    assert res.exit_code == 0, res.output
+    assert "(prefix custom; run from run file, Redis from run file)" in res.stderr
+    assert budget.state("code")["cap"] == 7000
