@@ -371,11 +371,19 @@ def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool)
     unknown = [c for c in categories if c not in {cat.name for cat in cfg.category}]
     if unknown:
         raise TokencapError(f"no category {', '.join(map(repr, unknown))} in {config}")
+    from tokencap.plan import PREVIEW_SCAN_LIMIT
+
     previews = preview(cfg, n, categories=list(categories) or None)
     if as_json:
         click.echo(json.dumps(msgspec.to_builtins(previews), indent=2, ensure_ascii=False))
     else:
         click.echo(preview_text(previews))
+    empty = [p.category for p in previews if p.sample_id is None]
+    if empty:  # a run would feed nothing there (or nothing soon): a CI gate sees it
+        what = "category" if len(empty) == 1 else "categories"
+        raise SourceError(f"{config}: no usable record in {what} {', '.join(empty)} among "
+                          f"the first {PREVIEW_SCAN_LIMIT:,} of its order (the rejects above "
+                          "say why, file:line each)")
 
 
 @click.command("audit", cls=_Command)

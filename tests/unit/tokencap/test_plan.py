@@ -260,6 +260,17 @@ def test_preview_cli_shows_text_count_and_sampling(tmp_path):
     assert "no category 'nope'" in res.stderr
 
 
+def test_preview_exits_2_when_a_category_has_no_usable_record(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n{"messages": [{"role": "user", "content": 5}]}\n')
+    cfg = _config(tmp_path, cats=f'[[category]]\nname = "bad"\nsource = "{bad}"\n'
+                  'cap_tokens = 100\nsampling = { max_new_tokens = 8 }\n')
+    res = CliRunner().invoke(preview_cmd, [str(cfg)])
+    assert res.exit_code == 2, res.output
+    assert "no usable record in category bad" in res.stderr
+    assert "bad.jsonl:1" in res.output and "bad.jsonl:2" in res.output  # why, file:line
+
+
 CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"
 
 
