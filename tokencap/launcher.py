@@ -38,7 +38,7 @@ from budget_service.keys import Keys
 from foundation.config import DEFAULT_BUDGET_PORT, load_config
 from foundation.engine_api import parse_urls
 from foundation.engine_info import healthy
-from foundation.errors import SIGNALLED, TokencapError
+from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.redisconn import connect
 from foundation.waiting import wait_until
 from producer.run import run_to_end
@@ -50,7 +50,7 @@ from tokencap.localredis import (
     port_free,
     redis_serving,
 )
-from tokencap.progress import ProgressPrinter, summary_table
+from tokencap.progress import ProgressPrinter, nothing_usable, summary_table
 from tokencap.runfile import RUN_FILE, run_file, stop_hint
 
 if TYPE_CHECKING:
@@ -416,6 +416,10 @@ class Stack:
         self._report(budget, Path(cfg.output_dir), cfg.run)
         print(f"[up] results in {cfg.output_dir}; {stop_hint(self.dir)} stops the stack",
               flush=True)
+        why = nothing_usable(status, cfg.output_dir)
+        if why:
+            print(f"[up] {why}", flush=True)
+            return SourceError.exit_code
         states = {st["state"] for st in status["categories"].values()}
         return 0 if states <= {"closed", "exhausted"} else 1
 

@@ -86,6 +86,21 @@ def gate_lines(status: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def nothing_usable(status: dict[str, Any], out_dir: str) -> str:
+    """Why the run made nothing in a category whose every record was rejected ("" when every
+    category made something or was never fed): a run that ends so is a mistake (a wrong
+    format, a field map, a too-small context), not a success."""
+    lines = []
+    for name, st in status["categories"].items():
+        if st["state"] == "exhausted" and st["samples"] == 0 and st["rejected"] > 0:
+            reasons = ", ".join(f"{r} {n:,}" for r, n in sorted(
+                st.get("reasons", {}).items(), key=lambda kv: -kv[1])[:3])
+            lines.append(f"{name}: every record was rejected ({st['rejected']:,}: {reasons}); "
+                         f"{out_dir}/{name}/failed.jsonl says which and why, file:line each "
+                         "(`tokencap plan CONFIG --check` shows the same before a run)")
+    return "\n".join(lines)
+
+
 def summary_table(status: dict[str, Any]) -> str:
     cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
             "waste_tokens", "state")

@@ -115,3 +115,26 @@ sampling = {{ max_new_tokens = 8 }}
     assert f"port {port} is taken" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / ".run" / "pids").exists() or not list(
         (tmp_path / ".run" / "pids").glob("*.pid"))
+
+
+def test_up_exits_2_when_every_record_of_a_category_is_rejected(tmp_path) -> None:
+    (tmp_path / "bad.jsonl").write_text("".join('{"input_ids": []}\n' for _ in range(5)))
+    (tmp_path / "run.toml").write_text(f"""
+run = "allbad"
+output_dir = "out"
+{FAULT_KNOBS}
+[[category]]
+name = "a"
+source = "bad.jsonl"
+format = "input_ids"
+cap_tokens = 3000
+sampling = {{ max_new_tokens = 16 }}
+""")
+    try:
+        up = _tokencap(tmp_path, "up", "run.toml", "--sim", "--workers", "1",
+                       BUDGET_PORT=str(free_port()))
+        assert up.returncode == 2, (up.stdout + up.stderr)[-2000:]
+        assert "a: every record was rejected (5" in up.stdout
+        assert "out/a/failed.jsonl" in up.stdout and "Traceback" not in up.stderr
+    finally:
+        _tokencap(tmp_path, "down")

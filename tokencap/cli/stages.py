@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from foundation.config import DEFAULT_BUDGET_PORT
-from foundation.errors import SIGNALLED, TokencapError
+from foundation.errors import SIGNALLED, SourceError, TokencapError
 from tokencap.cli.find_run import (
     PREFIX_OPT,
     REDIS_OPT,
@@ -49,7 +49,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     from foundation.engine_api import parse_urls
     from foundation.redisconn import connect
     from producer.run import run_to_end
-    from tokencap.progress import ProgressPrinter, summary_table
+    from tokencap.progress import ProgressPrinter, nothing_usable, summary_table
 
     cfg = load_config(config)
     if dry_run:
@@ -71,6 +71,9 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     if stop["flag"]:
         click.echo("stopped before the end; run the same command again to resume", err=True)
         sys.exit(SIGNALLED)
+    why = nothing_usable(status, cfg.output_dir)
+    if why:
+        raise SourceError(why)
 
 
 @click.command()
