@@ -28,7 +28,43 @@ def _fail(exc: TokencapError) -> None:
     sys.exit(exc.exit_code)
 
 
+HELP_NAMES = ["-h", "--help"]
+GLOBAL_OPTIONS = ("--log-level",)  # options of the group also taken after the subcommand
+OWN_OPTIONS = {"sim"}  # subcommands that pass their arguments on, --log-level included
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """`args` with the group's options moved before the subcommand where they were given
+    after it (`tokencap status --log-level DEBUG` = `tokencap --log-level DEBUG status`)."""
+    first = 0
+    while first < len(args) and args[first].startswith("-"):  # the group's own options
+        first += 2 if args[first] in GLOBAL_OPTIONS else 1
+    if first >= len(args) or args[first] in OWN_OPTIONS:
+        return args
+    out, rest = list(args[:first]), []
+    i = first
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest += args[i:]
+            break
+        name = arg.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS and i > first:
+            if "=" in arg:
+                out.append(arg)
+            else:
+                out += args[i:i + 2]
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return out + rest
+
+
 class _Group(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(args))
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -61,21 +97,39 @@ def sim(ctx: click.Context) -> None:
     sys.exit(sim_main())
 
 
+RENAMED_ENV = {"WORKERS": "TOKENCAP_WORKERS", "BUDGET_PORT": "TOKENCAP_BUDGET_PORT"}
+
+
+def _warn_renamed_env() -> None:
+    """The environment variables renamed with the TOKENCAP_ prefix: the old names are read
+    for one more version, with a line saying so."""
+    for old, new in RENAMED_ENV.items():
+        if old in os.environ and new not in os.environ:
+            click.echo(f"[up] {old} is read for one more version: set {new} instead", err=True)
+
+
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--workers", "n_workers", envvar="WORKERS", default=8, show_default=True,
-              help="Consumers to start. Env: WORKERS.")
+@click.option("--workers", "n_workers", envvar=["TOKENCAP_WORKERS", "WORKERS"], default=8,
+              show_default=True, help="Consumers to start. Env: TOKENCAP_WORKERS.")
 @STATE_OPT
-@click.option("--budget-port", envvar="BUDGET_PORT", default=DEFAULT_BUDGET_PORT, show_default=True,
+@click.option("--redis-url", envvar="REDIS_URL", default=None,
+              help="Redis to use (redis://, rediss://, unix://). Env: REDIS_URL. Default: a "
+              "local redis-server with AOF under the state dir.")
+@click.option("--sglang-url", envvar="SGLANG_URL", default=None,
+              help="The engine(s), comma separated (sglang+/openai+ prefixes). Env: "
+              "SGLANG_URL. Default: the engine of the stack running here, if any.")
+@click.option("--budget-port", envvar=["TOKENCAP_BUDGET_PORT", "BUDGET_PORT"],
+              default=DEFAULT_BUDGET_PORT, show_default=True,
               help="Port of the budget service on 127.0.0.1 (/status, /metrics, POST /cap); "
-              "0: any free port (the run file says which). Env: BUDGET_PORT.")
+              "0: any free port (the run file says which). Env: TOKENCAP_BUDGET_PORT.")
 @click.option("--sim", "use_sim", is_flag=True,
               help="Run on the SGLang simulator (no GPU; synthetic outputs, labelled "
               "simulated) instead of SGLANG_URL.")
 @click.option("--sim-time-scale", default=20.0, show_default=True,
               help="Speed-up of the simulator (with --sim).")
-def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: bool,
-       sim_time_scale: float) -> None:
+def up(config: str, n_workers: int, state_dir: str, redis_url: str | None,
+       sglang_url: str | None, budget_port: int, use_sim: bool, sim_time_scale: float) -> None:
     """Start what is missing (Redis, budget service, writer, workers; the simulator with
     --sim) and run CONFIG to completion with progress, then print a summary. Uses REDIS_URL
     if set, else a local redis-server with AOF (or an embedded one). The engine is SGLANG_URL
@@ -86,10 +140,12 @@ def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: b
     a crash of the whole stack (pid files name a process by pid and start time: stale ones
     are replaced). While it feeds, a writer, budget service, simulator or worker of the
     stack that dies is started again."""
+    from foundation.config import load_config
     from foundation.engine_api import display
     from tokencap.launcher import Stack
 
-    sglang_url = os.environ.get("SGLANG_URL")
+    _warn_renamed_env()
+    load_config(config)  # a config mistake is said first, before anything starts
     if use_sim and sglang_url:
         raise TokencapError("--sim and SGLANG_URL both given: choose the simulator or the "
                             "engine")
@@ -106,7 +162,7 @@ def up(config: str, n_workers: int, state_dir: str, budget_port: int, use_sim: b
         if use_sim:
             sglang_url = None
     try:
-        code = stack.up(config, n_workers, os.environ.get("REDIS_URL"), sglang_url,
+        code = stack.up(config, n_workers, redis_url, sglang_url,
                         sim_time_scale, budget_port)
     except KeyboardInterrupt:
         click.echo("tokencap: stopped (Ctrl-C) before anything was fed; what this `up` "
@@ -156,6 +212,16 @@ def _register_commands() -> None:
     for cmd in (run, worker, writer, status, serve, cap, report, retry,
                 export_cmd, plan_cmd, preview_cmd, audit_cmd):
         main.add_command(cmd)
+    _help_names(main)
+
+
+def _help_names(cmd: click.Command) -> None:
+    """-h beside --help on every command, also one invoked on its own (click keeps the help
+    option a command made first)."""
+    names = ["--help"] if cmd.name == "sim" else HELP_NAMES  # sim passes -h on: its own help
+    cmd.context_settings = {**cmd.context_settings, "help_option_names": names}
+    for sub in getattr(cmd, "commands", {}).values():
+        _help_names(sub)
 
 
 _register_commands()

@@ -94,6 +94,8 @@ def _export_table(summary: dict[str, Any]) -> str:
 
 
 @click.command("export", cls=_Command)
+@click.argument("config_arg", metavar="[CONFIG]", required=False,
+                type=click.Path(dir_okay=False))
 @click.option("--config", "config_path", envvar=CONFIG_ENV, default=None,
               type=click.Path(dir_okay=False),
               help="Run config: gives the output folder, the tokenizer, the categories and "
@@ -163,7 +165,8 @@ def _export_table(summary: dict[str, Any]) -> str:
               "length). Default: a config.json beside the tokenizer, else the tokenizer's "
               "length.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | None, dest: str,
+def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | None,
+               tokenizer: str | None, dest: str,
                formats: tuple[str, ...], merged: bool, categories: tuple[str, ...],
                keep_truncated: bool, allow_simulated: bool, loss_mask: str,
                consistent_only: bool, exact_tool_args: bool, eval_fraction: float, seed: int,
@@ -184,10 +187,13 @@ def export_cmd(config_path: str | None, out_dir: str | None, tokenizer: str | No
     from tokencap.export.conversations import SourceMessages
     from tokencap.export.length import Limits
 
+    if config_arg and config_path and config_arg != config_path:
+        raise TokencapError(f"two configs: {config_arg} and --config {config_path}; give one")
+    config_path = config_arg or config_path
     cfg = _load(config_path) if config_path else None
     out = out_dir or (cfg.output_dir if cfg else None)
     if out is None:
-        raise TokencapError("no output folder: pass --config CONFIG or --out DIR")
+        raise TokencapError("no output folder: pass CONFIG (or --config CONFIG) or --out DIR")
     names = list(categories) or ([c.name for c in cfg.category] if cfg else None)
     decoder = messages = None
     if "conversations" in formats:

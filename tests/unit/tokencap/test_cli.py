@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -99,3 +102,45 @@ def test_a_bad_log_level_is_a_usage_error_listing_the_levels(argv, env) -> None:
     assert out.exit_code == 2
     assert "'loud' is not one of" in out.output.lower() and "warning" in out.output
     assert "Traceback" not in out.output
+
+
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            out += _commands(cmd, (*prefix, name))
+        else:
+            out.append((*prefix, name))
+    return sorted(out)
+
+
+def _one_line_usage_error(res: Any) -> bool:
+    lines = [ln for ln in res.output.splitlines() if ln.startswith(("Error", "tokencap: error"))]
+    return res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output and (
+        res.exception is None or isinstance(res.exception, SystemExit))
+
+
+@pytest.mark.parametrize("path", [p for p in _commands(main) if p != ("sim",)])
+def test_every_command_takes_h_and_refuses_a_bad_flag_in_one_line(path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(main, [*path, "-h"]).exit_code == 0
+    assert _one_line_usage_error(runner.invoke(main, [*path, "--no-such-flag"]))
+    # the group's options after the subcommand too
+    res = runner.invoke(main, [*path, "--log-level", "LOUD"])
+    assert _one_line_usage_error(res) and "--log-level" in res.output
+
+
+@pytest.mark.parametrize("argv", [["run", "/nope.toml"], ["plan", "/nope.toml"],
+                                  ["preview", "/nope.toml"], ["up", "/nope.toml", "--sim"],
+                                  ["export", "--config", "/nope.toml", "--dest", "/tmp/x"],
+                                  ["audit", "/nope.jsonl"], ["plan", "x.toml", "--tok-s", "x"],
+                                  ["up", "x.toml", "--workers", "many"],
+                                  ["export", "--out", "o", "--dest", "d", "--format", "csv"]])
+def test_a_missing_file_or_a_bad_value_is_exit_2_in_one_line(argv) -> None:
+    assert _one_line_usage_error(CliRunner().invoke(main, argv))
+
+
+def test_up_takes_the_connection_flags_and_the_prefixed_variables() -> None:
+    out = CliRunner().invoke(main, ["up", "-h"]).output
+    assert "--redis-url" in out and "--sglang-url" in out
+    assert "TOKENCAP_WORKERS" in out and "TOKENCAP_BUDGET_PORT" in out

@@ -276,4 +276,4 @@ def test_nothing_to_export_is_a_clear_error(tmp_path):
     assert "Traceback" not in res.output
     res = CliRunner().invoke(export_cmd, ["--dest", str(tmp_path / "d")])
     assert res.exit_code == 1
-    assert "--config CONFIG or --out DIR" in res.stderr
+    assert "(or --config CONFIG) or --out DIR" in res.stderr
