@@ -50,6 +50,9 @@ FORMATS = (
     "problem_solution",
     "instruction_response",
     "input_output",
+    "prompt",
+    "query",
+    "text",
     "input_ids",
 )
 TURN_POLICIES = ("first", "last", "all")
@@ -226,8 +229,26 @@ def _field(msg: str) -> str:
     return m.group(1) if m else "$"
 
 
+def _choices(field: str) -> tuple[Any, ...]:
+    """The values a field whose type is a Literal allows (() for any other field), by its
+    name in the config's structs."""
+    import typing
+
+    name = field.rsplit(".", 1)[-1]
+    for struct in (Category, SamplingParams, RunConfig):
+        hint = typing.get_type_hints(struct, include_extras=True).get(name)
+        for t in (hint, *typing.get_args(hint)):  # Annotated[...], X | None
+            if typing.get_origin(t) is Literal:
+                return typing.get_args(t)
+            for inner in typing.get_args(t):
+                if typing.get_origin(inner) is Literal:
+                    return typing.get_args(inner)
+    return ()
+
+
 def load_config(path: str | Path) -> RunConfig:
-    """Read, decode and validate a run config; raise ConfigError naming file and field."""
+    """Read, decode and validate a run config; raise ConfigError naming file and field (and,
+    for a field of a few values, the values it takes)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -236,7 +257,10 @@ def load_config(path: str | Path) -> RunConfig:
     try:
         cfg = msgspec.toml.decode(raw, type=RunConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(str(path), f"invalid field {_field(str(exc))}: {exc}") from None
+        field = _field(str(exc))
+        choices = _choices(field) if "Invalid enum value" in str(exc) else ()
+        allowed = f"; choose from {', '.join(map(str, choices))}" if choices else ""
+        raise ConfigError(str(path), f"invalid field {field}: {exc}{allowed}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(str(path), f"not valid TOML: {exc}") from None
     return _resolve(cfg, path)

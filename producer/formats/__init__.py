@@ -22,7 +22,14 @@ alpaca                 ``instruction`` [, ``input``, ``output``]   instruction +
 question_answer        ``question``                                question
 problem_solution       ``problem``                                 problem
 input_output           ``input``                                   input
+prompt                 ``prompt`` (a string)                       prompt
+query                  ``query``                                   query
+text                   ``text``                                    text
 =====================  ==========================================  =========================
+
+A record none of these fits is refused (``unknown_format``) with the `field_map` that would
+read it (``field_map = { prompt = "KEY" }`` for one text, ``{ messages = "KEY", role = ...,
+content = ... }`` for a list of turns), from its own keys.
 
 Any chat format also honours a non-empty top-level string ``system`` field (OpenThoughts,
 LLaMA-Factory alpaca) when the conversation has no system turn of its own, and a top-level
@@ -82,6 +89,9 @@ SINGLE_TURN_KEYS = {
     "problem_solution": "problem",
     "instruction_response": "instruction",
     "input_output": "input",
+    "prompt": "prompt",
+    "query": "query",
+    "text": "text",
 }
 ALPACA_SEPARATOR = "\n\n"  # between an alpaca instruction and its non-empty input
 TEXT_PART_SEPARATOR = "\n"  # between the text parts of list content, as vLLM joins them
@@ -126,11 +136,32 @@ def detect_format(record: dict) -> str:
         return "sharegpt"
     if "instruction" in record:
         return "instruction_response" if "response" in record else "alpaca"
-    for fmt in ("question_answer", "problem_solution", "input_output"):
+    for fmt in ("question_answer", "problem_solution", "input_output", "prompt", "query",
+                "text"):
         if SINGLE_TURN_KEYS[fmt] in record:
             return fmt
     keys = ", ".join(sorted(map(str, record))[:20]) or "none"
-    raise Rejected("unknown_format", f"cannot tell the format from the keys: {keys}")
+    raise Rejected("unknown_format", f"cannot tell the format from the keys: {keys}"
+                   + field_map_hint(record))
+
+
+def field_map_hint(record: dict) -> str:
+    """The category `field_map` that would read `record`, from its keys ("" if none would):
+    a list of objects is turns, else a string is the prompt."""
+    for key, value in record.items():
+        if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
+            turn = value[0]
+            role = next((k for k in ("role", "from", "speaker", "author") if k in turn), None)
+            text = next((k for k in ("content", "value", "text", "message") if k in turn),
+                        None)
+            if role and text:
+                return (f"; to read it set, in the category, field_map = {{ messages = "
+                        f'"{key}", role = "{role}", content = "{text}" }}')
+    for key, value in record.items():
+        if isinstance(value, str) and value.strip():
+            return (f'; to read it set, in the category, field_map = {{ prompt = "{key}" }} '
+                    "(the key of the user text)")
+    return ""
 
 
 

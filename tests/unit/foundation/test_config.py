@@ -142,3 +142,17 @@ sampling = {{ max_new_tokens = 8 }}
         config('turns = "all"\nformat = "input_ids"')
     with pytest.raises(ConfigError, match="cap_tokens"):
         config('cap_tokens = "lots"')
+
+
+@pytest.mark.parametrize(("line", "field", "allowed"), [
+    ('format = "chatml"', "format", "messages, sharegpt"),
+    ('turns = "most"', "turns", "first, last, all"),
+])
+def test_a_wrong_choice_lists_the_allowed_values(tmp_path, line, field, allowed) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'run = "x"\noutput_dir = "o"\n[[category]]\nname = "a"\n'
+                    f'source = "s.jsonl"\n{line}\ncap_tokens = 5\n'
+                    "sampling = { max_new_tokens = 4 }\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"$.category[0].{field}" in str(err.value) and allowed in str(err.value)

@@ -161,3 +161,29 @@ def test_tool_results_are_rekeyed_to_the_regenerated_calls() -> None:
     two = {**mine, "tool_calls": mine["tool_calls"] * 2}
     assert conv.replay_notes([two]) == [
         "turn 1: 1 call(s) of the model have no recorded result (the source has 1)"]
+
+
+@pytest.mark.parametrize("key", ["prompt", "query", "text"])
+def test_a_single_field_prompt_is_read_by_auto(key) -> None:
+    assert to_prompt({key: "Say hi.", "id": 3}, "auto") == [
+        {"role": "user", "content": "Say hi."}]
+    assert to_prompt({key: "Say hi."}, key) == [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.mark.parametrize("record", [
+    {"dialog": [{"speaker": "user", "message": "Hello?"}], "n": 1},
+    {"instr": "Write a haiku.", "n": 2},
+])
+def test_an_unknown_format_names_the_field_map_that_reads_it(record) -> None:
+    import re
+    import tomllib
+
+    with pytest.raises(Rejected) as err:
+        to_prompt(record, "auto")
+    assert err.value.reason == "unknown_format"
+    hint = re.search(r"field_map = (\{.*?\})", str(err.value))
+    assert hint, str(err.value)
+    field_map = tomllib.loads(f"field_map = {hint[1]}")["field_map"]  # as a config holds it
+    messages = to_prompt(record, "auto", field_map=field_map)
+    assert messages[-1]["role"] == "user" and messages[-1]["content"] in (
+        "Hello?", "Write a haiku.")
