@@ -98,6 +98,11 @@ def hub_cache() -> str | None:
     return None
 
 
+# what a model's tokenizer needs from its Hub repository (no weights): the download hint's
+# --include patterns
+TOKENIZER_FILES = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py")
+
+
 def hf_snapshot(repo_id: str, repo_type: str, revision: str | None) -> Path:
     """The local snapshot folder of a Hub repository, from the cache only."""
     from huggingface_hub import snapshot_download
@@ -110,11 +115,15 @@ def hf_snapshot(repo_id: str, repo_type: str, revision: str | None) -> Path:
         home = hub_cache() or "~/.cache/huggingface/hub"
         flag = " --repo-type dataset" if repo_type == "dataset" else ""
         at = f" --revision {revision}" if revision else ""
+        hf = cli = at
+        if repo_type == "model":  # the tokenizer, its config and template: not the weights
+            hf += "".join(f" --include '{p}'" for p in TOKENIZER_FILES)  # typer: repeated
+            cli += " --include " + " ".join(f"'{p}'" for p in TOKENIZER_FILES)  # argparse
         raise SourceMissing(
             f"{repo_type} {repo_id}{'@' + revision if revision else ''} is not in the local "
             f"Hugging Face cache ({home}); download it first on a machine with network: "
-            f"`hf download{flag} {repo_id}{at}` (or `huggingface-cli download{flag} "
-            f"{repo_id}{at}`), with the same HF_HOME") from None
+            f"`hf download{flag} {repo_id}{hf}` (or `huggingface-cli download{flag} "
+            f"{repo_id}{cli}`), with the same HF_HOME") from None
 
 
 def expand_source(item: str, base: Path) -> list[str]:

@@ -241,11 +241,21 @@ def _custom_code(path: Path) -> str | None:
     return auto if isinstance(auto, str) else None
 
 
+# a folder holding none of these is no tokenizer (transformers' own message says it badly)
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                        "vocab.json", "tiktoken.model", "spiece.model")
+
+
 def _load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     """Load a tokenizer from a local directory only; errors become `TokenizerError`. A
     folder whose tokenizer is the model's own code loads only with `trust_remote_code`."""
     if not path.is_dir():
         raise TokenizerError(f"tokenizer {path}: no such directory")
+    if not any((path / name).exists() for name in TOKENIZER_FILE_NAMES) and not any(
+            path.glob("*.tiktoken")):
+        raise TokenizerError(f"tokenizer {path}: no tokenizer file in it (none of "
+                             f"{', '.join(TOKENIZER_FILE_NAMES)}): point `tokenizer` at the "
+                             "model's folder, or a copy of its tokenizer files")
     code = _custom_code(path)
     if code and not trust_remote_code:
         raise TokenizerError(f"tokenizer {path}: its tokenizer is the model's own code "
@@ -258,7 +268,8 @@ def _load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                             trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # the whole message on one line (transformers puts the useful part on the next ones)
+        reason = " ".join(str(exc).split())[:400] or type(exc).__name__
         if "trust_remote_code" in str(exc) and not trust_remote_code:
             reason = "it needs the model's own code: set `trust_remote_code = true`"
         raise TokenizerError(f"tokenizer {path}: cannot load: {reason}") from None

@@ -173,4 +173,5 @@ sampling = { max_new_tokens = 8, temperature = 0.7 }
     text = str(err.value)
     assert "$.tokenizer: not a directory" in text
     assert "model Qwen/Qwen2.5-7B-Instruct is not in the local Hugging Face cache" in text
-    assert "hf download Qwen/Qwen2.5-7B-Instruct" in text
+    assert "hf download Qwen/Qwen2.5-7B-Instruct --include '*.json'" in text
+    assert "safetensors" not in text  # the tokenizer's files only, never the weights

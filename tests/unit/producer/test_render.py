@@ -197,3 +197,12 @@ def test_developer_becomes_system_unless_the_template_knows_it(qwen: Renderer) -
         assert qwen.prepare(messages) == messages
     finally:
         qwen._developer = None
+
+
+def test_a_folder_without_tokenizer_files_says_so_in_one_sentence(tmp_path) -> None:
+    from producer.render import Renderer, TokenizerError
+
+    with pytest.raises(TokenizerError) as err:
+        Renderer(tmp_path)
+    assert "no tokenizer file in it" in str(err.value) and "tokenizer.json" in str(err.value)
+    assert str(err.value).endswith("tokenizer files")  # whole, not cut after "one of:"
