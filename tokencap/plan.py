@@ -186,24 +186,56 @@ class Survey(NamedTuple):
     prompt_tokens: float | None  # mean prompt tokens, when asked for (`prompt_tokens_of`)
 
 
+def model_context_length(renderer: Renderer | None) -> int | None:
+    """The context length of the tokenizer's model from a ``config.json`` beside it
+    (``max_position_embeddings``, a multimodal model's ``text_config`` too; None when there
+    is none): what the engine serving it takes, unless it was started with less."""
+    import json
+
+    folder = getattr(renderer, "path", None)
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        doc = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for d in (doc, doc.get("text_config") or {}):
+        n = d.get("max_position_embeddings")
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def context_for_check(cfg: RunConfig, renderer: Renderer | None) -> tuple[int | None, str]:
+    """The context the check holds prompts to, and where it came from."""
+    if cfg.context_length is not None:
+        return cfg.context_length, "context_length"
+    found = model_context_length(renderer)
+    if found is not None:
+        return found, "the model's config.json (max_position_embeddings)"
+    return None, ""
+
+
 def survey(cfg: RunConfig, renderer: Renderer | None, check: bool = False,
            prompt_tokens_of: Collection[str] = (),
            on_progress: Callable[[str, int, int], None] | None = None,
            sample_size: int = PROMPT_SAMPLE_SIZE) -> dict[str, Survey]:
     """Each category's sources, opened once: how many records they hold; with `check`, every
     record read, rendered and checked as the producer does (`CategorySource.prompt`: the
-    first prompt of a conversation, every fit check, with `context_length` as the engine's
-    context), the usable ones counted with the generations they ask for and the rejects by
-    reason; for the categories in `prompt_tokens_of`, the mean prompt tokens as the producer
-    renders them (with `check`: over every usable record; else over the first `sample_size`
-    prompts of the shuffled order; 0.0 when none renders). `on_progress(category, done,
-    total)` is called now and then while checking."""
+    first prompt of a conversation, every fit check, with `context_length`, else the model's
+    own from a config.json beside the tokenizer, as the engine's context), the usable ones
+    counted with the generations they ask for and the rejects by reason; for the categories
+    in `prompt_tokens_of`, the mean prompt tokens as the producer renders them (with `check`:
+    over every usable record; else over the first `sample_size` prompts of the shuffled
+    order; 0.0 when none renders). `on_progress(category, done, total)` is called now and
+    then while checking."""
     from producer.source import CategorySource
 
     out = {}
+    context = context_for_check(cfg, renderer)[0] if check else cfg.context_length
     for cat in cfg.category:
         mean = cat.name in prompt_tokens_of
-        with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
+        with CategorySource.open(cfg, cat, renderer, context) as source:
             checked = lengths = None
             if check:
                 checked, lengths = _check(source, on_progress)

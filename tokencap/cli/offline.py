@@ -334,6 +334,14 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     estimate = [n for n in names if n not in measured] if cfg.count == "total" else []
     renders = check or any(cfg.by_name(n).format != "input_ids" for n in estimate)
     renderer = _config_renderer(cfg) if chat and renders else None
+    if check:
+        from tokencap.plan import context_for_check
+
+        context, origin = context_for_check(cfg, renderer)
+        click.echo(f"prompts checked against a context of {context:,} tokens ({origin})"
+                   if context else "no context_length in the config and no config.json "
+                   "beside the tokenizer: prompts are not checked against the engine's "
+                   "context here (the run's preflight asks the engine)", err=True)
     found = survey(cfg, renderer, check, estimate, lambda name, done, n: click.echo(
         f"{name}: checked {done:,} of {n:,} records", err=True))  # each source opened once
     checked = {n: s.checked for n, s in found.items() if s.checked is not None} or None

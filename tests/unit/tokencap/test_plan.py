@@ -377,3 +377,27 @@ def test_plan_check_fails_when_a_category_has_no_usable_record(tmp_path) -> None
     assert res.exit_code == 2
     assert f"{path}: no usable record in category agent" in res.output
     assert "Traceback" not in res.output
+
+
+def test_plan_check_holds_prompts_to_the_models_own_context_without_context_length(tmp_path):
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(QWEN, tok)
+    src = tmp_path / "long.jsonl"
+    src.write_text(json.dumps({"prompt": "word " * 3000}) + "\n"
+                   + json.dumps({"prompt": "short"}) + "\n")
+    cats = (f'[[category]]\nname = "c"\nsource = "{src}"\ncap_tokens = 100\n'
+            "sampling = { max_new_tokens = 16, temperature = 0.7 }\n")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'run = "p"\noutput_dir = "{tmp_path / "out"}"\ntokenizer = "{tok}"\n{cats}')
+    res = CliRunner().invoke(plan_cmd, [str(cfg), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "prompts are not checked against the engine's context" in res.stderr
+    (tok / "config.json").write_text(json.dumps({"model_type": "qwen2",
+                                                 "max_position_embeddings": 1024}))
+    res = CliRunner().invoke(plan_cmd, [str(cfg), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "context of 1,024 tokens (the model's config.json" in res.stderr
+    [row] = json.loads(res.stdout)["categories"]
+    assert row["checked"]["usable"] == 1 and "prompt_too_long" in row["checked"]["rejected"]
