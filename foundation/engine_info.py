@@ -155,6 +155,18 @@ def context_length(specs: list[EngineSpec]) -> int | None:
     return min(found) if found else None
 
 
+def trouble(spec: EngineSpec, timeout: tuple[float, float] = (3.0, 5.0)) -> str:
+    """Why `spec` does not answer GET /health ("" when it does), in a few words: what a
+    progress line says while an engine is away."""
+    try:
+        _get(spec, "/health", timeout)
+    except EngineNotReady as exc:
+        return exc.reason
+    except EngineUnusable as exc:
+        return str(exc)
+    return ""
+
+
 def healthy(url: str, timeout_s: float = 5.0, key: str | None = None) -> bool:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:

@@ -4,27 +4,68 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from budget_service.ledger import cap_text
+from foundation.engine_api import EngineSpec
 from tokencap.rates import tok_s
+
+# no token counted for this long while samples are in flight: the engines are asked whether
+# they answer (GET /health), and what they say is in the progress line until they do
+STALL_S = 10.0
+
+
+def engine_trouble(spec: EngineSpec) -> str:
+    from foundation.engine_info import trouble
+
+    return trouble(spec)
 
 
 class ProgressPrinter:
     """Prints one line per category every call, with tok/s since the previous call, and what
     holds the end back once every category is done (the writer); a line that would repeat
-    the previous one is not printed."""
+    the previous one is not printed. When no token was counted for STALL_S while samples are
+    in flight, the `engines` are asked whether they answer: one that does not is in every
+    line until it does, with since when (`probe`: `engine_trouble`)."""
 
-    def __init__(self, out: TextIO = sys.stdout) -> None:
+    def __init__(self, out: TextIO = sys.stdout, engines: Sequence[EngineSpec] = (),
+                 probe: Callable[[EngineSpec], str] = engine_trouble) -> None:
         self.out = out
+        self.engines = list(engines)
+        self.probe = probe
         self._last: dict[str, tuple[float, int]] = {}
         self._line = ""
+        self._moved_at = time.monotonic()
+        self._down: dict[str, tuple[float, str]] = {}  # engine -> (since, why)
+
+    def _engines_line(self, now: float, moved: bool, in_flight: int) -> str:
+        """What the engines' trouble adds to the line ("" when none is known)."""
+        if not moved and in_flight and now - self._moved_at >= STALL_S or self._down:
+            for spec in self.engines:
+                why = self.probe(spec)
+                if why:
+                    since = self._down.get(spec.url, (now, why))[0]
+                    self._down[spec.url] = (since, why)
+                elif spec.url in self._down:
+                    since, _ = self._down.pop(spec.url)
+                    self.out.write(f"[progress] engine {spec.url} answers again, after "
+                                   f"{now - since:.0f} s\n")
+        parts = [f"engine {url}: {why}, for {now - since:.0f} s (since "
+                 f"{time.strftime('%H:%M:%S', time.localtime(time.time() - (now - since)))})"
+                 for url, (since, why) in self._down.items()]
+        return "; ".join(parts)
 
     def __call__(self, status: dict[str, Any]) -> None:
         now = time.monotonic()
         cats = status["categories"]
         parts = []
+        moved = any(st["used"] != self._last.get(name, (now, -1))[1]
+                    for name, st in cats.items())
+        if moved:
+            self._moved_at = now
+        engines = self._engines_line(now, moved, sum(st.get("in_flight", 0)
+                                                     for st in cats.values()))
         for name, st in cats.items():
             t, used = self._last.get(name, (now, st["used"]))
             rate = tok_s(used, t, st["used"], now)
@@ -44,6 +85,8 @@ class ProgressPrinter:
             line = f"[progress] waiting for the writer ({unwritten} results unwritten)"
         if unwritten and trouble:
             line += f"; writer: {trouble}"
+        if engines:
+            line += f"; {engines}"
         if line != self._line:
             self._line = line
             self.out.write(line + "\n")

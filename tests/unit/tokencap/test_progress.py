@@ -31,3 +31,59 @@ def test_progress_says_it_waits_for_the_writer_and_never_repeats_a_line() -> Non
         "[progress] waiting for the writer (2 results unwritten); writer: cannot write "
         "/out/a/part-00001.jsonl: No space left",
     ]
+
+
+def flight(used: int, in_flight: int = 4) -> dict:
+    return {"run": "r", "categories": {"a": {"used": used, "cap": 1000, "state": "open",
+                                             "in_flight": in_flight}},
+            "writer": {"holder": "h", "error": None, "unwritten": 0}}
+
+
+def test_an_engine_away_while_nothing_moves_is_said_in_every_line_until_it_answers(
+        monkeypatch) -> None:
+    from foundation.engine_api import engine_spec
+    from tokencap import progress
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock["t"])
+    answers = {"now": False}
+    asked: list[str] = []
+
+    def probe(spec) -> str:
+        asked.append(spec.url)
+        return "" if answers["now"] else "connection refused"
+
+    out = io.StringIO()
+    p = ProgressPrinter(out, [engine_spec("http://gpu:30000")], probe)
+    p(flight(100))
+    clock["t"] += progress.STALL_S / 2
+    p(flight(100))  # not long enough to ask
+    assert asked == []
+    clock["t"] += progress.STALL_S
+    p(flight(100))
+    clock["t"] += 5
+    p(flight(100))
+    answers["now"] = True
+    clock["t"] += 5
+    p(flight(140))
+    lines = out.getvalue().splitlines()
+    assert "engine http://gpu:30000: connection refused, for 0 s" in lines[1]
+    assert "engine http://gpu:30000: connection refused, for 5 s" in lines[2]
+    assert lines[3] == "[progress] engine http://gpu:30000 answers again, after 10 s"
+    assert "engine" not in lines[4]
+    # with nothing in flight, a quiet run is not an engine's fault: nobody is asked
+    asked.clear()
+    clock["t"] += 100
+    p(flight(140, in_flight=0))
+    assert asked == []
+
+
+def test_the_trouble_of_an_engine_is_what_its_health_check_says() -> None:
+    from foundation.engine_api import engine_spec
+    from foundation.engine_info import trouble
+    from sglang_sim.testing import SimServer
+    from testing.harness import free_port
+
+    with SimServer(time_scale=100.0) as sim:
+        assert trouble(engine_spec(sim.url)) == ""
+    assert trouble(engine_spec(f"http://127.0.0.1:{free_port()}")) == "connection refused"
