@@ -366,6 +366,36 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
                           "rejects above say why)")
 
 
+@click.command("init", cls=_Command)
+@click.argument("data", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--tokenizer", "tokenizer", envvar="TOKENCAP_TOKENIZER", required=True,
+              type=click.Path(file_okay=False),
+              help="The model's local tokenizer folder. Env: TOKENCAP_TOKENIZER.")
+@click.option("--out", "dest", default="run.toml", show_default=True,
+              type=click.Path(dir_okay=False), help="The config file to write.")
+@click.option("--run", "run_name", default="run", show_default=True, help="The run's name.")
+@click.option("--cap", "cap", type=click.IntRange(min=1), default=10_000_000,
+              show_default=True, help="Output tokens per category.")
+@click.option("--force", is_flag=True, help="Replace the config file if it exists.")
+def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, cap: int,
+             force: bool) -> None:
+    """Write a commented run config for DATA files: one category per file, its format told
+    from its records (or the field_map that would read it), a cap, the model's sampling, and
+    the plan's figures as comments. Then `tokencap plan CONFIG --check` and `make up
+    CONFIG=...`. Needs no Redis."""
+    from tokencap.init import plan_comments, write_config
+
+    out = Path(dest)
+    found = write_config([Path(d) for d in data], Path(tokenizer), out, run_name, cap, force)
+    for name, f in found.items():
+        fmt = f["format"] or "not told (see the config)"
+        click.echo(f"{name}: {f['file']}, {f['records']:,} records, format {fmt}")
+    if all(f["format"] for f in found.values()):
+        for line in plan_comments(out):
+            click.echo(line.removeprefix("# "))
+    click.echo(f"wrote {out}; next: tokencap plan {out} --check, then make up CONFIG={out}")
+
+
 @click.command("preview", cls=_Command)
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("-n", "n", type=click.IntRange(min=1), default=1, show_default=True,

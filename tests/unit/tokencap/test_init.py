@@ -1,0 +1,51 @@
+"""`tokencap init` (`tokencap/init.py`): a config from the data files alone, which the plan
+accepts as it is."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from foundation.config import load_config
+from tests.conftest import DATASETS, QWEN
+from tokencap.cli import main
+from tokencap.cli.offline import plan_cmd
+
+FILES = [DATASETS / "question_answer" / "gsm8k_test_first200.jsonl",
+         DATASETS / "sharegpt" / "fastchat_dummy_conversation.json",
+         DATASETS / "alpaca" / "llamafactory_alpaca_en_demo.json"]
+
+
+def test_init_writes_a_config_plan_check_accepts(tmp_path) -> None:
+    dest = tmp_path / "run.toml"
+    res = CliRunner().invoke(main, ["init", *map(str, FILES), "--tokenizer", str(QWEN),
+                                    "--out", str(dest), "--cap", "50000"])
+    assert res.exit_code == 0, res.output
+    cfg = load_config(dest)
+    assert [(c.format, c.cap_tokens) for c in cfg.category] == [
+        ("question_answer", 50000), ("sharegpt", 50000), ("alpaca", 50000)]
+    text = dest.read_text()
+    assert "gsm8k_test_first200: 200 records" in text and "prompt tokens" in text
+    assert "temperature 0.7" in text  # the model's own sampling, said where it comes from
+    res = CliRunner().invoke(plan_cmd, [str(dest), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["category"]: r for r in json.loads(res.stdout)["categories"]}
+    assert rows["gsm8k_test_first200"]["checked"]["usable"] == 200
+
+
+def test_init_says_what_it_cannot_tell_and_refuses_to_overwrite(tmp_path) -> None:
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"instr": "Write a haiku.", "n": 1}\n')
+    dest = tmp_path / "run.toml"
+    res = CliRunner().invoke(main, ["init", str(odd), "--tokenizer", str(QWEN), "--out",
+                                    str(dest)])
+    assert res.exit_code == 0, res.output
+    assert 'field_map = { prompt = "instr" }' in dest.read_text()
+    assert "format not told" in res.output
+    again = CliRunner().invoke(main, ["init", str(odd), "--tokenizer", str(QWEN), "--out",
+                                      str(dest)])
+    assert again.exit_code == 2 and "--force" in again.output
+    gone = CliRunner().invoke(main, ["init", str(tmp_path / "nope.jsonl"), "--tokenizer",
+                                     str(QWEN), "--out", str(tmp_path / "x.toml")])
+    assert gone.exit_code == 2 and "Traceback" not in gone.output

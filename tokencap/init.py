@@ -1,0 +1,142 @@
+"""`tokencap init DATA... --tokenizer T`: a commented run config from the data files given.
+
+One category per file (named after it), its format told from its first records
+(`producer.formats.detect_format`; a file it cannot tell gets the `field_map` that would read
+it, or says why), a cap per category, the sampling the model's generation config gives (or a
+line saying it gives none), and the plan's figures as comments (records, the first prompts'
+mean length), so that `tokencap plan CONFIG --check` and `make up CONFIG=...` are next.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from foundation.errors import TokencapError
+
+DEFAULT_CAP = 10_000_000
+DEFAULT_MAX_NEW = 4096
+LOOKED_AT = 20  # first records read to tell a file's format
+CHAT_FORMATS = {"messages", "sharegpt"}
+
+
+class InitError(TokencapError):
+    exit_code = 2
+    meaning = "bad config or source"
+
+
+def _name(path: Path, taken: set[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_-]+", "_", path.name.split(".")[0]).strip("_") or "data"
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def _format_of(path: Path) -> tuple[str | None, str, int]:
+    """(the format most of the first records have, or None; a note for the config; records)."""
+    from producer.formats import Rejected, detect_format
+    from producer.readers import SourceIndex
+
+    with SourceIndex.build([path]) as index:
+        n = len(index)
+        seen: Counter[str] = Counter()
+        why = ""
+        for i in range(min(n, LOOKED_AT)):
+            try:
+                seen[detect_format(index.read(i))] += 1
+            except Rejected as exc:
+                why = why or str(exc)
+    if not seen:
+        return None, why or "no record", n
+    fmt, count = seen.most_common(1)[0]
+    note = "" if count == sum(seen.values()) else (
+        f"{count} of the first {sum(seen.values())} records are {fmt}")
+    return fmt, note, n
+
+
+def _sampling(tokenizer: Path) -> tuple[str, str]:
+    """The sampling line, and a comment on where it comes from."""
+    cfg = tokenizer / "generation_config.json"
+    found: dict[str, Any] = {}
+    if cfg.is_file():
+        try:
+            found = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            found = {}
+    if isinstance(found.get("temperature"), (int, float)):
+        return (f"sampling = {{ max_new_tokens = {DEFAULT_MAX_NEW} }}",
+                f"the model's own sampling from {cfg} (temperature "
+                f"{found['temperature']}); set any parameter here to override it")
+    return (f"sampling = {{ max_new_tokens = {DEFAULT_MAX_NEW}, temperature = 1.0 }}",
+            "the model's generation config gives no temperature: set the sampling you "
+            "serve it with")
+
+
+def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
+                 cap: int = DEFAULT_CAP, force: bool = False) -> dict[str, Any]:
+    """Write the config to `dest`; returns what it found per file."""
+    if dest.exists() and not force:
+        raise InitError(f"{dest} exists: pass --force to replace it, or another --out")
+    missing = [str(p) for p in data if not p.is_file()]
+    if missing:
+        raise InitError(f"no such file: {', '.join(missing)}")
+    if not tokenizer.is_dir():
+        raise InitError(f"tokenizer {tokenizer}: no such directory (a local folder with the "
+                        "model's tokenizer files)")
+    sampling, sampling_note = _sampling(tokenizer)
+    base = dest.resolve().parent
+    lines = [
+        f"# tokencap run config written by `tokencap init` for {len(data)} file(s).",
+        "# Next: `tokencap plan THIS --check` (reads every record as the run will), then",
+        "# `make up CONFIG=THIS` (or `tokencap up THIS`). README: Configuration.",
+        f'run = "{run}"',
+        'output_dir = "out"',
+        f'tokenizer = "{tokenizer.resolve()}"',
+        "",
+    ]
+    found: dict[str, Any] = {}
+    taken: set[str] = set()
+    for path in data:
+        name = _name(path, taken)
+        fmt, note, n = _format_of(path)
+        rel = path.resolve()
+        source = str(rel.relative_to(base)) if rel.is_relative_to(base) else str(rel)
+        found[name] = {"file": str(path), "format": fmt, "records": n, "note": note}
+        lines += [f"# {path}: {n:,} records" + (f"; {note}" if note else "")]
+        lines += ["[[category]]", f'name = "{name}"', f'source = "{source}"']
+        if fmt is None:
+            lines += [f"# cannot tell the format: {note}",
+                      '# format = "..."  or  field_map = { prompt = "KEY" }']
+        else:
+            lines += [f'format = "{fmt}"']
+            if fmt in CHAT_FORMATS:
+                lines += ['# turns = "all"  # regenerate every assistant turn, in order '
+                          '(default "first": the first user turn)']
+        lines += [f"cap_tokens = {cap}  # output tokens; \"none\": the whole file",
+                  f"# {sampling_note}", sampling, ""]
+    dest.write_text("\n".join(lines))
+    return found
+
+
+def plan_comments(dest: Path) -> list[str]:
+    """The plan's figures for the config just written, as comment lines (records and mean
+    prompt tokens of the first prompts), appended to it."""
+    from foundation.config import load_config
+    from producer.run import load_renderer
+    from tokencap.plan import survey
+
+    cfg = load_config(dest)
+    renderer = load_renderer(cfg)
+    names = [c.name for c in cfg.category]
+    found = survey(cfg, renderer, check=False, prompt_tokens_of=names)
+    out = ["# plan (tokencap init): records and mean prompt tokens of the first prompts"]
+    out += [f"#   {n}: {s.records:,} records, {s.prompt_tokens or 0:,.0f} prompt tokens"
+            for n, s in found.items()]
+    with dest.open("a") as f:
+        f.write("\n".join(out) + "\n")
+    return out
