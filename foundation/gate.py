@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from msgspec import Struct
 
-# The loop thresholds, chosen on real model replies (README, "The reply gate"): no healthy
+# The loop thresholds, chosen on real model replies (docs/DATA.md, "The reply gate"): no healthy
 # reply of the measured set repeats a span this short this often this long at its end.
 LOOP_MAX_PERIOD = 256  # tokens in the repeated span, at most
 LOOP_MIN_REPEATS = 4  # back-to-back repeats of it, at least

@@ -93,7 +93,7 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
     lines = [
         f"# tokencap run config written by `tokencap init` for {len(data)} file(s).",
         "# Next: `tokencap plan THIS --check` (reads every record as the run will), then",
-        "# `make up CONFIG=THIS` (or `tokencap up THIS`). README: Configuration.",
+        "# `make up CONFIG=THIS` (or `tokencap up THIS`). docs/CONFIGURATION.md.",
         f'run = "{run}"',
         'output_dir = "out"',
         f'tokenizer = "{tokenizer.resolve()}"',
