@@ -49,6 +49,24 @@ RESTART_BACKOFF_MAX_S = 10.0
 WORKER_BEAT_MIN_S = 1.0
 
 
+class _RedisLostFilter(logging.Filter):
+    """RQ's own log lines about an exception: when the exception is Redis going away (a
+    fault the worker recovers from by itself: the supervisor starts it again and the
+    sample's lease brings it back), one line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, RedisError):
+            record.msg = f"{record.getMessage()} (Redis: {type(exc).__name__}: {exc})"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_REDIS_LOST = _RedisLostFilter()
+
+
 class TokencapWorker(SimpleWorker):
     """Runs a job only if `jobs.refusal` finds nothing in it; refuses the rest whole."""
 
@@ -71,6 +89,16 @@ class TokencapWorker(SimpleWorker):
             super().heartbeat(ttl, pipeline=pipe)
             pipe.execute()
         self._beat_sent_at = time.monotonic()
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """A job that failed because Redis went away is one line, not a traceback: its
+        lease runs out and the producer sends the sample again."""
+        exc = exc_info[1] if len(exc_info) > 1 else None
+        if isinstance(exc, RedisError):
+            log.warning("job %s: Redis went away mid-job (%s: %s); the sample is sent again "
+                        "once its lease runs out", job.id, type(exc).__name__, exc)
+            return
+        super().handle_exception(job, *exc_info)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         reason = jobs.refusal(job)
@@ -142,6 +170,8 @@ def make_worker(redis: Redis, keys: Keys, categories: list[str], name: str | Non
 
 
 def run_worker(worker: TokencapWorker, *, burst: bool = False) -> bool:
+    if _REDIS_LOST not in worker.log.filters:
+        worker.log.addFilter(_REDIS_LOST)
     return bool(worker.work(
         burst=burst, dequeue_strategy=DequeueStrategy.ROUND_ROBIN, with_scheduler=False,
         logging_level="WARNING",
@@ -156,10 +186,14 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
     when a burst worker ran out of work."""
     backoff = Backoff(RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S)
     attempt = 0
+    said = ""  # the trouble already logged: one line per outage, not one per retry
     while True:
         try:
             worker = make_worker(connect(), keys, categories,
                                  f"{name}-{attempt}" if name and attempt else name)
+            if said:
+                log.warning("worker runs again (after: %s)", said)
+                said = ""
             run_worker(worker, burst=burst)
             # rq records a warm-shutdown request (SIGTERM/SIGINT) in both the idle and the
             # busy case only through this date
@@ -168,7 +202,13 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
             log.error("worker %s quit unexpectedly; starting it again in %.1f s", worker.name,
                       backoff.delay_s)
         except (RedisError, TokencapError) as exc:
-            log.error("worker cannot run (%s); retrying in %.1f s", exc, backoff.delay_s)
+            trouble = f"{type(exc).__name__}: {exc}"
+            if trouble != said:
+                log.error("worker cannot run (%s); retrying with backoff, said once until it "
+                          "runs again", exc)
+                said = trouble
+            else:
+                log.debug("worker cannot run (%s); retrying in %.1f s", exc, backoff.delay_s)
         attempt += 1
         old = {s: signal.signal(s, lambda *_: backoff.stop.set())
                for s in (signal.SIGTERM, signal.SIGINT)}

@@ -29,22 +29,36 @@ def used_total(pipe: Pipeline) -> int:
 def test_redis_killed_mid_run_then_restarted(tmp_path, lose_data) -> None:
     server = RedisServer(tmp_path / "redis", aof=True).start()
     cfg = two_category_config(tmp_path, cap_a=16000, cap_b=10000)
+    logs = tmp_path / "workers.log"
     try:
         with SimServer(time_scale=60.0) as sim:
-            with started(cfg, server.url, [sim.url], 4) as pipe:
+            pipe = Pipeline(cfg, server.url, [sim.url], log_path=logs)
+            try:
+                pipe.build()
+                pipe.start_writer()
+                pipe.start_workers(4)
                 bg = Background(pipe).start()
                 # When Redis dies (kill -9) once a third of the budget is used
                 wait_until(lambda: used_total(pipe) >= 8000, timeout_s=60, what="progress")
                 server.kill()
+                # the outage lasts until every worker has met it (what each says is below)
+                wait_until(lambda: logs.read_text(errors="replace").count(
+                    "Error 111") >= 4, timeout_s=60, what="the workers to meet the outage")
                 if lose_data:
                     shutil.rmtree(server.data_dir)
                 # and comes back on the same port (with its AOF, or empty)
                 server = RedisServer(server.data_dir, aof=True, port=server.port).start()
                 status = bg.join(180)
+            finally:
+                pipe.close()
         # Then the run completes with every invariant intact
         pipe.check_invariants(status)
         for c in ("a", "b"):
             assert status["categories"][c]["state"] == "closed"
+        # and the workers, which recovered by themselves, say so in a few lines, no traceback
+        text = logs.read_text(errors="replace")
+        assert "Traceback" not in text, text[-3000:]
+        assert text.count("worker cannot run") <= 4  # once per worker for the outage
     finally:
         server.kill()
 

@@ -56,7 +56,7 @@ import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -70,7 +70,6 @@ from foundation.outputs import (
 from foundation.wire import Result
 from producer.manifest import manifest_path
 from tokencap.export import length
-from tokencap.export import vocab as vocab_files
 from tokencap.export.conversations import (
     ConversationSink,
     Decoder,
@@ -87,7 +86,9 @@ from tokencap.export.sinks import (
     specforge_row,
 )
 from tokencap.export.split import Side, side
-from tokencap.export.vocab import DEFAULT_DRAFT_VOCAB, TokenCounts
+
+if TYPE_CHECKING:  # numpy, imported when a vocabulary is counted (not by every command)
+    from tokencap.export.vocab import TokenCounts
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ class Vocab(NamedTuple):
     """The draft vocabulary to write (`tokencap.export.vocab`)."""
 
     target_size: int  # the target model's vocabulary (t2d's length)
-    draft_size: int = DEFAULT_DRAFT_VOCAB
+    draft_size: int = 32_000  # the common choice (vocab.DEFAULT_DRAFT_VOCAB)
     origin: str = ""  # where target_size came from, for the manifest
 
 
@@ -358,6 +359,8 @@ def export(
         for name in names:
             sides = shared if shared is not None else open_sides(dest / name)
             if vocab is not None:
+                from tokencap.export.vocab import TokenCounts
+
                 counts[name] = TokenCounts(vocab.target_size)
             per_cat[name] = export_category(out_dir / name, sides, shaping,
                                             f"{name}/" if merged else "", counts.get(name))
@@ -412,6 +415,9 @@ def _write_vocab(dest: Path, names: list[str], counts: dict[str, TokenCounts], v
     """The draft vocabulary's files: frequencies per category (in its folder) and merged,
     the mapping from the merged ones, beside the export and in every speculators folder
     (its `--data-path`); the coverage table."""
+    from tokencap.export import vocab as vocab_files
+    from tokencap.export.vocab import TokenCounts
+
     merged_counts = TokenCounts(vocab.target_size).merged(counts.values())
     files: list[Path] = []
     missing_torch = False
