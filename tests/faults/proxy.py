@@ -65,7 +65,7 @@ class Proxy:
                     if self.latency_s:
                         self._stop.wait(self.latency_s)  # the injected latency
                     peers[s].sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: `cut` closed a socket while we selected
             return
         finally:
             for s in (a, b):

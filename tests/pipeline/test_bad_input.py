@@ -64,7 +64,7 @@ def test_every_kind_of_malformed_record_and_duplicates_are_counted_in_status(
         {"messages": []},                                                   # empty conversation
         {"messages": [{"role": "assistant", "content": "only me"}]},       # no user turn
         {"messages": "not a list"},                                         # wrong type
-        {"prompt": "no known keys"},                                        # unknown format
+        {"instr": "no known keys"},                                         # unknown format
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = write_config(tmp_path, f"""
