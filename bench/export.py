@@ -32,7 +32,7 @@ TARGET_S = 60.0  # 10M tokens exported with the vocabulary, at most
 TARGET_MEM_RATIO = 1.5  # peak RSS at 10M over 1M tokens, at most
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from tokencap.export import Vocab, export
 from tokencap.export.length import Limits
@@ -44,8 +44,11 @@ if full:
 else:
     s = export(out, dest, ["specforge"], merged=True)
 wall = time.perf_counter() - t0
+# VmHWM: this process's own peak (ru_maxrss would carry the parent's, folded in at exec)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status")
+           if line.startswith("VmHWM:"))
 print(json.dumps({{"wall_s": wall, "rows": s["total"]["rows"], "tokens": s["total"]["tokens"],
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "peak_rss_mb": hwm / 1024}}))
 """
 
 
