@@ -231,4 +231,4 @@ class ConversationSink(JsonlSink):
                "finish_reasons": [r.finish_reason for r in rows],
                "prefix_consistent": all(r.prefix_consistent is not False for r in rows),
                "tools": tools, "conversations": messages}
-        self._f.write(self._enc.encode(doc) + b"\n")
+        self._write(doc)

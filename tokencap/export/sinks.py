@@ -101,39 +101,16 @@ def fsync_path(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-class JsonlSink(TmpFile):
-    """Writes one JSON line per row, made by `make_row(row, row_id)`."""
-
-    def __init__(self, path: Path, make_row: Callable[[Result, str], Any]) -> None:
-        super().__init__(path)
-        self.make_row = make_row
-        self._enc = msgspec.json.Encoder()
-        self._f = self.tmp.open("wb")
-
-    def write(self, row: Result, row_id: str) -> None:
-        self._f.write(self._enc.encode(self.make_row(row, row_id)) + b"\n")
-
-    def finish(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-
-    def discard(self) -> None:
-        self._f.close()
-        super().discard()
-
-
-class SpecforgeSink(TmpFile):
-    """SpecForge's pre-tokenized JSONL: one ``{"id", "input_ids", "loss_mask"}`` a line."""
+class JsonlFile(TmpFile):
+    """One JSON document a line, fsynced before it is published."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._enc = msgspec.json.Encoder()
         self._f = self.tmp.open("wb")
 
-    def write_row(self, row: TrainingRow) -> None:
-        self._f.write(self._enc.encode(SpecforgeRow(row.id, row.input_ids, row.loss_mask))
-                      + b"\n")
+    def _write(self, doc: Any) -> None:
+        self._f.write(self._enc.encode(doc) + b"\n")
 
     def finish(self) -> None:
         self._f.flush()
@@ -143,6 +120,24 @@ class SpecforgeSink(TmpFile):
     def discard(self) -> None:
         self._f.close()
         super().discard()
+
+
+class JsonlSink(JsonlFile):
+    """Writes one JSON line per row, made by `make_row(row, row_id)`."""
+
+    def __init__(self, path: Path, make_row: Callable[[Result, str], Any]) -> None:
+        super().__init__(path)
+        self.make_row = make_row
+
+    def write(self, row: Result, row_id: str) -> None:
+        self._write(self.make_row(row, row_id))
+
+
+class SpecforgeSink(JsonlFile):
+    """SpecForge's pre-tokenized JSONL: one ``{"id", "input_ids", "loss_mask"}`` a line."""
+
+    def write_row(self, row: TrainingRow) -> None:
+        self._write(SpecforgeRow(row.id, row.input_ids, row.loss_mask))
 
 
 class ParquetSink(TmpFile):
