@@ -15,17 +15,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from foundation.errors import TokencapError
+from foundation.errors import SourceError
 
 DEFAULT_CAP = 10_000_000
 DEFAULT_MAX_NEW = 4096
 LOOKED_AT = 20  # first records read to tell a file's format
 CHAT_FORMATS = {"messages", "sharegpt"}
-
-
-class InitError(TokencapError):
-    exit_code = 2
-    meaning = "bad config or source"
 
 
 def _name(path: Path, taken: set[str]) -> str:
@@ -81,12 +76,12 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
                  cap: int = DEFAULT_CAP, force: bool = False) -> dict[str, Any]:
     """Write the config to `dest`; returns what it found per file."""
     if dest.exists() and not force:
-        raise InitError(f"{dest} exists: pass --force to replace it, or another --out")
+        raise SourceError(f"{dest} exists: pass --force to replace it, or another --out")
     missing = [str(p) for p in data if not p.is_file()]
     if missing:
-        raise InitError(f"no such file: {', '.join(missing)}")
+        raise SourceError(f"no such file: {', '.join(missing)}")
     if not tokenizer.is_dir():
-        raise InitError(f"tokenizer {tokenizer}: no such directory (a local folder with the "
+        raise SourceError(f"tokenizer {tokenizer}: no such directory (a local folder with the "
                         "model's tokenizer files)")
     sampling, sampling_note = _sampling(tokenizer)
     base = dest.resolve().parent

@@ -108,13 +108,10 @@ class _Freq:
 
     def coverage(self) -> dict[str, float | None]:
         """Share of the output tokens inside the top 16K / 32K / 64K ids (the draft
-        vocabulary's candidates: `tokencap.export.vocab`)."""
-        from tokencap.export.vocab import COVERAGE_SIZES
+        vocabulary's candidates: `tokencap.export.vocab.coverage`)."""
+        from tokencap.export.vocab import coverage
 
-        ranked = self.np.sort(self.counts)[::-1]
-        total = int(ranked.sum())
-        return {str(k): float(ranked[:k].sum()) / total if total else None
-                for k in COVERAGE_SIZES}
+        return coverage(self.counts)
 
 
 def _kept_out(c: dict[str, Any]) -> str:

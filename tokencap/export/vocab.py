@@ -73,15 +73,21 @@ class TokenCounts:
         return int(self.counts.sum())
 
     def coverage(self, sizes: Iterable[int] = COVERAGE_SIZES) -> dict[str, float | None]:
-        """Share of the counted tokens inside the `size` most frequent ids, per size."""
-        ranked = np.sort(self.counts)[::-1]
-        total = self.total
-        return {str(k): (float(ranked[:k].sum()) / total if total else None) for k in sizes}
+        return coverage(self.counts, sizes)
 
     def as_dict(self) -> dict[int, int]:
         """``{id: count}`` of the ids seen (speculators' token_freq)."""
         seen = np.nonzero(self.counts)[0]
         return {int(i): int(self.counts[i]) for i in seen}
+
+
+def coverage(counts: np.ndarray, sizes: Iterable[int] = COVERAGE_SIZES
+             ) -> dict[str, float | None]:
+    """Share of the counted tokens inside the `size` most frequent ids, per size (None when
+    nothing was counted): what a draft vocabulary of that size can predict."""
+    ranked = np.sort(counts)[::-1]
+    total = int(ranked.sum())
+    return {str(k): (float(ranked[:k].sum()) / total if total else None) for k in sizes}
 
 
 def select(counts: np.ndarray, draft_size: int) -> np.ndarray:

@@ -13,9 +13,12 @@ from testing.harness import wait_until
 from tokencap import processes
 from tokencap.launcher import Stack
 
+IDLE = "import sys; sys.stdin.read()  # idle child"
+
 
 def _sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    """A live process that does nothing until its stdin closes (or it is killed)."""
+    return subprocess.Popen([sys.executable, "-c", IDLE], stdin=subprocess.PIPE)
 
 
 def test_a_recorded_process_runs_until_it_is_killed_even_unreaped(tmp_path: Path) -> None:
@@ -61,7 +64,7 @@ def test_a_pid_file_without_identity_is_checked_by_its_command_line(tmp_path: Pa
         pidfile.write_text(str(child.pid))  # as written before pid files had an identity
         rec = processes.read(pidfile)
         assert rec == processes.Recorded(child.pid, "")
-        assert processes.running(rec, "time.sleep(600)")
+        assert processes.running(rec, "idle child")
         assert not processes.running(rec, "redis-server")
     finally:
         child.kill()
