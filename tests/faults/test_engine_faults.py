@@ -91,7 +91,6 @@ def test_dead_samples_of_a_500_storm_are_retried_and_committed_once(tmp_path,
 run = "storm"
 sampling_defaults = "engine"
 output_dir = "{tmp_path / 'out'}"
-lease_s = 1.0
 max_attempts = 1
 http_retries = 0
 [[category]]
@@ -125,7 +124,8 @@ sampling = {{ max_new_tokens = 64 }}
     # Then every sample is committed once, the dead letters stay as history
     second.check_invariants(status)
     st = status["categories"]["p"]
-    assert (st["samples"], st["failed"], st["state"]) == (60, 0, "exhausted")
+    new = [d for d in second.dead_letters("p") if d["id"] not in dead]
+    assert (st["samples"], st["failed"], st["state"], new) == (60, 0, "exhausted", [])
     rows = second.records("p")
     assert len(rows) == len({r["id"] for r in rows}) == 60 and dead <= {r["id"] for r in rows}
     assert {d["id"] for d in second.dead_letters("p")} == dead
