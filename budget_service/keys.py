@@ -57,6 +57,9 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:engines`          | hash   | add_engine_counts               | `/metrics`         | run       |
 | `P:engines:info`     | hash   | record_engines (preflight:      | status, workers'   | run       |
 |                      |        | url -> what it serves)          | preflight          |           |
+| `P:engines:trouble`  | hash   | record_engine_trouble (the      | status, `/metrics`,| while it  |
+|                      |        | producer's engine watch: url -> | the live page,     | lasts     |
+|                      |        | why it does not answer, since)  | `up`'s progress    |           |
 | `P:series`           | stream | record_point (the budget        | `/series`, the web | last 8640 |
 |                      |        | service, every few seconds)     | page, the report   |           |
 | `prefix:refused`     | stream | refuse                          | operators          | capped    |
@@ -150,6 +153,10 @@ class Keys:
     @property
     def engine_info(self) -> str:
         return f"{self.base}:engines:info"
+
+    @property
+    def engine_trouble(self) -> str:
+        return f"{self.base}:engines:trouble"
 
     @property
     def refused(self) -> str:

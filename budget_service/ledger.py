@@ -261,8 +261,8 @@ class Ledger:
     def _states(self, categories: Sequence[str], by_engine: bool, run: bool = True
                 ) -> tuple[dict[str, CategoryState], list[Any]]:
         """The categories' states, and (with `by_engine`) their raw per-engine cache hashes,
-        then (with `run`; else None each) the writer lock holder, the writer's state and the
-        engines' info (raw): the producer's tick needs none of those."""
+        then (with `run`; else None each) the writer lock holder, the writer's state, the
+        engines' info and their trouble (raw): the producer's tick needs none of those."""
         pipe = self.redis.pipeline(transaction=False)
         for name in categories:
             ck = self._ck(name)
@@ -280,10 +280,11 @@ class Ledger:
             pipe.get(self.keys.writer_lock)
             pipe.hgetall(self.keys.writer_state)
             pipe.hgetall(self.keys.engine_info)
+            pipe.hgetall(self.keys.engine_trouble)
         raw = pipe.execute()
-        holder = wstate = engines_raw = None
+        holder = wstate = engines_raw = trouble_raw = None
         if run:
-            *raw, holder, wstate, engines_raw = raw
+            *raw, holder, wstate, engines_raw, trouble_raw = raw
         per = 9 if by_engine else 8
         states: dict[str, CategoryState] = {}
         extra: list[Any] = []
@@ -314,7 +315,7 @@ class Ledger:
                 reusable_tokens=int(st["reusable"]))
             if by_engine:
                 extra.append(raw[per * i + 8])
-        return states, [extra, holder, wstate, engines_raw]
+        return states, [extra, holder, wstate, engines_raw, trouble_raw]
 
     def hist(self, category: str) -> dict[int, int]:
         raw = self.redis.hgetall(self._ck(category).hist)

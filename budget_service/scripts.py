@@ -2,8 +2,8 @@
 
 A per-category script starts with `lua/_lib.lua` (the names of its KEYS and the helpers the
 scripts share: the admission rule among them) and is called with the category's keys in
-`CategoryKeys` order. `init_run`, `engine_counts` and `engine_info` touch no category and get
-no prelude.
+`CategoryKeys` order. `init_run`, `engine_counts`, `engine_info`, `engine_trouble` and
+`series` touch no category and get no prelude.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CATEGORY_SCRIPTS = (
     "lease", "unpark", "set_cap", "exhausted", "reconcile", "acknowledge",
     "restore", "feed_follow", "cut", "retry",
 )  # fmt: skip
-OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "series")
+OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "engine_trouble", "series")
 PRELUDE = "_lib.lua"
 
 
@@ -58,6 +58,7 @@ class Scripts:
     init_run: Script
     engine_counts: Script
     engine_info: Script
+    engine_trouble: Script
     series: Script
 
     def __init__(self, redis: Redis) -> None:

@@ -36,6 +36,8 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
 | `tokencap_workers` | gauge | workers registered on the run's queues |
 | `tokencap_writer_up` / `_error` | gauge | a writer holds the run / it cannot write |
+| `tokencap_engine_down{engine}` | gauge | 1 while the engine does not answer (engine watch) |
+| `tokencap_engine_down_since_seconds{engine}` | gauge | since when (Unix time) |
 """
 
 from __future__ import annotations
@@ -91,11 +93,20 @@ SAMPLE_OUTCOMES = (("samples", "committed"), ("failed", "failed"), ("rejected", 
 
 
 class WriterState(msgspec.Struct, frozen=True):
-    """The run's writer: who holds its lease, its trouble, and what it has not written."""
+    """The run's writer: who holds its lease, its trouble (since `error_at_ms`), and what it
+    has not written."""
 
     holder: str | None
     error: str | None
     unwritten: int
+    error_at_ms: int | None = None
+
+
+class EngineTrouble(msgspec.Struct, frozen=True):
+    """Why an engine of the run does not answer, since when (ms since the epoch)."""
+
+    why: str
+    since_ms: int
 
 
 class RunStatus(msgspec.Struct, frozen=True):
@@ -107,6 +118,7 @@ class RunStatus(msgspec.Struct, frozen=True):
     writer: WriterState
     engines: dict[str, EngineInfo]
     cache: dict[str, dict[str, dict[str, int]]] = {}
+    trouble: dict[str, EngineTrouble] = {}
 
     @property
     def simulated(self) -> bool:
@@ -124,16 +136,21 @@ class TelemetryLedger(Ledger):
         if categories is None:
             cfg = self.load_config()
             categories = [c.name for c in cfg.category] if cfg else []
-        states, (caches, holder, wstate, engines_raw) = self._states(categories, by_engine)
-        writer = WriterState(holder=None if holder is None else as_str(holder),
-                             error=as_str(wstate[b"error"]) if b"error" in wstate else None,
-                             unwritten=sum(st.unwritten for st in states.values()))
+        states, (caches, holder, wstate, engines_raw, trouble_raw) = \
+            self._states(categories, by_engine)
+        error = as_str(wstate[b"error"]) if b"error" in wstate else None
+        writer = WriterState(holder=None if holder is None else as_str(holder), error=error,
+                             unwritten=sum(st.unwritten for st in states.values()),
+                             error_at_ms=int(wstate[b"error_at_ms"])
+                             if error and b"error_at_ms" in wstate else None)
         engines = {as_str(k): msgspec.json.decode(v, type=EngineInfo)
                    for k, v in engines_raw.items()}
         cache = ({name: cache_by_engine(raw) for name, raw in zip(categories, caches,
                                                                    strict=True)}
                  if by_engine else {})
-        return RunStatus(self.keys.run, states, writer, engines, cache)
+        trouble = {as_str(k): msgspec.json.decode(v, type=EngineTrouble)
+                   for k, v in trouble_raw.items()}
+        return RunStatus(self.keys.run, states, writer, engines, cache, trouble)
 
     def status(self, categories: list[str] | None = None,
                by_engine: bool = False) -> dict[str, Any]:
@@ -172,6 +189,19 @@ class TelemetryLedger(Ledger):
             args += [info.url, encode(info)]
         self.scripts.engine_info(keys=[self.keys.engine_info], args=args)
 
+    def engine_trouble(self) -> dict[str, EngineTrouble]:
+        """The engines recorded as not answering: url -> why, since when."""
+        raw = self.redis.hgetall(self.keys.engine_trouble)
+        return {as_str(k): msgspec.json.decode(v, type=EngineTrouble) for k, v in raw.items()}
+
+    def record_engine_trouble(self, url: str, why: str | None, at_ms: int) -> int:
+        """Engine `url` does not answer, for reason `why` (the first time seen is kept), or
+        (`why` None) answers again. Returns since when (ms) while in trouble; when cleared,
+        how long it lasted in ms (-1: it was not in trouble). The producer's engine watch
+        is the one caller."""
+        return int(self.scripts.engine_trouble(keys=[self.keys.engine_trouble],
+                                               args=[url, why or "", at_ms]))
+
 
 def status_document(snap: RunStatus) -> dict[str, Any]:
     """The status document: each category's `CategoryState` as a dict (with `engines`, its
@@ -185,6 +215,7 @@ def status_document(snap: RunStatus) -> dict[str, Any]:
     return {"run": snap.run, "categories": cats,
             "writer": msgspec.structs.asdict(snap.writer),
             "engines": {url: msgspec.to_builtins(e) for url, e in snap.engines.items()},
+            "engine_trouble": {url: msgspec.to_builtins(t) for url, t in snap.trouble.items()},
             "simulated": snap.simulated}
 
 
@@ -198,6 +229,7 @@ class _Collector:
         snap = self.ledger.snapshot(by_engine=True)
         yield from _category_metrics(snap)
         yield from _writer_metrics(snap.run, snap.writer)
+        yield from _trouble_metrics(snap.run, snap.trouble)
         yield from _engine_metrics(snap.run, self.ledger.engine_counts(), self.ledger.workers())
 
 
@@ -278,6 +310,19 @@ def _writer_metrics(run: str, writer: WriterState) -> Iterator[Metric]:
                           "1 while the writer cannot write (a full disk, ...)", labels=["run"])
     g.add_metric([run], int(bool(writer.error)))
     yield g
+
+
+def _trouble_metrics(run: str, trouble: Mapping[str, EngineTrouble]) -> Iterator[Metric]:
+    down = GaugeMetricFamily("tokencap_engine_down", "1 while the engine does not answer",
+                             labels=["run", "engine"])
+    since = GaugeMetricFamily("tokencap_engine_down_since_seconds",
+                              "Since when the engine does not answer (Unix time)",
+                              labels=["run", "engine"])
+    for url, t in sorted(trouble.items()):
+        down.add_metric([run, url], 1)
+        since.add_metric([run, url], t.since_ms / 1000)
+    yield down
+    yield since
 
 
 def _engine_metrics(run: str, counts: dict[str, int], workers: int) -> Iterator[Metric]:

@@ -25,6 +25,7 @@ from msgspec import Meta, Struct
 from foundation.engine_api import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
 from foundation.gate import ReplyMarkers
+from foundation.presets import PRESETS
 from foundation.sources import SourceMissing, expand_source, resolve_tokenizer
 
 DEFAULT_CAP_TOKENS = 10_000_000
@@ -56,6 +57,7 @@ FORMATS = (
     "input_ids",
 )
 TURN_POLICIES = ("first", "last", "all")
+PRESET_NAMES = tuple(PRESETS)
 # `field_map` keys producer/formats/turns.py reads (one of the first two is required)
 FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system", "tools")
 # the roles a `role_map` may map a source role onto
@@ -114,6 +116,9 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     turns: Literal[TURN_POLICIES] = "first"  # type: ignore[valid-type]
     field_map: dict[str, str] = {}
     role_map: dict[str, str] = {}
+    # a dataset's layout by name (foundation/presets.py): sets format, field_map, role_map,
+    # and without a source reads the dataset's files from the local Hugging Face cache
+    preset: Literal[PRESET_NAMES] | None = None  # type: ignore[valid-type]
 
     @property
     def paths(self) -> list[str]:
@@ -285,6 +290,8 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
         if cat.name in seen:
             raise ConfigError(str(path), f"{where}.name: duplicate category {cat.name!r}")
         seen.add(cat.name)
+        if cat.preset is not None:
+            cat = _with_preset(cat, where, str(path))
         if not cat.paths:
             raise ConfigError(str(path), f"{where}: needs `source` or `sources`")
         paths = []
@@ -326,6 +333,23 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
     return msgspec.structs.replace(
         cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir), generation_config=gen
     )
+
+
+def _with_preset(cat: Category, where: str, path: str) -> Category:
+    """The category with its preset's format, field_map and role_map (none of them given
+    beside it), and the dataset's files in the Hugging Face cache when no source is."""
+    preset = PRESETS[str(cat.preset)]
+    given = [name for name, unset in (("format", cat.format == "auto"),
+                                      ("field_map", not cat.field_map),
+                                      ("role_map", not cat.role_map)) if not unset]
+    if given:
+        raise ConfigError(path, f"{where}.{given[0]}: preset {cat.preset!r} sets it "
+                          f"(format {preset.format!r}, field_map {preset.field_map or {}}); "
+                          "give one or the other")
+    return msgspec.structs.replace(
+        cat, format=preset.format, field_map=dict(preset.field_map),
+        role_map=dict(preset.role_map), source=cat.source or (None if cat.sources
+                                                             else preset.source))
 
 
 def model_sampling_defaults(gen_path: str) -> dict[str, Any]:

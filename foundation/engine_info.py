@@ -58,7 +58,7 @@ def _get(spec: EngineSpec, path: str, timeout: tuple[float, float] = INFO_TIMEOU
                              f"(HTTP 401); set {API_KEY_ENV} or http://:KEY@host in SGLANG_URL")
     if transient_status(r.status_code):
         raise EngineNotReady(f"engine {spec.url}: answers HTTP {r.status_code} to GET {path}: "
-                             f"{error_message(r.content)}", str(r.status_code))
+                             f"{error_message(r.content)}", f"HTTP {r.status_code}")
     return r
 
 
@@ -73,7 +73,9 @@ def why_unreachable(exc: requests.RequestException, timeout: tuple[float, float]
                           ("Name or service not known", "unknown host"),
                           ("nodename nor servname", "unknown host"),
                           ("No route to host", "no route to host"),
-                          ("Connection reset", "connection reset")):
+                          ("Connection reset", "connection reset"),
+                          ("Remote end closed connection", "connection closed unanswered"),
+                          ("Connection aborted", "connection aborted")):
         if needle in text:
             return words
     return type(exc).__name__

@@ -50,6 +50,7 @@ from producer.recovery import Recovery
 from producer.source import CategorySource
 
 if TYPE_CHECKING:
+    from producer.engine_watch import EngineWatch
     from producer.render import Renderer
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class Producer:
         self.keys = Keys(cfg.key_prefix, cfg.run)
         self.budget = Budget(redis, self.keys)
         self.on_progress = on_progress
+        # whether the engines answer, recorded for status (run_to_end sets it)
+        self.watch: EngineWatch | None = None
         self.feeds: dict[str, CategoryFeed] = {}
         self.queues = {c.name: jobs.queue(redis, self.keys, c.name) for c in cfg.category}
         self.recovery = Recovery(cfg, redis, self.budget, self.queues, self._enqueue)
@@ -210,6 +213,7 @@ class Producer:
         """
         last = 0.0
         backoff = Backoff()
+        redis_down_at: float | None = None
         while True:
             try:
                 if should_stop():
@@ -219,19 +223,28 @@ class Producer:
                         feed.resync(self.budget.feeding.cursor(feed.cat.name))
                 work = self.tick()
                 now = time.monotonic()
-                if self.on_progress and now - last >= progress_s:
+                if now - last >= progress_s:
                     last = now
-                    self.on_progress(self.budget.telemetry.status(list(self.feeds)))
-                    self.log_events()
+                    if self.watch is not None and self._last_status is not None:
+                        self.watch.check(self._last_status)
+                    if self.on_progress:
+                        self.on_progress(self.budget.telemetry.status(list(self.feeds)))
+                        self.log_events()
                 if work == 0:
                     if self.finished():
                         self.recovery.finalize()
                         break
                     time.sleep(poll_s)
                 backoff.reset()
+                if redis_down_at is not None:
+                    log.warning("Redis answers again, after %.0f s",
+                                time.monotonic() - redis_down_at)
+                    redis_down_at = None
             except REDIS_DOWN as exc:
-                log.error("Redis unavailable (%s): nothing is fed (fail closed); retry in %.1f s",
-                          exc, backoff.delay_s)
+                if redis_down_at is None:  # one line per outage, not one per retry
+                    redis_down_at = time.monotonic()
+                    log.error("Redis unavailable (%s): nothing is fed (fail closed) until it "
+                              "answers; retrying", exc)
                 backoff.wait()
                 self.recovery.redis_was_down()
         return self.budget.telemetry.status(list(self.feeds))

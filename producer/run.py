@@ -17,8 +17,10 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
 from foundation.config import RunConfig, with_stop_ids
+from foundation.engine_api import engine_specs
 from foundation.engine_info import EngineInfo
 from foundation.errors import ConfigError, SourceError
+from producer.engine_watch import EngineWatch
 from producer.feeder import CategoryFeed, Producer
 from producer.manifest import write_manifest
 from producer.preflight import preflight
@@ -132,6 +134,7 @@ def run_to_end(
         ctx = cfg.context_length or (min(known) if known else None)
         producer = build_producer(cfg, redis, ctx, on_progress, renderer, infos)
         producer.budget.telemetry.record_engines(infos)
+        producer.watch = EngineWatch(producer.budget.telemetry, engine_specs(engine_urls))
         if before_feed is not None:
             before_feed(producer)
 

@@ -33,19 +33,26 @@ def _name(path: Path, taken: set[str]) -> str:
 
 
 def _format_of(path: Path) -> tuple[str | None, str, int]:
-    """(the format most of the first records have, or None; a note for the config; records)."""
+    """(the format most of the first records have, or None, or "preset:NAME" when every one
+    of them is a record of a preset's dataset; a note for the config; records)."""
+    from foundation.presets import preset_of
     from producer.formats import Rejected, detect_format
     from producer.readers import SourceIndex
 
     with SourceIndex.build([path]) as index:
         n = len(index)
         seen: Counter[str] = Counter()
+        presets: Counter[str | None] = Counter()
         why = ""
         for i in range(min(n, LOOKED_AT)):
+            record = index.read(i)
+            presets[preset_of(record)] += 1
             try:
-                seen[detect_format(index.read(i))] += 1
+                seen[detect_format(record)] += 1
             except Rejected as exc:
                 why = why or str(exc)
+    if len(presets) == 1 and None not in presets:
+        return f"preset:{next(iter(presets))}", "", n
     if not seen:
         return None, why or "no record", n
     fmt, count = seen.most_common(1)[0]
@@ -107,6 +114,12 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
         if fmt is None:
             lines += [f"# cannot tell the format: {note}",
                       '# format = "..."  or  field_map = { prompt = "KEY" }']
+        elif fmt.startswith("preset:"):
+            from foundation.presets import PRESETS
+
+            preset = fmt.split(":", 1)[1]
+            lines += [f'preset = "{preset}"  # records of {PRESETS[preset].dataset}: '
+                      f"{PRESETS[preset].note}"]
         else:
             lines += [f'format = "{fmt}"']
             if fmt in CHAT_FORMATS:

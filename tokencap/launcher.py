@@ -36,7 +36,7 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.config import DEFAULT_BUDGET_PORT, load_config
-from foundation.engine_api import engine_specs, parse_urls
+from foundation.engine_api import parse_urls
 from foundation.engine_info import healthy
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.redisconn import connect
@@ -405,7 +405,7 @@ class Stack:
             return bool(stopped["by"])
 
         status = run_to_end(cfg, redis, parse_urls(eurl),
-                            on_progress=ProgressPrinter(engines=engine_specs(eurl)),
+                            on_progress=ProgressPrinter(),
                             before_feed=start_processes, should_stop=should_stop)
         print(summary_table(status), flush=True)
         if stopped["by"]:

@@ -4,68 +4,64 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from budget_service.ledger import cap_text
-from foundation.engine_api import EngineSpec
 from tokencap.rates import tok_s
 
-# no token counted for this long while samples are in flight: the engines are asked whether
-# they answer (GET /health), and what they say is in the progress line until they do
-STALL_S = 10.0
+
+def since_text(since_ms: int, now_ms: int | None = None) -> str:
+    """"for N s (since HH:MM:SS)" of a time in ms since the epoch."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    return (f"for {max(0, now - since_ms) // 1000} s (since "
+            f"{time.strftime('%H:%M:%S', time.localtime(since_ms / 1000))})")
 
 
-def engine_trouble(spec: EngineSpec) -> str:
-    from foundation.engine_info import trouble
-
-    return trouble(spec)
+def trouble_text(status: Mapping[str, Any], now_ms: int | None = None) -> list[str]:
+    """The engines that do not answer (the producer's engine watch records them), each with
+    why and since when ("engine URL: WHY, for N s (since HH:MM:SS)"), then the writer's
+    trouble the same way."""
+    out = [f"engine {url}: {t['why']}, {since_text(int(t['since_ms']), now_ms)}"
+           for url, t in sorted((status.get("engine_trouble") or {}).items())]
+    w = status.get("writer") or {}
+    if w.get("error"):
+        at = w.get("error_at_ms")
+        out.append(f"writer: {w['error']}" + (f", {since_text(int(at), now_ms)}" if at else ""))
+    return out
 
 
 class ProgressPrinter:
     """Prints one line per category every call, with tok/s since the previous call, and what
     holds the end back once every category is done (the writer); a line that would repeat
-    the previous one is not printed. When no token was counted for STALL_S while samples are
-    in flight, the `engines` are asked whether they answer: one that does not is in every
-    line until it does, with since when (`probe`: `engine_trouble`)."""
+    the previous one is not printed. An engine that does not answer (the status document's
+    `engine_trouble`) is in every line until it answers again, with since when."""
 
-    def __init__(self, out: TextIO = sys.stdout, engines: Sequence[EngineSpec] = (),
-                 probe: Callable[[EngineSpec], str] = engine_trouble) -> None:
+    def __init__(self, out: TextIO = sys.stdout,
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
         self.out = out
-        self.engines = list(engines)
-        self.probe = probe
+        self.clock_ms = clock_ms
         self._last: dict[str, tuple[float, int]] = {}
         self._line = ""
-        self._moved_at = time.monotonic()
-        self._down: dict[str, tuple[float, str]] = {}  # engine -> (since, why)
+        self._down: dict[str, int] = {}  # engine -> since (ms)
 
-    def _engines_line(self, now: float, moved: bool, in_flight: int) -> str:
+    def _engines_line(self, status: Mapping[str, Any]) -> str:
         """What the engines' trouble adds to the line ("" when none is known)."""
-        if not moved and in_flight and now - self._moved_at >= STALL_S or self._down:
-            for spec in self.engines:
-                why = self.probe(spec)
-                if why:
-                    since = self._down.get(spec.url, (now, why))[0]
-                    self._down[spec.url] = (since, why)
-                elif spec.url in self._down:
-                    since, _ = self._down.pop(spec.url)
-                    self.out.write(f"[progress] engine {spec.url} answers again, after "
-                                   f"{now - since:.0f} s\n")
-        parts = [f"engine {url}: {why}, for {now - since:.0f} s (since "
-                 f"{time.strftime('%H:%M:%S', time.localtime(time.time() - (now - since)))})"
-                 for url, (since, why) in self._down.items()]
-        return "; ".join(parts)
+        now = self.clock_ms()
+        down = {url: int(t["since_ms"])
+                for url, t in (status.get("engine_trouble") or {}).items()}
+        for url, since in self._down.items():
+            if url not in down:
+                self.out.write(f"[progress] engine {url} answers again, after "
+                               f"{max(0, now - since) // 1000} s\n")
+        self._down = down
+        return "; ".join(t for t in trouble_text(status, now) if t.startswith("engine "))
 
     def __call__(self, status: dict[str, Any]) -> None:
         now = time.monotonic()
         cats = status["categories"]
         parts = []
-        moved = any(st["used"] != self._last.get(name, (now, -1))[1]
-                    for name, st in cats.items())
-        if moved:
-            self._moved_at = now
-        engines = self._engines_line(now, moved, sum(st.get("in_flight", 0)
-                                                     for st in cats.values()))
+        engines = self._engines_line(status)
         for name, st in cats.items():
             t, used = self._last.get(name, (now, st["used"]))
             rate = tok_s(used, t, st["used"], now)
@@ -157,6 +153,7 @@ def summary_table(status: dict[str, Any]) -> str:
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
     rows += gate_lines(status)
     rows += cache_lines(status)
+    rows += trouble_text(status)
     if status.get("simulated"):
         rows.append(SIMULATED_TEXT)
     return "\n".join(rows)

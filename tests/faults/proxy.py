@@ -20,6 +20,7 @@ class Proxy:
         self.target = (target_host, target_port)
         self.latency_s = 0.0
         self.blackhole = False
+        self.refuse = False  # close each new connection at once: the far end is away
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._conns: list[tuple[socket.socket, socket.socket]] = []
@@ -41,6 +42,9 @@ class Proxy:
             try:
                 client, _ = self._listener.accept()
             except (TimeoutError, OSError):
+                continue
+            if self.refuse:
+                client.close()
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)

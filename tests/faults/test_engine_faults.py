@@ -1,6 +1,7 @@
 """SGLang faults through the whole pipeline: 503/429 storms, one poisoned sample that
 always gets 500, a 500 storm's dead samples sent again (`tokencap retry`), stalls past the
-read timeout, connection resets, token counts that disagree with output_ids."""
+read timeout, connection resets, token counts that disagree with output_ids; an engine
+that stops answering shown in status with since when."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -158,3 +161,50 @@ def test_token_counts_that_disagree_are_never_counted(tmp_path, redis_url, flavo
     for c in ("a", "b"):
         for rec in pipe.records(c):
             assert rec["completion_tokens"] == len(rec["output_ids"])
+
+
+def test_an_engine_that_stops_answering_is_in_status_with_since_when_until_it_answers(
+        tmp_path, redis_url) -> None:
+    from foundation.engine_api import engine_specs
+    from producer.engine_watch import EngineWatch
+    from tests.faults.proxy import Proxy
+
+    cfg = two_category_config(tmp_path, cap_a=400_000, cap_b=400_000)
+    with SimServer(time_scale=20.0) as sim:
+        proxy = Proxy("127.0.0.1", sim.port).start()
+        url = f"http://{proxy.url_host_port}"
+        try:
+            with started(cfg, redis_url, [url], 2) as pipe:
+                producer = pipe.build()
+                producer.watch = EngineWatch(pipe.budget.telemetry, engine_specs([url]),
+                                             stall_s=1.0)
+                stop = {"now": False}
+                bg = threading.Thread(target=producer.run, daemon=True, kwargs={
+                    "poll_s": 0.05, "progress_s": 0.2, "should_stop": lambda: stop["now"]})
+                bg.start()
+                telemetry = pipe.budget.telemetry
+                wait_until(lambda: telemetry.status()["categories"]["a"]["used"] > 0,
+                           what="a first commit")
+                assert telemetry.status()["engine_trouble"] == {}
+                # Given the engine goes away while samples are in flight
+                proxy.refuse = True
+                proxy.cut()
+                wait_until(lambda: url in telemetry.status()["engine_trouble"], timeout_s=60,
+                           what="the engine recorded as not answering")
+                # Then status says so, with since when
+                trouble = telemetry.status()["engine_trouble"][url]
+                assert trouble["why"] and trouble["since_ms"] <= int(time.time() * 1000)
+                env = {**os.environ, "REDIS_URL": redis_url, "TOKENCAP_RUN": cfg.run}
+                shown = subprocess.run([sys.executable, "-m", "tokencap.cli", "status"],
+                                       cwd=ROOT, env=env, capture_output=True, text=True,
+                                       timeout=60)
+                assert f"engine {url}: {trouble['why']}, for " in shown.stdout, shown.stdout
+                assert "(since " in shown.stdout
+                # and when it answers again, the trouble is gone
+                proxy.refuse = False
+                wait_until(lambda: telemetry.status()["engine_trouble"] == {}, timeout_s=60,
+                           what="the trouble cleared")
+                stop["now"] = True
+                bg.join(60)
+        finally:
+            proxy.stop()

@@ -46,7 +46,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     Safe to stop and restart: committed samples are never fed again.
     """
     from foundation.config import load_config
-    from foundation.engine_api import engine_specs, parse_urls
+    from foundation.engine_api import parse_urls
     from foundation.redisconn import connect
     from producer.run import run_to_end
     from tokencap.progress import ProgressPrinter, nothing_usable, summary_table
@@ -66,7 +66,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     status = run_to_end(cfg, redis, parse_urls(sglang_url),
-                        on_progress=ProgressPrinter(engines=engine_specs(sglang_url)),
+                        on_progress=ProgressPrinter(),
                         should_stop=lambda: stop["flag"], progress_s=progress_s)
     click.echo(summary_table(status))
     if stop["flag"]:

@@ -730,6 +730,26 @@ def test_engine_info_replaces_what_the_preflight_found(budget: Budget) -> None:
     assert budget.telemetry.status()["simulated"] is True
 
 
+def test_engine_trouble_keeps_when_it_began_and_says_how_long_it_lasted(budget: Budget) -> None:
+    t = budget.telemetry
+    assert t.record_engine_trouble("http://a:30000", None, 1_000) == -1  # none to clear
+    assert t.record_engine_trouble("http://a:30000", "connection refused", 5_000) == 5_000
+    # asked again later with another reason: the reason is the latest, the start the first
+    assert t.record_engine_trouble("http://a:30000", "HTTP 503", 9_000) == 5_000
+    assert t.record_engine_trouble("http://b:30000", "read timeout", 7_000) == 7_000
+    doc = t.status()["engine_trouble"]
+    assert doc == {"http://a:30000": {"why": "HTTP 503", "since_ms": 5_000},
+                   "http://b:30000": {"why": "read timeout", "since_ms": 7_000}}
+    assert t.record_engine_trouble("http://a:30000", None, 12_500) == 7_500
+    assert set(t.engine_trouble()) == {"http://b:30000"}
+    from budget_service.telemetry import render_metrics
+
+    page = render_metrics(t).decode()
+    assert 'tokencap_engine_down{engine="http://b:30000",run="t"} 1.0' in page
+    assert 'tokencap_engine_down_since_seconds{engine="http://b:30000",run="t"} 7.0' in page
+    assert 'tokencap_engine_down{engine="http://a:30000"' not in page
+
+
 def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budget) -> None:
     from budget_service.server import take_point
 

@@ -58,7 +58,11 @@ def test_the_live_page_shows_every_category_and_its_progress(tmp_path, redis_url
             seen = first["a"] + first["b"]
             wait_until(lambda: sum(c["used"] for c in pipe.budget.telemetry.status()[
                 "categories"].values()) > seen, what="more tokens")
-            second, dom = _page(url)
+            second, _ = _page(url)
+            # an engine the producer's watch found away shows with since when
+            pipe.budget.telemetry.record_engine_trouble("http://gpu-7:30000",
+                                                        "connection refused", 1_700_000_000_000)
+            _, dom = _page(url)
             st = pipe.budget.telemetry.status(by_engine=True)["categories"]
             shot = tmp_path / "page.png"
             _chromium("--window-size=1000,700", "--virtual-time-budget=4000",
@@ -76,6 +80,9 @@ def test_the_live_page_shows_every_category_and_its_progress(tmp_path, redis_url
     # the prefix cache: per category, and per engine over the categories
     assert st["a"]["prompt_tokens"] > 0 and 'class="cache">prefix cache' in dom
     assert f"{sim.url} · " in dom and " prompt tokens (" in dom
+    assert re.search(r"<div>http://gpu-7:30000 [^<]*<b>\?</b>[^<]*<b class=\"down\">does not "
+                     r"answer: connection refused, since [^<]+ s ago\)</b></div>", dom), \
+        dom[dom.find('id="engines"'):][:1500]
     assert shot.stat().st_size > 10_000 and shot.read_bytes()[:4] == b"\x89PNG"
     # served from the package, with no external asset
     assert page.headers["Content-Type"].startswith("text/html")

@@ -49,3 +49,21 @@ def test_init_says_what_it_cannot_tell_and_refuses_to_overwrite(tmp_path) -> Non
     gone = CliRunner().invoke(main, ["init", str(tmp_path / "nope.jsonl"), "--tokenizer",
                                      str(QWEN), "--out", str(tmp_path / "x.toml")])
     assert gone.exit_code == 2 and "Traceback" not in gone.output
+
+
+def test_init_tells_records_of_a_preset_s_dataset_and_plan_check_accepts_them(tmp_path) -> None:
+    presets = DATASETS / "presets"
+    files = [presets / "ultrachat" / "speculators_ultrachat_messages.jsonl",
+             presets / "hermes" / "hermes_function_calling_v1_card_examples.json",
+             presets / "magpie" / "magpie_repo_example_instructions.jsonl"]
+    dest = tmp_path / "run.toml"
+    res = CliRunner().invoke(main, ["init", *map(str, files), "--tokenizer",
+                                    str(DATASETS.parent / "tokenizers" / "qwen3"),
+                                    "--out", str(dest)])
+    assert res.exit_code == 0, res.output
+    cfg = load_config(dest)
+    assert [c.preset for c in cfg.category] == ["ultrachat", "hermes", "magpie"]
+    res = CliRunner().invoke(plan_cmd, [str(dest), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    usable = {r["category"]: r["checked"]["usable"] for r in json.loads(res.stdout)["categories"]}
+    assert list(usable.values()) == [1, 4, 5]

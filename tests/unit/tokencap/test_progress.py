@@ -33,49 +33,31 @@ def test_progress_says_it_waits_for_the_writer_and_never_repeats_a_line() -> Non
     ]
 
 
-def flight(used: int, in_flight: int = 4) -> dict:
+def flight(used: int, trouble: dict | None = None) -> dict:
     return {"run": "r", "categories": {"a": {"used": used, "cap": 1000, "state": "open",
-                                             "in_flight": in_flight}},
-            "writer": {"holder": "h", "error": None, "unwritten": 0}}
+                                             "in_flight": 4}},
+            "writer": {"holder": "h", "error": None, "unwritten": 0},
+            "engine_trouble": trouble or {}}
 
 
-def test_an_engine_away_while_nothing_moves_is_said_in_every_line_until_it_answers(
-        monkeypatch) -> None:
-    from foundation.engine_api import engine_spec
-    from tokencap import progress
-
-    clock = {"t": 1000.0}
-    monkeypatch.setattr(progress.time, "monotonic", lambda: clock["t"])
-    answers = {"now": False}
-    asked: list[str] = []
-
-    def probe(spec) -> str:
-        asked.append(spec.url)
-        return "" if answers["now"] else "connection refused"
-
+def test_an_engine_away_is_said_in_every_line_with_since_when_until_it_answers() -> None:
+    clock = {"ms": 1_700_000_000_000}
+    since = clock["ms"] - 3_000
+    away = {"http://gpu:30000": {"why": "connection refused", "since_ms": since}}
     out = io.StringIO()
-    p = ProgressPrinter(out, [engine_spec("http://gpu:30000")], probe)
+    p = ProgressPrinter(out, clock_ms=lambda: clock["ms"])
     p(flight(100))
-    clock["t"] += progress.STALL_S / 2
-    p(flight(100))  # not long enough to ask
-    assert asked == []
-    clock["t"] += progress.STALL_S
-    p(flight(100))
-    clock["t"] += 5
-    p(flight(100))
-    answers["now"] = True
-    clock["t"] += 5
+    p(flight(100, away))
+    clock["ms"] += 5_000
+    p(flight(100, away))
+    clock["ms"] += 5_000
     p(flight(140))
     lines = out.getvalue().splitlines()
-    assert "engine http://gpu:30000: connection refused, for 0 s" in lines[1]
-    assert "engine http://gpu:30000: connection refused, for 5 s" in lines[2]
-    assert lines[3] == "[progress] engine http://gpu:30000 answers again, after 10 s"
+    assert "engine" not in lines[0]
+    assert "engine http://gpu:30000: connection refused, for 3 s (since " in lines[1]
+    assert "engine http://gpu:30000: connection refused, for 8 s (since " in lines[2]
+    assert lines[3] == "[progress] engine http://gpu:30000 answers again, after 13 s"
     assert "engine" not in lines[4]
-    # with nothing in flight, a quiet run is not an engine's fault: nobody is asked
-    asked.clear()
-    clock["t"] += 100
-    p(flight(140, in_flight=0))
-    assert asked == []
 
 
 def test_the_trouble_of_an_engine_is_what_its_health_check_says() -> None:
