@@ -36,6 +36,7 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
 | `tokencap_workers` | gauge | workers registered on the run's queues |
 | `tokencap_writer_up` / `_error` | gauge | a writer holds the run / it cannot write |
+| `tokencap_hidden_state_bytes` | gauge | a hidden-state stage: bytes of states kept |
 | `tokencap_engine_down{engine}` | gauge | 1 while the engine does not answer (engine watch) |
 | `tokencap_engine_down_since_seconds{engine}` | gauge | since when (Unix time) |
 """
@@ -62,6 +63,7 @@ from budget_service.ledger import (
     as_str,
     cache_by_engine,
 )
+from foundation import hsfile
 from foundation.engine_info import EngineInfo
 from foundation.wire import encode
 
@@ -154,8 +156,23 @@ class TelemetryLedger(Ledger):
 
     def status(self, categories: list[str] | None = None,
                by_engine: bool = False) -> dict[str, Any]:
-        """The `tokencap status --json` document (`status_document` of `snapshot`)."""
-        return status_document(self.snapshot(categories, by_engine))
+        """The `tokencap status --json` document (`status_document` of `snapshot`); a
+        hidden-state stage's categories also say their bytes (`bytes_used`, `bytes_cap`)."""
+        doc = status_document(self.snapshot(categories, by_engine))
+        bpt = self.bytes_per_token()
+        if bpt:
+            for st in doc["categories"].values():
+                st["bytes_used"] = st["used"] * bpt
+                st["bytes_cap"] = None if st["cap"] is None else st["cap"] * bpt
+        return doc
+
+    def bytes_per_token(self) -> int | None:
+        """A hidden-state stage's bytes per counted token (None for generation)."""
+        cfg = self.load_config()
+        hs = cfg.hidden_states if cfg is not None and cfg.stage == "hidden_states" else None
+        if hs is None or not hs.layers or not hs.hidden_size:
+            return None
+        return hsfile.bytes_per_token(len(hs.layers), hs.hidden_size, hs.dtype or "bfloat16")
 
     def workers(self) -> int:
         """Workers registered on the run's queues (RQ's registry)."""
@@ -230,6 +247,7 @@ class _Collector:
         yield from _category_metrics(snap)
         yield from _writer_metrics(snap.run, snap.writer)
         yield from _trouble_metrics(snap.run, snap.trouble)
+        yield from _bytes_metrics(snap, self.ledger.bytes_per_token())
         yield from _engine_metrics(snap.run, self.ledger.engine_counts(), self.ledger.workers())
 
 
@@ -309,6 +327,16 @@ def _writer_metrics(run: str, writer: WriterState) -> Iterator[Metric]:
     g = GaugeMetricFamily("tokencap_writer_error",
                           "1 while the writer cannot write (a full disk, ...)", labels=["run"])
     g.add_metric([run], int(bool(writer.error)))
+    yield g
+
+
+def _bytes_metrics(snap: RunStatus, bpt: int | None) -> Iterator[Metric]:
+    g = GaugeMetricFamily("tokencap_hidden_state_bytes",
+                          "Bytes of hidden states kept (a hidden-state stage)",
+                          labels=["run", "category"])
+    if bpt:
+        for name, st in snap.categories.items():
+            g.add_metric([snap.run, name], st.used * bpt)
     yield g
 
 

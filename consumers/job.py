@@ -20,6 +20,7 @@ from budget_service.estimator import LengthModel, admission, counted_prompt
 from budget_service.keys import Keys
 from budget_service.ledger import now_ms
 from budget_service.samples import SampleLedger
+from consumers import states
 from consumers.client import EngineClient, EngineError, Generation
 from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
@@ -205,6 +206,8 @@ def process(ref: dict[str, Any]) -> str:
     assert pending is not None
     _heartbeat.track(_Beat(rc, cat, job.sample_id, extra, time.monotonic()))
     sent_at_ms = now_ms()
+    if rc.cfg.stage == "hidden_states":
+        return _extract(rc, cat, pending, rate, sent_at_ms)
     try:
         gen = rc.client.generate(pending.prompt_ids, pending.sampling, cat.name, rate,
                                  prefer=pending.prefer_engine, affinity=pending.affinity)
@@ -214,6 +217,30 @@ def process(ref: dict[str, Any]) -> str:
         _heartbeat.track(None)
         rc.client.stats.flush(budget)
     return _commit(rc, cat, pending, gen, sent_at_ms)
+
+
+def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms: int) -> str:
+    """The hidden-state stage's step (`consumers/states.py`): a valid file already kept for
+    the row counts as it is; else the engine extracts it."""
+    row = p.source_id or p.sample_id
+    path = states.states_file(rc.cfg.output_dir, cat.name, row)
+    gen = None
+    try:
+        desc = states.kept(path, rc.cfg, p.prompt_ids)
+        if desc is None:
+            gen = rc.client.generate(p.prompt_ids, states.EXTRACT_SAMPLING, cat.name, rate,
+                                     prefer=p.prefer_engine, affinity=p.affinity)
+            desc = states.take(gen, path, rc.cfg, p.prompt_ids, row)
+    except EngineError as exc:
+        return _failed(rc, cat, p, exc)
+    finally:
+        _heartbeat.track(None)
+        rc.client.stats.flush(rc.budget)
+    status, used = rc.budget.commit(states.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
+                                    0, 0.0)
+    log.debug("%s/%s %s: states of %d tokens, used %d", cat.name, p.sample_id, status,
+              len(p.prompt_ids), used)
+    return "committed" if status == "ok" else status
 
 
 def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:

@@ -15,7 +15,9 @@ temperature is refused (SGLang's `/generate` would sample at 1.0, not the model'
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -125,6 +127,34 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         return ([self.source] if self.source else []) + list(self.sources)
 
 
+class HiddenStates(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[hidden_states]`: the target's hidden states of every kept row, made by an
+    extraction server (vLLM's `extract_hidden_states`) through the same queue, ledger and
+    workers as generation (`tokencap hidden-states CONFIG`; docs/HIDDEN_STATES.md)."""
+
+    # the extraction server(s), SGLANG_URL style; env TOKENCAP_EXTRACT_URL overrides
+    engine_url: str | None = None
+    # vLLM's layer ids (k: the residual stream after k layers; the last is the pre-norm
+    # target state); default (2, N//2, N-3, N) from the model's config.json
+    layers: list[NonNegInt] | None = None
+    # the states' dtype as the engine writes them; default: the model's torch_dtype
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    output_dir: str = "hidden_states"
+    # the model's config.json (layers, hidden size, dtype, final norm); default: beside the
+    # tokenizer
+    model_config: str | None = None
+    # bytes of states per category (or for every category: an int); none: no limit
+    max_bytes: NonNegInt | dict[str, NonNegInt] | None = None
+    # set by tokencap from the model's config, not by hand
+    hidden_size: PositiveInt | None = None
+    num_layers: PositiveInt | None = None
+
+    def budget_for(self, category: str) -> int | None:
+        if isinstance(self.max_bytes, dict):
+            return self.max_bytes.get(category)
+        return self.max_bytes
+
+
 class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole run. Units are in the field names."""
 
@@ -188,6 +218,10 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # the workers run (`foundation.gate`)
     made_by: str = ""
     reply_markers: ReplyMarkers | None = None
+    hidden_states: HiddenStates | None = None
+    # set by tokencap: "hidden_states" for the run that extracts a run's states
+    # (`<run>.hs`, `producer/hidden_states.py`), whose workers extract instead of generate
+    stage: Literal["generate", "hidden_states"] = "generate"
     category: list[Category] = []
 
     @property
@@ -330,9 +364,58 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
     if gen is None and tok is not None and (Path(tok) / GENERATION_CONFIG).is_file():
         gen = str(Path(tok) / GENERATION_CONFIG)
     cats = _with_model_sampling(cfg, cats, gen, str(path))
+    hs = cfg.hidden_states
+    if hs is not None:
+        hs = _hidden_states(hs, rel, tok, str(path))
     return msgspec.structs.replace(
-        cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir), generation_config=gen
+        cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir), generation_config=gen,
+        hidden_states=hs,
     )
+
+
+def model_shape(config_json: str) -> tuple[int, int, str | None]:
+    """(layers, hidden size, dtype) of a model from its config.json (a multimodal model's
+    text part: its `text_config`)."""
+    doc = json.loads(Path(config_json).read_text())
+    text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
+    layers, hidden = text.get("num_hidden_layers"), text.get("hidden_size")
+    if not isinstance(layers, int) or not isinstance(hidden, int):
+        raise ValueError("no num_hidden_layers / hidden_size in it")
+    dtype = text.get("torch_dtype") or text.get("dtype") or doc.get("torch_dtype")
+    return layers, hidden, dtype if dtype in ("bfloat16", "float16", "float32") else None
+
+
+def default_layers(n: int) -> list[int]:
+    """EAGLE-3's states in vLLM's ids: low, middle, high (after 2, N//2, N-3 layers) and the
+    last layer's output before the final norm (N)."""
+    return [2, n // 2, n - 3, n]
+
+
+def _hidden_states(hs: HiddenStates, rel: Callable[[str], str], tok: str | None,
+                   path: str) -> HiddenStates:
+    where = "$.hidden_states"
+    model_cfg = rel(hs.model_config) if hs.model_config else (
+        str(Path(tok) / "config.json") if tok else None)
+    if model_cfg is None or not Path(model_cfg).is_file():
+        raise ConfigError(path, f"{where}.model_config: the model's config.json (its layers "
+                          f"and hidden size) is needed: {model_cfg or 'no tokenizer folder'} "
+                          "is not a file; name it with model_config = PATH")
+    try:
+        n, hidden, dtype = model_shape(model_cfg)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(path, f"{where}.model_config: {model_cfg}: {exc}") from None
+    layers = list(hs.layers) if hs.layers is not None else default_layers(n)
+    if len(set(layers)) != len(layers) or sorted(layers) != layers or len(layers) < 2:
+        raise ConfigError(path, f"{where}.layers: {layers}: want at least two distinct ids in "
+                          "rising order (vLLM's buffer breaks on duplicates: a model needs 7 "
+                          "layers or more for the default ids)")
+    if layers[-1] > n:
+        raise ConfigError(path, f"{where}.layers: {layers}: the model has {n} layers (ids 0 "
+                          f"to {n}; {n}: the last layer before the final norm)")
+    return msgspec.structs.replace(
+        hs, layers=layers, dtype=hs.dtype or dtype or "bfloat16",
+        output_dir=rel(hs.output_dir), model_config=model_cfg, hidden_size=hidden,
+        num_layers=n)
 
 
 def _with_preset(cat: Category, where: str, path: str) -> Category:

@@ -165,6 +165,12 @@ class ServerError(EngineError):
     kind = ErrorKind.SERVER_ERROR
 
 
+class BadStates(EngineError):
+    """A hidden-state file the engine wrote that fails its checks: sent again, then dead."""
+
+    kind = ErrorKind.BAD_STATES
+
+
 def error_message(body: bytes | str) -> str:
     """The message of an error reply, whatever its shape (module docstring)."""
     text = body.decode(errors="replace") if isinstance(body, bytes) else body
@@ -201,6 +207,9 @@ class Generation(msgspec.Struct, frozen=True):
     # meta_info.cached_tokens; vLLM's usage.prompt_tokens_details.cached_tokens, given with
     # --enable-prompt-tokens-details); None when the engine does not say
     cached_tokens: int | None = None
+    # vLLM with `extract_hidden_states`: the file its KV connector wrote the prompt's hidden
+    # states to (`kv_transfer_params.hidden_states_path`)
+    hidden_states_path: str | None = None
 
 
 # SGLang sampling param -> the OpenAI completions field (vLLM's names)
@@ -261,6 +270,7 @@ class _Choice(msgspec.Struct):
 class _Completion(msgspec.Struct):
     choices: list[_Choice]
     usage: _Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 _reply = msgspec.json.Decoder(_Reply)
@@ -323,9 +333,12 @@ def _parse_completion(body: bytes, n_prompt: int, engine: str, latency_s: float
             ids[-1] if ids else None)
         fr = {"type": "stop", "matched": matched}
     details = usage.prompt_tokens_details
-    return _checked(ids, usage.prompt_tokens, usage.completion_tokens, n_prompt, fr["type"],
-                    fr, choice.text, latency_s, engine,
-                    details.cached_tokens if details is not None else None)
+    gen = _checked(ids, usage.prompt_tokens, usage.completion_tokens, n_prompt, fr["type"],
+                   fr, choice.text, latency_s, engine,
+                   details.cached_tokens if details is not None else None)
+    path = (reply.kv_transfer_params or {}).get("hidden_states_path")
+    return msgspec.structs.replace(gen, hidden_states_path=path) if isinstance(path, str) \
+        else gen
 
 
 def _checked(ids: list[int], n_prompt_engine: int, n: int, n_prompt: int, reason: str,

@@ -33,6 +33,8 @@ class ErrorKind(enum.StrEnum):
     INVALID_RESPONSE = "invalid_response"
     UNREACHABLE = "unreachable"
     LOST = "lost"
+    # a hidden-state file that fails its checks (`foundation.hsfile.check`)
+    BAD_STATES = "bad_hidden_states"
 
 
 class JobRef(Struct, frozen=True):
@@ -128,6 +130,9 @@ class Result(Struct, frozen=True):
     # the run that made it: `<run>@<digest>` of its manifest (`<out>/<run>-manifest.json`:
     # tokenizer, template, config, engines, tokencap version)
     made_by: str = ""
+    # the stage that extracts hidden states (`RunConfig.stage`): the row's states file,
+    # relative to the output folder, with its shape, dtype, layer ids and size
+    hidden_states: dict[str, Any] | None = None
 
 
 class Outcome(enum.StrEnum):

@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 import requests
 
+from foundation import hsfile
 from foundation.config import RunConfig
 from foundation.engine_api import (
     EngineError,
     EngineSpec,
+    Generation,
     engine_specs,
     error_message,
     parse,
@@ -68,6 +70,11 @@ def preflight(cfg: RunConfig, urls: list[str], renderer: Renderer | None,
 
         def check(spec: EngineSpec = spec) -> EngineInfo:
             info = discover(spec)
+            if cfg.stage == "hidden_states" and info.api == "sglang":
+                raise EngineUnusable(
+                    f"engine {spec.url} is SGLang: stock SGLang returns the last layer's "
+                    "state only (return_hidden_states), not EAGLE-3's three layers and the "
+                    "pre-norm last one; extract with vLLM (docs/HIDDEN_STATES.md)")
             _probe(spec, info, renderer, cfg)
             return info
 
@@ -129,6 +136,9 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None, cfg: R
         gen = parse(info.api, r.content, len(ids), spec.url, 0.0)
     except EngineError as exc:
         raise EngineUnusable(f"{who}: {exc}") from None
+    if cfg.stage == "hidden_states":
+        _probe_states(who, gen, ids, cfg)
+        return
     if renderer is None:
         return
     n = int(renderer.vocab_size)
@@ -153,6 +163,41 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None, cfg: R
                              "served model's tokenizer (or the engine at the tokenizer's "
                              "model).")
     log.info("%s: probe ok (%d ids, finish %s)", who, len(gen.output_ids), gen.finish)
+
+
+def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> None:
+    """The extraction server's file for the probe, checked before any row is sent: the
+    blocker named when it cannot extract (not vLLM's extract_hidden_states, the connector
+    not loaded, other layers, states all zero)."""
+    hs = cfg.hidden_states
+    assert hs is not None and hs.layers is not None
+    if not gen.hidden_states_path:
+        raise EngineUnusable(
+            f"{who} gave no hidden-state file (kv_transfer_params.hidden_states_path): it is "
+            "not a vLLM server started with --speculative-config method "
+            "extract_hidden_states and --kv-transfer-config naming a hidden-state connector "
+            "(docs/HIDDEN_STATES.md gives the command line)")
+    src = gen.hidden_states_path
+    try:
+        tensors, _ = hsfile.decode(hsfile.read_engine_file(src), src)
+        hsfile.check(src, tensors, ids, len(hs.layers), hs.hidden_size,
+                     hsfile.DTYPE_NAMES[hs.dtype or "bfloat16"])
+    except OSError as exc:
+        raise EngineUnusable(f"{who}: cannot read its hidden-state file {src} "
+                             f"({exc.strerror or exc}): tokencap's workers must see the "
+                             "engine's shared_storage_path at the same path") from None
+    except hsfile.BadFile as exc:
+        hint = {"shape": f"; the config asks for layers {hs.layers} of a model with hidden "
+                         f"size {hs.hidden_size}: start the server with "
+                         f"eagle_aux_hidden_state_layer_ids = {hs.layers}",
+                "dtype": f"; the config asks for {hs.dtype}: set hidden_states.dtype to what "
+                         "the server writes (its --dtype)"}
+        raise EngineUnusable(f"{who}: its hidden states fail a check [{exc.reason}]: {exc}"
+                             f"{hint.get(exc.reason, '')}") from None
+    finally:
+        hsfile.remove_engine_file(src)
+    log.info("%s: hidden states ok (layers %s, hidden size %s, %s)", who, hs.layers,
+             hs.hidden_size, hs.dtype)
 
 
 def end_of_turn_ids(cfg: RunConfig, renderer: Renderer | None) -> set[int]:

@@ -30,7 +30,8 @@ DESCRIPTION = """\
 SGLang-protocol SIMULATOR (not SGLang): serves POST /generate, /health, /server_info,
 /model_info, /v1/models, /v1/loads, /get_load (each as --sglang-version has it),
 /flush_cache, /abort_request and /metrics (or, with --flavor vllm, vLLM's POST
-/v1/completions, /v1/models, /version, /health and /metrics), and simulates continuous
+/v1/completions, /v1/models, /version, /health and /metrics; with
+--extract-hidden-states, vLLM's hidden-state files), and simulates continuous
 batching without a GPU. Outputs are synthetic, deterministic token ids whose
 lengths follow a lognormal per category (header X-Tokencap-Category). Debug routes:
 GET /_sim/stats, GET|POST /_sim/faults, POST /_sim/reset_stats. Defaults come from --profile
@@ -64,7 +65,31 @@ _OVERRIDES: tuple[tuple[str, str, type, str], ...] = (
     ("--metrics-dp-ranks", "metrics_dp_ranks", int, "/metrics series per DP rank"),
     ("--metrics-tp-ranks", "metrics_tp_ranks", int,
      "/metrics series repeated per TP rank (--enable-metrics-for-all-schedulers)"),
+    ("--hs-hidden-size", "hs_hidden_size", int,
+     "with --extract-hidden-states: the width of each layer's states"),
+    ("--hs-dtype", "hs_dtype", str,
+     "with --extract-hidden-states: the model dtype of the states, float32 or bfloat16"),
+    ("--hs-storage-path", "hs_storage_path", str,
+     "with --extract-hidden-states: the folder of the files (vLLM's shared_storage_path)"),
 )  # fmt: skip
+# (flag, FaultConfig field, help): the hidden-state file faults, merged into --faults
+_HS_FAULT_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("--hs-zero-layer-rate", "hs_zero_layer_rate",
+     "one layer slot of the file is all zeros"),
+    ("--hs-nan-rate", "hs_nan_rate", "one value of the file is NaN"),
+    ("--hs-wrong-ids-rate", "hs_wrong_ids_rate",
+     "one of the file's token_ids differs from the prompt"),
+    ("--hs-truncate-rate", "hs_truncate_rate",
+     "the file is cut short (a torn write) and its path still answered"),
+)  # fmt: skip
+
+
+def _layer_ids(text: str) -> list[int]:
+    """``--hs-layer-ids``: "2,4,5,8" or a JSON list."""
+    try:
+        return [int(p) for p in text.strip().strip("[]").split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layer ids must look like 2,4,5,8: {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="with --tokenizer: let the folder's own tokenizer code run")
     parser.add_argument(
+        "--extract-hidden-states", action="store_true",
+        help="with --flavor vllm: play vLLM's extract_hidden_states speculative method with "
+        "ExampleHiddenStatesConnector: every /v1/completions request writes a safetensors "
+        "file of its prompt's states (under --hs-storage-path) and its reply carries "
+        '"kv_transfer_params": {"hidden_states_path": ...}',
+    )
+    parser.add_argument("--hs-layer-ids", type=_layer_ids, metavar="IDS",
+                        help="with --extract-hidden-states: the layers whose states are "
+                        "written, e.g. 2,4,5,8 (eagle_aux_hidden_state_layer_ids; profile "
+                        "value)")
+    for flag, _field, help_text in _HS_FAULT_FLAGS:
+        parser.add_argument(flag, type=float, default=None, metavar="P",
+                            help=f"fault: the probability that {help_text}")
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -119,6 +158,15 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         changes["length_profiles"] = dict(profile.categories)
     if ns.faults:
         changes["faults"] = msgspec.json.decode(ns.faults, type=FaultConfig, strict=False)
+    hs_faults = {field: getattr(ns, field) for _flag, field, _help in _HS_FAULT_FLAGS
+                 if getattr(ns, field) is not None}
+    if hs_faults:
+        base = changes.get("faults", PROFILES[ns.profile].faults)
+        changes["faults"] = msgspec.structs.replace(base, **hs_faults)
+    if ns.extract_hidden_states:
+        changes["extract_hidden_states"] = True
+    if ns.hs_layer_ids is not None:
+        changes["hs_layer_ids"] = ns.hs_layer_ids
     if ns.tokenizer:
         changes["tokenizer"] = ns.tokenizer
     if ns.family:

@@ -85,6 +85,11 @@ class LengthProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 REPLY_FAULTS = ("loop", "empty", "unclosed")
+# the hidden-state file faults (FaultConfig fields)
+HS_FAULTS = ("hs_zero_layer_rate", "hs_nan_rate", "hs_wrong_ids_rate", "hs_truncate_rate")
+HS_DTYPES = ("float32", "bfloat16")
+DEFAULT_HS_LAYER_IDS = (2, 4, 5, 8)
+DEFAULT_HS_HIDDEN_SIZE = 64
 
 
 class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,6 +104,11 @@ class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``reply_rates`` maps a reply fault ("loop", "empty", "unclosed": `sglang_sim.text`) to
     the probability that a request's answer has it (drawn from the request's seed, so a
     prompt gets the same answer every time; a simulator with a tokenizer only).
+
+    With ``extract_hidden_states`` (`sglang_sim.hidden`), each ``hs_*_rate`` is the
+    probability that a request's hidden-state file is damaged so: one layer slot all zeros,
+    one value NaN, one of its ``token_ids`` differing from the prompt, or the file cut short
+    (a torn write, still answered with its path). Each is drawn on its own.
     """
 
     error_rates: dict[int, float] = {}
@@ -108,6 +118,10 @@ class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bad_counts_rate: float = 0.0
     poison_token_id: int | None = None
     reply_rates: dict[str, float] = {}
+    hs_zero_layer_rate: float = 0.0
+    hs_nan_rate: float = 0.0
+    hs_wrong_ids_rate: float = 0.0
+    hs_truncate_rate: float = 0.0
 
     def validate(self) -> None:
         for status in (*self.error_rates, *self.error_burst):
@@ -126,7 +140,7 @@ class FaultConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if any(not 0.0 <= p <= 1.0 for p in self.reply_rates.values()) \
                 or sum(self.reply_rates.values()) > 1.0:
             raise ValueError("reply_rates probabilities must be in [0, 1] and sum to at most 1")
-        for name in ("reset_rate", "bad_counts_rate"):
+        for name in ("reset_rate", "bad_counts_rate", *HS_FAULTS):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
 
@@ -188,6 +202,16 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     metrics_priority: bool = False
     # SGLang's /server_info has context_length null unless --context-length was passed.
     context_length_flag: bool = True
+    # vLLM's hidden-state extraction (`sglang_sim.hidden`; the vllm flavor only): every
+    # /v1/completions request writes its prompt's states at `hs_layer_ids` (vLLM's
+    # eagle_aux_hidden_state_layer_ids), `hs_hidden_size` wide, in `hs_dtype`, to a
+    # safetensors file under `hs_storage_path` (the connector's shared_storage_path), and
+    # the reply carries "kv_transfer_params": {"hidden_states_path": ...}.
+    extract_hidden_states: bool = False
+    hs_layer_ids: list[int] = msgspec.field(default_factory=lambda: list(DEFAULT_HS_LAYER_IDS))
+    hs_hidden_size: int = DEFAULT_HS_HIDDEN_SIZE
+    hs_dtype: str = "bfloat16"
+    hs_storage_path: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError when a knob is out of range."""
@@ -218,10 +242,31 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if min(self.metrics_dp_ranks, self.metrics_tp_ranks) < 1:
             raise ValueError("metrics_dp_ranks and metrics_tp_ranks must be >= 1")
         version(self.sglang_version)
+        self._validate_hidden_states()
         self.default_length.validate()
         for dist in self.length_profiles.values():
             dist.validate()
         self.faults.validate()
+
+    def _validate_hidden_states(self) -> None:
+        if not self.hs_layer_ids or any(k < 0 for k in self.hs_layer_ids):
+            raise ValueError("hs_layer_ids must be a non-empty list of layer ids >= 0")
+        if len(set(self.hs_layer_ids)) != len(self.hs_layer_ids):
+            raise ValueError(f"hs_layer_ids must not repeat a layer: {self.hs_layer_ids}")
+        if self.hs_hidden_size < 1:
+            raise ValueError("hs_hidden_size must be >= 1")
+        if self.hs_dtype not in HS_DTYPES:
+            raise ValueError(f"hs_dtype must be one of {HS_DTYPES}, got {self.hs_dtype!r}")
+        if not self.extract_hidden_states:
+            return
+        if self.flavor != "vllm":
+            raise ValueError(
+                "extract_hidden_states needs flavor='vllm': it plays vLLM's "
+                "extract_hidden_states speculative method and ExampleHiddenStatesConnector; "
+                "stock SGLang returns the last layer's states only")
+        if not self.hs_storage_path:
+            raise ValueError("extract_hidden_states needs hs_storage_path (the connector's "
+                             "shared_storage_path)")
 
     @property
     def max_req_len(self) -> int:

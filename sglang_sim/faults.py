@@ -10,7 +10,9 @@ simulator seed, so a sequential run injects the same faults every time. Per requ
    then the request is generated normally, and
 4. ``reset_rate``: the connection is dropped with no reply (the work was done);
 5. ``bad_counts_rate``: ``completion_tokens`` is reported one higher than ``len(output_ids)``;
-6. ``stall_s``: the reply waits this many wall-clock seconds.
+6. ``stall_s``: the reply waits this many wall-clock seconds;
+   and, with ``extract_hidden_states``, before 4:
+7. ``hs_*_rate``: the request's hidden-state file is damaged (`sglang_sim.hidden.Damage`).
 
 Error bodies use SGLang's ErrorResponse envelope; 429 has ``type: "rate_limit_error"`` and a
 ``Retry-After: 0`` header.
@@ -26,6 +28,7 @@ from typing import Any
 import msgspec
 
 from sglang_sim.config import FaultConfig
+from sglang_sim.hidden import Damage
 from sglang_sim.protocol import ApiError, envelope
 
 logger = logging.getLogger(__name__)
@@ -116,6 +119,17 @@ class FaultInjector:
 
     def should_bad_count(self) -> bool:
         return self._chance(self._config.bad_counts_rate, "bad_counts")
+
+    def hs_damage(self) -> Damage:
+        """The faults of one hidden-state file, each drawn on its own (counted as
+        "hs_zero_layer", "hs_nan", "hs_wrong_ids", "hs_truncate")."""
+        c = self._config
+        return Damage(
+            zero_layer=self._chance(c.hs_zero_layer_rate, "hs_zero_layer"),
+            nan=self._chance(c.hs_nan_rate, "hs_nan"),
+            wrong_ids=self._chance(c.hs_wrong_ids_rate, "hs_wrong_ids"),
+            truncate=self._chance(c.hs_truncate_rate, "hs_truncate"),
+        )
 
     def stall_s(self) -> float:
         """Wall-clock seconds to wait before replying (counted when > 0)."""

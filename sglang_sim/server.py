@@ -17,6 +17,10 @@ Simulator-only routes (not SGLang):
 - ``GET /_sim/faults``: the fault knobs (``FaultConfig`` as JSON);
 - ``POST /_sim/faults``: change the knobs named in the JSON body, keep the others.
 
+With ``extract_hidden_states`` (vllm flavor), every ``/v1/completions`` request writes its
+hidden-state file before the reply and the reply carries ``"kv_transfer_params":
+{"hidden_states_path": ...}`` (`sglang_sim.hidden`).
+
 The optional request header ``X-Tokencap-Category`` picks the output-length distribution.
 ``meta_info.e2e_latency`` is wall-clock seconds, as the client saw them; simulated-time figures
 are in ``/_sim/stats``.
@@ -37,7 +41,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from sglang_sim import info
+from sglang_sim import hidden, info
 from sglang_sim.config import VLLM_VERSION, SimConfig, version
 from sglang_sim.faults import FaultInjector
 from sglang_sim.jobs import DuplicateRidError, Job, QueueFullError
@@ -197,13 +201,33 @@ class _Done:
     """A request the engine finished: its ids and what the reply reports."""
 
     def __init__(self, valid: ValidRequest, done: Any, ids: list[int], reported: int,
-                 text: str, cached: int = 0) -> None:
+                 text: str, cached: int = 0, hs_path: str | None = None) -> None:
         self.valid, self.done, self.ids, self.reported, self.text, self.cached = (
             valid, done, ids, reported, text, cached)
+        self.hs_path = hs_path
 
 
-async def _run(request: web.Request, parsed: Any) -> _Done:
-    """Fault injection, SGLang's checks, the engine, the ids: what both APIs share."""
+async def _write_states(app: web.Application, request_id: str, token_ids: list[int]) -> str:
+    """The request's hidden-state file, written (under its lock) before the reply, as
+    vLLM's ExampleHiddenStatesConnector does; its path."""
+    config = app[CONFIG_KEY]
+    assert config.hs_storage_path is not None  # validated
+    path = hidden.path_for(config.hs_storage_path, request_id)
+    damage = app[FAULTS_KEY].hs_damage()
+
+    def write() -> None:
+        data = hidden.file_bytes(token_ids, config.hs_layer_ids, config.hs_hidden_size,
+                                 config.hs_dtype, damage, config.vocab_size)
+        hidden.write_locked(path, data)
+
+    await asyncio.to_thread(write)
+    return str(path)
+
+
+async def _run(request: web.Request, parsed: Any,
+               kv_transfer_params: dict[str, Any] | None = None) -> _Done:
+    """Fault injection, SGLang's checks, the engine, the ids: what both APIs share. With
+    ``kv_transfer_params`` (vLLM with extract_hidden_states), the hidden-state file too."""
     app = request.app
     config, engine, faults = app[CONFIG_KEY], app[ENGINE_KEY], app[FAULTS_KEY]
     app[REQUESTS_KEY].append(parsed.sampling_params)
@@ -234,6 +258,13 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
     http["prefix_cache_hits"] += cached
     http["prompt_tokens"] += len(valid.input_ids)
     http["generation_tokens"] += len(ids)
+    hs_path = None
+    if kv_transfer_params is not None:  # the prompt, and with include_output_tokens the
+        # output but its last token (whose states were never computed)
+        stored = list(valid.input_ids)
+        if kv_transfer_params.get("include_output_tokens"):
+            stored += ids[:-1]
+        hs_path = await _write_states(app, f"cmpl-{done.rid}-0", stored)
     if faults.should_reset():
         logger.info("simulated fault: dropping the connection of %s", done.rid)
         _drop_connection(request)
@@ -244,7 +275,7 @@ async def _run(request: web.Request, parsed: Any) -> _Done:
     stall_s = faults.stall_s()
     if stall_s > 0:
         await asyncio.sleep(stall_s)
-    return _Done(valid, done, ids, reported, decoded, cached)
+    return _Done(valid, done, ids, reported, decoded, cached, hs_path)
 
 
 async def _body(request: web.Request) -> Any:
@@ -257,14 +288,19 @@ async def _body(request: web.Request) -> Any:
 async def _completions(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
     try:
-        parsed, want_ids, max_tokens = parse_completion(await _body(request), config)
-        r = await _run(request, parsed)
+        body = await _body(request)
+        parsed, want_ids, max_tokens = parse_completion(body, config)
+        kv_params = None
+        if config.extract_hidden_states:
+            given = body.get("kv_transfer_params")
+            kv_params = given if isinstance(given, dict) else {}
+        r = await _run(request, parsed, kv_params)
     except ApiError as exc:
         return _vllm_error(exc)
     fr = r.done.finish_reason
     stop = fr.get("type") == "stop"
     matched = fr.get("matched")
-    return _json({
+    reply: dict[str, Any] = {
         "id": f"cmpl-{r.done.rid}", "object": "text_completion", "created": int(time.time()),
         "model": config.model_path,
         "choices": [{
@@ -281,7 +317,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
                   # as vLLM with --enable-prompt-tokens-details
                   "prompt_tokens_details": {"cached_tokens": r.cached},
                   "completion_tokens_details": None},
-    })
+    }
+    if r.hs_path is not None:
+        reply["kv_transfer_params"] = {"hidden_states_path": r.hs_path}
+    return _json(reply)
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:

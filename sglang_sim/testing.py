@@ -25,7 +25,7 @@ import msgspec
 import requests
 from aiohttp import web
 
-from sglang_sim.config import SimConfig
+from sglang_sim.config import FaultConfig, SimConfig
 from sglang_sim.server import (
     ENGINE_KEY,
     FAULTS_KEY,
@@ -49,11 +49,19 @@ class SimServer:
     """The simulator on ``http://127.0.0.1:<free port>``, served from a background thread.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`. ``config`` defaults to
-    the default profile; keyword overrides replace its fields (``SimServer(time_scale=100)``).
+    the default profile; keyword overrides replace its fields (``SimServer(time_scale=100)``),
+    and those named as a ``FaultConfig`` field replace that fault knob
+    (``SimServer(flavor="vllm", hs_nan_rate=1.0)``).
     """
 
     def __init__(self, config: SimConfig | None = None, **overrides: Any) -> None:
         base = config if config is not None else SimConfig()
+        fault_names = set(FaultConfig.__struct_fields__) - set(SimConfig.__struct_fields__)
+        fault_changes = {k: overrides.pop(k) for k in list(overrides) if k in fault_names}
+        if fault_changes:
+            faults = msgspec.structs.replace(overrides.get("faults", base.faults),
+                                             **fault_changes)
+            overrides["faults"] = faults
         self.config = msgspec.structs.replace(base, **overrides) if overrides else base
         self.config.validate()
         self.port = 0

@@ -66,12 +66,16 @@ class ProgressPrinter:
             t, used = self._last.get(name, (now, st["used"]))
             rate = tok_s(used, t, st["used"], now)
             self._last[name] = (now, st["used"])
+            size = (f" [{st['bytes_used'] / 1e9:,.3f} GB of states"
+                    + (f" of {st['bytes_cap'] / 1e9:,.3f}" if st.get("bytes_cap") else "") + "]"
+                    if "bytes_used" in st else "")
             if st["cap"] is None:
-                parts.append(f"{name} {st['used']} (uncapped) {rate:.0f} tok/s {st['state']}")
+                parts.append(f"{name} {st['used']} (uncapped){size} {rate:.0f} tok/s "
+                             f"{st['state']}")
             else:
                 pct = 100.0 * st["used"] / st["cap"] if st["cap"] else 100.0
-                parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%) {rate:.0f} tok/s "
-                             f"{st['state']}")
+                parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%){size} {rate:.0f} "
+                             f"tok/s {st['state']}")
         line = "[progress] " + " | ".join(parts)
         writer = status.get("writer") or {}
         unwritten = writer.get("unwritten", 0)
@@ -153,6 +157,9 @@ def summary_table(status: dict[str, Any]) -> str:
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
     rows += gate_lines(status)
     rows += cache_lines(status)
+    rows += [f"hidden states {n}: {st['bytes_used']:,} bytes"
+             + (f" of {st['bytes_cap']:,}" if st.get("bytes_cap") is not None else "")
+             for n, st in status["categories"].items() if "bytes_used" in st]
     rows += trouble_text(status)
     if status.get("simulated"):
         rows.append(SIMULATED_TEXT)

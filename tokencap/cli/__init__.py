@@ -207,10 +207,10 @@ def token(state_dir: str) -> None:
 def _register_commands() -> None:
     from tokencap.cli.offline import audit_cmd, export_cmd, init_cmd, plan_cmd, preview_cmd
     from tokencap.cli.ops import cap, report, retry, status
-    from tokencap.cli.stages import run, serve, worker, writer
+    from tokencap.cli.stages import hidden_states, run, serve, worker, writer
 
     for cmd in (run, worker, writer, status, serve, cap, report, retry,
-                export_cmd, plan_cmd, preview_cmd, audit_cmd, init_cmd):
+                export_cmd, plan_cmd, preview_cmd, audit_cmd, init_cmd, hidden_states):
         main.add_command(cmd)
     _help_names(main)
 

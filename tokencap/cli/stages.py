@@ -77,6 +77,62 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
         raise SourceError(why)
 
 
+@click.command("hidden-states")
+@click.argument("config", type=click.Path(dir_okay=False))
+@REDIS_OPT
+@click.option("--extract-url", envvar="TOKENCAP_EXTRACT_URL", default=None,
+              help="The extraction server(s): vLLM with extract_hidden_states, comma "
+              "separated. Env: TOKENCAP_EXTRACT_URL. Default: hidden_states.engine_url.")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Worker processes this command runs for the stage.")
+@click.option("--plan", "plan_only", is_flag=True,
+              help="Print the bytes per token, per category and in all, check them against "
+              "the free disk, and exit: nothing is sent.")
+@click.option("--progress-s", default=2.0, show_default=True,
+              help="Seconds between progress lines.")
+def hidden_states(config: str, redis_url: str, extract_url: str | None, workers: int,
+                  plan_only: bool, progress_s: float) -> None:
+    """Extract the target model's hidden states of every kept row of CONFIG's run (EAGLE-3's
+    low, middle and high layers and the last one before the final norm) with a vLLM
+    extraction server, through the same queue, ledger, workers and writer as generation:
+    each row's states once, in a checked file named by the row, under a byte budget per
+    category (`[hidden_states]` in the config; docs/HIDDEN_STATES.md). The same command
+    resumes: a row whose file is kept is not asked for again."""
+    from foundation.config import load_config
+    from foundation.redisconn import connect
+    from producer import hidden_states as stage
+    from tokencap.hidden_states import extract_urls, kept_bytes, plan_lines, run_stage
+    from tokencap.progress import ProgressPrinter, summary_table
+
+    cfg = load_config(config)
+    stage.spec(cfg)
+    if plan_only:
+        sources = stage.write_rows(cfg)
+        plan = stage.disk_plan(cfg, sources)
+        click.echo("\n".join(plan_lines(cfg, plan)))
+        need = stage.check_disk(stage.spec(cfg), plan, kept_bytes(cfg))
+        click.echo(f"  still to write: {need / 1e9:,.3f} GB: fits the free space")
+        return
+    urls = extract_urls(cfg, extract_url)
+    if not urls:
+        raise TokencapError("no extraction server: pass --extract-url, set "
+                            "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
+    stop = {"flag": False}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    status = run_stage(cfg, connect(redis_url), redis_url, urls, workers,
+                       on_progress=ProgressPrinter(), should_stop=lambda: stop["flag"],
+                       progress_s=progress_s, say=click.echo)
+    click.echo(summary_table(status))
+    if stop["flag"]:
+        click.echo("stopped before the end; run the same command again to resume", err=True)
+        sys.exit(SIGNALLED)
+
+
 @click.command()
 @RUN_OPT
 @REDIS_OPT

@@ -1,0 +1,279 @@
+"""The hidden-state stage through the whole pipeline (`tokencap hidden-states`: producer,
+ledger, worker processes, writer) against the simulator playing vLLM's extraction server
+(`sglang_sim.hidden`: states a pure function of the ids): every training row's states kept
+once, in a checked file equal to what the engine computed; a byte budget closes a category;
+a NaN or all-zero file is never kept (asked again, then dead with its reason; refused at
+the preflight when every file is bad); workers killed mid-stage and the stage rerun leave no
+file twice and none torn; a finished stage rerun asks the engine for nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from consumers.states import states_file
+from foundation import hsfile
+from foundation.errors import EngineUnusable
+from foundation.outputs import read_dead_letters, read_results
+from foundation.redisconn import connect
+from producer import hidden_states as stage
+from sglang_sim.hidden import states as expected_states
+from sglang_sim.testing import SimServer
+from testing.harness import started
+from tests.conftest import write_config
+from tests.faults.common import FAULT_KNOBS, ids_source
+from tokencap.hidden_states import run_stage
+
+pytestmark = pytest.mark.slow
+
+LAYERS = [2, 4, 5, 8]
+HIDDEN = 64
+BPT = len(LAYERS) * HIDDEN * 2 + 8  # bf16 states and an int64 id per token
+
+
+def model_config(tmp: Path) -> Path:
+    path = tmp / "model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": HIDDEN,
+                                "torch_dtype": "bfloat16"}))
+    return path
+
+
+def config(tmp: Path) -> Path:
+    """Two categories of token-id prompts, generated on the simulator; their rows' states
+    to `<tmp>/hs`."""
+    a = ids_source(tmp, 30, "a.jsonl", base=300)
+    b = ids_source(tmp, 30, "b.jsonl", base=400)
+    body = f"""
+run = "hs"
+output_dir = "{tmp / 'out'}"
+{FAULT_KNOBS.replace('lease_s = 1.0', 'lease_s = 10.0')}
+[hidden_states]
+model_config = "{model_config(tmp)}"
+output_dir = "{tmp / 'hs'}"
+[[category]]
+name = "a"
+source = "{a}"
+format = "input_ids"
+cap_tokens = "none"
+sampling = {{ max_new_tokens = 2048 }}
+[[category]]
+name = "b"
+source = "{b}"
+format = "input_ids"
+cap_tokens = "none"
+sampling = {{ max_new_tokens = 2048 }}
+"""
+    write_config(tmp, body)
+    return tmp / "run.toml"
+
+
+def generate(path: Path, redis_url: str) -> None:
+    from foundation.config import load_config
+
+    cfg = load_config(path)
+    with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
+        status = pipe.run()
+    pipe.check_invariants(status)
+
+
+def extractor(tmp: Path, **faults: float) -> SimServer:
+    storage = tmp / "engine-files"
+    storage.mkdir(exist_ok=True)
+    sim = SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
+                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
+                    hs_storage_path=str(storage))
+    sim.start()
+    if faults:
+        sim.set_faults(**faults)
+    return sim
+
+
+def stage_run(path: Path, redis_url: str, sim: SimServer, workers: int = 2,
+              should_stop=lambda: False) -> dict:
+    from foundation.config import load_config
+
+    cfg = load_config(path)
+    return run_stage(cfg, connect(redis_url), redis_url, [sim.url], workers,
+                     should_stop=should_stop, progress_s=0.2, say=lambda line: None)
+
+
+def kept_rows(tmp: Path, category: str) -> dict[str, list[int]]:
+    rows = stage.rows_file(_hs(tmp), category).read_text().splitlines()
+    return {r["id"]: r["input_ids"] for r in map(json.loads, rows)}
+
+
+def _hs(tmp: Path):
+    from foundation.config import load_config
+
+    return load_config(tmp / "run.toml").hidden_states
+
+
+def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
+        tmp_path, redis_url) -> None:
+    path = config(tmp_path)
+    generate(path, redis_url)
+    sim = extractor(tmp_path)
+    try:
+        status = stage_run(path, redis_url, sim)
+        rerun_sim_before = len(sim.requests())
+        again = stage_run(path, redis_url, sim)  # finished: nothing asked again
+        rerun_asked = len(sim.requests()) - rerun_sim_before
+    finally:
+        sim.stop()
+    hs = _hs(tmp_path)
+    for name in ("a", "b"):
+        st = status["categories"][name]
+        rows = kept_rows(tmp_path, name)
+        assert st["state"] == "exhausted" and st["samples"] == len(rows) > 20
+        assert st["bytes_used"] == sum(len(ids) for ids in rows.values()) * BPT
+        results = [r for r in read_results(Path(hs.output_dir) / name)
+                   if not isinstance(r, hsfile.BadFile)]
+        assert sorted(r.source_id for r in results) == sorted(rows)  # once each
+        for r in results:
+            ids = rows[r.source_id]
+            file = states_file(hs.output_dir, name, r.source_id)
+            assert r.hidden_states["file"] == os.path.relpath(file, hs.output_dir)
+            tensors, meta = hsfile.read(file)
+            hsfile.check(file, tensors, ids, len(LAYERS), HIDDEN, "BF16")
+            want = expected_states(ids, LAYERS, HIDDEN)
+            got = tensors["hidden_states"].array()
+            assert abs(got - want).max() <= 2 ** -7 * abs(want).max()  # bf16's rounding
+            assert meta["row"] == r.source_id
+        files = list((Path(hs.output_dir) / name / "states").iterdir())
+        assert len(files) == len(rows) and all(f.suffix == ".safetensors" for f in files)
+    # the engine's own files are gone once copied; the probe's too
+    assert list((tmp_path / "engine-files").glob("*.safetensors")) == []
+    # a rerun of a finished stage: the probe only
+    assert rerun_asked == 1
+    assert again["categories"]["a"]["samples"] == status["categories"]["a"]["samples"]
+
+
+def test_a_byte_budget_closes_a_category(tmp_path, redis_url) -> None:
+    path = config(tmp_path)
+    generate(path, redis_url)
+    from foundation.config import load_config
+
+    rows = stage.training_rows(load_config(path), "a")
+    longest = max(len(ids) for _, ids in rows)
+    budget = sum(len(ids) for _, ids in rows) // 3 * BPT  # a third of category a
+    path.write_text(path.read_text().replace("[hidden_states]",
+                                             f"[hidden_states]\nmax_bytes = {{ a = {budget} }}"))
+    sim = extractor(tmp_path)
+    try:
+        status = stage_run(path, redis_url, sim)
+    finally:
+        sim.stop()
+    a, b = status["categories"]["a"], status["categories"]["b"]
+    assert a["state"] == "closed" and a["bytes_cap"] == budget // BPT * BPT
+    assert 0 < a["samples"] < len(rows)
+    # closed within a few rows of the budget (two workers in flight), past it by less
+    assert a["bytes_cap"] - 3 * longest * BPT <= a["bytes_used"] < a["bytes_cap"] + \
+        2 * longest * BPT
+    assert b["state"] == "exhausted" and b["bytes_cap"] is None
+    kept = list((Path(_hs(tmp_path).output_dir) / "a" / "states").iterdir())
+    assert len(kept) == a["samples"]
+
+
+@pytest.mark.parametrize("fault,reason", [("hs_nan_rate", "not_finite"),
+                                          ("hs_zero_layer_rate", "zero_layer")])
+def test_a_nan_or_all_zero_file_is_never_kept(tmp_path, redis_url, fault, reason) -> None:
+    path = config(tmp_path)
+    generate(path, redis_url)
+    # every file bad: the preflight names the blocker before any row is sent
+    sim = extractor(tmp_path, **{fault: 1.0})
+    try:
+        with pytest.raises(EngineUnusable, match=reason):
+            stage_run(path, redis_url, sim)
+    finally:
+        sim.stop()
+    # some files bad: each asked for again; a row whose every attempt is bad is dead, with
+    # the check's reason; no bad file is ever kept
+    sim = extractor(tmp_path)
+    armed = threading.Event()
+
+    def arm() -> bool:
+        if not armed.is_set():  # after the preflight's probe
+            sim.set_faults(**{fault: 0.5})
+            armed.set()
+        return False
+
+    try:
+        status = stage_run(path, redis_url, sim, should_stop=arm)
+    finally:
+        sim.stop()
+    hs = _hs(tmp_path)
+    for name in ("a", "b"):
+        st = status["categories"][name]
+        dead = [d for d in read_dead_letters(Path(hs.output_dir) / name)
+                if not isinstance(d, hsfile.BadFile)]
+        assert st["samples"] + len(dead) == len(kept_rows(tmp_path, name))
+        assert st["state"] == "exhausted"
+        assert all(d.reason == "bad_hidden_states" and reason in d.message for d in dead)
+        rows = kept_rows(tmp_path, name)
+        for f in (Path(hs.output_dir) / name / "states").iterdir():
+            tensors, meta = hsfile.read(f)
+            hsfile.check(f, tensors, rows[meta["row"]], len(LAYERS), HIDDEN, "BF16")
+        assert len(list((Path(hs.output_dir) / name / "states").iterdir())) == st["samples"]
+
+
+def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
+        tmp_path, redis_url) -> None:
+    path = config(tmp_path)
+    generate(path, redis_url)
+    hs = _hs(tmp_path)
+    sim = extractor(tmp_path)
+    killed = threading.Event()
+
+    def kill_some() -> bool:
+        done = sum(1 for _ in (Path(hs.output_dir) / "a" / "states").glob("*.safetensors")) \
+            if (Path(hs.output_dir) / "a" / "states").is_dir() else 0
+        if done >= 5 and not killed.is_set():
+            # every worker of the stage, killed while it works (its process group)
+            for pid in _stage_workers():
+                os.killpg(pid, signal.SIGKILL)
+            killed.set()
+            return True
+        return False
+
+    try:
+        stage_run(path, redis_url, sim, should_stop=kill_some)
+        assert killed.is_set()
+        status = stage_run(path, redis_url, sim)  # the same command again
+    finally:
+        sim.stop()
+    for name in ("a", "b"):
+        rows = kept_rows(tmp_path, name)
+        results = [r for r in read_results(Path(hs.output_dir) / name)
+                   if not isinstance(r, hsfile.BadFile)]
+        assert status["categories"][name]["samples"] == len(rows)
+        assert sorted(r.source_id for r in results) == sorted(rows)  # no row twice
+        folder = Path(hs.output_dir) / name / "states"
+        assert sorted(f.name for f in folder.iterdir()) == sorted(
+            states_file(hs.output_dir, name, r).name for r in rows)  # no stray temp file
+        for f in folder.iterdir():
+            tensors, meta = hsfile.read(f)  # none torn
+            hsfile.check(f, tensors, rows[meta["row"]], len(LAYERS), HIDDEN, "BF16")
+
+
+def _stage_workers() -> list[int]:
+    """The pids of the worker processes `run_stage` started (children of this process)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children()
+            if "tokencap.cli" in " ".join(p.cmdline()) and "worker" in p.cmdline()]
+
+
+def test_the_stage_waits_for_rows_and_says_where_they_come_from(tmp_path, redis_url) -> None:
+    path = config(tmp_path)  # no generation yet: no rows
+    sim = extractor(tmp_path)
+    try:
+        status = stage_run(path, redis_url, sim)
+    finally:
+        sim.stop()
+    assert all(st["samples"] == 0 for st in status["categories"].values())
