@@ -98,6 +98,32 @@ def decode(data: bytes, p: str | Path) -> tuple[dict[str, Tensor], dict[str, str
     return out, dict(meta)
 
 
+def read_tensor(path: str | Path, name: str) -> Tensor | None:
+    """One tensor of a (possibly large, sharded) safetensors file, read by seeking to it;
+    None when the file has no such tensor."""
+    p = Path(path)
+    with p.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > HEADER_LIMIT:
+            raise BadFile(p, "torn", "header too large")
+        header = json.loads(f.read(n))
+        spec = header.get(name)
+        if spec is None:
+            return None
+        start, end = spec["data_offsets"]
+        f.seek(8 + n + start)
+        return Tensor(spec["dtype"], tuple(spec["shape"]), f.read(end - start))
+
+
+def tensor_names(path: str | Path) -> list[str]:
+    """The tensors a safetensors file holds (its header only is read)."""
+    with Path(path).open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > HEADER_LIMIT:
+            raise BadFile(path, "torn", "header too large")
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
 def encode(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> bytes:
     """A safetensors file's bytes."""
     header: dict[str, Any] = {}

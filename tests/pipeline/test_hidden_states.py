@@ -277,3 +277,51 @@ def test_the_stage_waits_for_rows_and_says_where_they_come_from(tmp_path, redis_
     finally:
         sim.stop()
     assert all(st["samples"] == 0 for st in status["categories"].values())
+
+
+def test_the_speculators_export_holds_each_row_s_states_by_its_index(tmp_path, redis_url) -> None:
+    import pyarrow as pa
+    from click.testing import CliRunner
+
+    from tokencap.cli import main
+
+    path = config(tmp_path)
+    generate(path, redis_url)
+    sim = extractor(tmp_path)
+    try:
+        status = stage_run(path, redis_url, sim)
+    finally:
+        sim.stop()
+    kept = sum(st["samples"] for st in status["categories"].values())
+    # one row of category b without states: left out of every format, counted
+    hs = _hs(tmp_path)
+    lost = next(iter(kept_rows(tmp_path, "b")))
+    states_file(hs.output_dir, "b", lost).unlink()
+    dest = tmp_path / "train"
+    res = CliRunner().invoke(main, [
+        "export", str(path), "--dest", str(dest), "--merged", "--format", "speculators",
+        "--format", "specforge", "--hidden-states", "--max-length", "40",
+        "--allow-simulated", "--draft-vocab-size", "0", "--json"])
+    if "need torch" in res.output:  # SpecForge's .ckpt files: the trainers' venv has torch
+        res = CliRunner().invoke(main, [
+            "export", str(path), "--dest", str(dest), "--merged", "--format", "speculators",
+            "--hidden-states", "--max-length", "40", "--allow-simulated",
+            "--draft-vocab-size", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["total"]["dropped_no_states"] == 1
+    assert summary["total"]["rows"] == kept - 1
+    with pa.ipc.open_stream(str(dest / "speculators" / "data-00000-of-00001.arrow")) as r:
+        table = r.read_all()
+    ids = table.column("input_ids").to_pylist()
+    names = table.column("id").to_pylist()
+    assert len(ids) == kept - 1 and f"b/{lost}" not in names
+    cut = 0
+    for i, row_ids in enumerate(ids):
+        f = dest / "speculators" / "hidden_states" / f"hs_{i}.safetensors"
+        tensors, _ = hsfile.read(f)
+        hsfile.check(f, tensors, row_ids, len(LAYERS), HIDDEN, "BF16")  # ids == the row's
+        want = expected_states(row_ids, LAYERS, HIDDEN)  # a cut row: its first 40 tokens'
+        assert abs(tensors["hidden_states"].array() - want).max() <= 2 ** -7 * 1.25
+        cut += len(row_ids) == 40
+    assert cut > 0  # some rows were cut at --max-length and their states with them

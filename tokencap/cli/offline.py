@@ -164,6 +164,10 @@ def _export_table(summary: dict[str, Any]) -> str:
               help="The target model's vocabulary size (its config's vocab_size; t2d's "
               "length). Default: a config.json beside the tokenizer, else the tokenizer's "
               "length.")
+@click.option("--hidden-states", "with_states", is_flag=True,
+              help="Add the hidden states the config's [hidden_states] stage kept (`tokencap "
+              "hidden-states`): speculators' hs_<i> files in its folder, SpecForge's offline "
+              ".ckpt files (torch) beside specforge.jsonl; rows without states are left out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | None,
                tokenizer: str | None, dest: str,
@@ -171,7 +175,8 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                keep_truncated: bool, allow_simulated: bool, loss_mask: str,
                consistent_only: bool, exact_tool_args: bool, eval_fraction: float, seed: int,
                max_length: int | None, over_length: str, min_loss_tokens: int,
-               draft_vocab_size: int, target_vocab_size: int | None, as_json: bool) -> None:
+               draft_vocab_size: int, target_vocab_size: int | None, with_states: bool,
+               as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet,
     speculators' prepared dataset), with what the trainers would otherwise prepare in a
     GPU pass: an eval split by conversation, length limits, the draft vocabulary.
@@ -217,10 +222,21 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                        err=True)
     limits = Limits(max_length, "drop" if over_length == "drop" else "truncate",
                     min_loss_tokens)
+    states = None
+    if with_states:
+        from tokencap.export.states import StatesSpec
+
+        hs = cfg.hidden_states if cfg is not None else None
+        if hs is None or hs.layers is None or hs.model_config is None:
+            raise TokencapError("--hidden-states needs CONFIG with a [hidden_states] section "
+                                "(its output_dir holds the states `tokencap hidden-states` "
+                                "kept)")
+        states = StatesSpec(Path(hs.output_dir), list(hs.layers), int(hs.hidden_size or 0),
+                            Path(hs.model_config))
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
-                         exact_tool_args, eval_fraction, seed, limits, vocab)
+                         exact_tool_args, eval_fraction, seed, limits, vocab, states)
     finally:
         if messages is not None:
             messages.close()
@@ -249,6 +265,9 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
             click.echo(f"{name}: {st['truncated_to_limit']} rows cut and "
                        f"{st['dropped_over_length']} left out at --max-length {max_length}",
                        err=True)
+        if st["dropped_no_states"]:
+            click.echo(f"{name}: left out {st['dropped_no_states']} rows without kept hidden "
+                       "states (run `tokencap hidden-states` to make them)", err=True)
         if st["dropped_too_few_loss_tokens"]:
             click.echo(f"{name}: left out {st['dropped_too_few_loss_tokens']} rows with fewer "
                        f"than {min_loss_tokens} loss tokens", err=True)

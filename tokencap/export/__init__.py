@@ -88,6 +88,7 @@ from tokencap.export.sinks import (
 from tokencap.export.split import Side, side
 
 if TYPE_CHECKING:  # numpy, imported when a vocabulary is counted (not by every command)
+    from tokencap.export.states import StatesSpec
     from tokencap.export.vocab import TokenCounts
 
 log = logging.getLogger(__name__)
@@ -119,21 +120,34 @@ def find_categories(out_dir: Path) -> list[str]:
 def make_sinks(
     folder: Path, formats: list[str], tokenizer: Decoder | None,
     messages_for: SourceMessages | None, side: Side = "train",
+    states: StatesSpec | None = None,
 ) -> list[Any]:
     """One sink per format, writing under `folder`; an eval side's files are named
-    ``<name>.eval<suffix>`` beside the train side's."""
+    ``<name>.eval<suffix>`` beside the train side's. With `states`, speculators' folder
+    holds each row's hs_<i> file and SpecForge's offline files are written too
+    (`tokencap.export.states`)."""
     sinks: list[Any] = []
     try:
         for fmt in formats:
             path = folder / side_name(FILE_NAMES[fmt], side)
             if fmt == "specforge":
                 sinks.append(SpecforgeSink(path))
+                if states is not None:
+                    from tokencap.export.states import SPECFORGE_OFFLINE, SpecforgeOfflineSink
+
+                    sinks.append(SpecforgeOfflineSink(
+                        folder / side_name(SPECFORGE_OFFLINE, side), states))
             elif fmt == "conversations":
                 if tokenizer is None:
                     raise ExportError("format conversations needs a tokenizer")
                 sinks.append(ConversationSink(path, tokenizer, messages_for))
             elif fmt == "speculators":
-                sinks.append(SpeculatorsSink(path))
+                if states is not None:
+                    from tokencap.export.states import SpeculatorsStates
+
+                    sinks.append(SpeculatorsSink(path, SpeculatorsStates(states)))
+                else:
+                    sinks.append(SpeculatorsSink(path))
             else:
                 sinks.append(ParquetSink(path))
     except BaseException:
@@ -194,7 +208,7 @@ def truncated_turns(cat_dir: Path) -> dict[str, int]:
 
 def export_category(
     cat_dir: Path, sides: dict[Side, list[Any]], shaping: Shaping, id_prefix: str = "",
-    counts: TokenCounts | None = None,
+    counts: TokenCounts | None = None, states: StatesSpec | None = None,
 ) -> CategoryStats:
     """Stream one category's part files into the sinks of each side; return its counts.
 
@@ -239,6 +253,8 @@ def export_category(
                 if isinstance(sink, ConversationSink):
                     sink.add_turn(item)
         why = _left_out(item, shaping, cut)
+        if not why and states is not None and not states.has(item.category, item.id):
+            why = "dropped_no_states"  # the trainer would fail on it, or skip it
         if why:
             setattr(stats, why, getattr(stats, why) + 1)
             continue
@@ -315,6 +331,7 @@ def export(
     seed: int = DEFAULT_SEED,
     limits: Limits = NO_LIMITS,
     vocab: Vocab | None = None,
+    states: StatesSpec | None = None,
 ) -> dict[str, Any]:
     """Export `categories` (default: every folder of `out_dir` with part files).
 
@@ -350,7 +367,7 @@ def export(
     def open_sides(folder: Path) -> dict[Side, list[Any]]:
         sides = {}
         for s in side_names:
-            sides[s] = make_sinks(folder, formats, tokenizer, messages_for, s)
+            sides[s] = make_sinks(folder, formats, tokenizer, messages_for, s, states)
             all_sinks.extend(sides[s])
         return {"train": [], "eval": [], **sides}
 
@@ -363,7 +380,8 @@ def export(
 
                 counts[name] = TokenCounts(vocab.target_size)
             per_cat[name] = export_category(out_dir / name, sides, shaping,
-                                            f"{name}/" if merged else "", counts.get(name))
+                                            f"{name}/" if merged else "", counts.get(name),
+                                            states)
         for sink in all_sinks:
             sink.finish()
         vocab_doc = _write_vocab(dest, names, counts, vocab, all_sinks, merged) \
@@ -397,6 +415,8 @@ def export(
                   "eval_files": [side_name(FILE_NAMES[f], "eval") for f in formats]
                   if eval_fraction > 0 else []},
         "limits": limits.describe(),
+        "hidden_states": None if states is None else {
+            "from": str(states.hs_dir), "layers": states.layers, "hidden_size": states.hidden},
         "files": [str(sink.path) for sink in all_sinks],
         "manifests": [str(p) for p in manifests],
         "categories": {name: asdict(stats) for name, stats in per_cat.items()},

@@ -54,6 +54,8 @@ class CategoryStats:
     dropped_after_truncated: int = 0
     dropped_inconsistent: int = 0
     dropped_tool_args: int = 0
+    # an export with hidden states: rows the stage kept no states file for
+    dropped_no_states: int = 0
     duplicates: int = 0
     bad_lines: int = 0
     conversations: int = 0
@@ -73,7 +75,7 @@ class CategoryStats:
         self.made_by = sorted({*self.made_by, *other.made_by})
         for name in ("rows", "tokens", "output_tokens", "dropped_truncated",
                      "dropped_after_truncated", "dropped_inconsistent", "dropped_tool_args",
-                     "duplicates",
+                     "dropped_no_states", "duplicates",
                      "bad_lines", "conversations", "conversations_complete",
                      "conversations_in_progress", "truncated_to_limit",
                      "dropped_over_length", "dropped_too_few_loss_tokens", "loss_tokens",
@@ -94,6 +96,38 @@ class TmpFile:
 
     def discard(self) -> None:
         self.tmp.unlink(missing_ok=True)
+
+
+class TmpDir:
+    """A folder written under a temporary name; `publish` swaps it in over `path` (an
+    earlier export's folder replaced whole), `discard` removes it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+
+    @property
+    def folder(self) -> Path:
+        """Where the folder's files go before `publish`."""
+        return self.tmp
+
+    def finish(self) -> None:
+        """Everything written is on disk (each file was fsynced, or is a link)."""
+
+    def publish(self) -> None:
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+            os.replace(self.path, old)
+            os.replace(self.tmp, self.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def fsync_path(path: Path) -> None:
@@ -202,7 +236,7 @@ def specforge_row(row: Result, row_id: str, loss_mask: str = "generated") -> Spe
 SPECULATORS_SHARD = "data-00000-of-00001.arrow"
 
 
-class SpeculatorsSink:
+class SpeculatorsSink(TmpDir):
     """speculators' prepared dataset, the folder its trainer reads with `--data-path`
     (`datasets.load_from_disk`, torch format): ``data-00000-of-00001.arrow`` (Arrow IPC
     stream), ``dataset_info.json`` and ``state.json`` as `Dataset.save_to_disk` writes them,
@@ -214,14 +248,13 @@ class SpeculatorsSink:
 
     COLUMNS = ("id", "input_ids", "loss_mask", "seq_len")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path,
+                 on_row: Callable[[Path, int, TrainingRow], None] | None = None) -> None:
         import pyarrow as pa
 
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir(parents=True)
+        super().__init__(path)
+        # called with the folder, the row's index and the row (the hidden states' hs_<i>)
+        self.on_row = on_row
         self._pa = pa
         self.schema = pa.schema([
             ("id", pa.string()),
@@ -241,6 +274,8 @@ class SpeculatorsSink:
                 "loss_mask": dict(ints), "seq_len": {"dtype": "int64", "_type": "Value"}}
 
     def write_row(self, row: TrainingRow) -> None:
+        if self.on_row is not None:
+            self.on_row(self.tmp, self.rows, row)
         for name, value in (("id", row.id), ("input_ids", row.input_ids),
                             ("loss_mask", row.loss_mask), ("seq_len", len(row.input_ids))):
             self._rows[name].append(value)
@@ -268,21 +303,7 @@ class SpeculatorsSink:
         (self.tmp / "state.json").write_text(json.dumps(state, indent=2))
         (self.tmp / "dataset_info.json").write_text(json.dumps(info, indent=2))
 
-    @property
-    def folder(self) -> Path:
-        """Where the folder's other files go before `publish` (the vocabulary's)."""
-        return self.tmp
-
-    def publish(self) -> None:
-        if self.path.exists():
-            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
-            os.replace(self.path, old)
-            os.replace(self.tmp, self.path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.path)
-
     def discard(self) -> None:
         if not self._f.closed:
             self._f.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        super().discard()
