@@ -33,6 +33,7 @@ from bench import (  # noqa: E402
     export,
     footprint,
     gate,
+    hidden_states,
     saturation,
     tail,
     tokenize,
@@ -50,6 +51,7 @@ SCENARIOS: dict[str, Callable[[context.Bench], dict[str, Any]]] = {
     "affinity": affinity.run,
     "gate": gate.run,
     "export": export.run,
+    "hidden_states": hidden_states.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results.json"
 DESCRIPTION = "Run tokencap's benchmark scenarios; print one table; write bench/results.json."

@@ -69,10 +69,16 @@ def describe(path: Path, cfg: RunConfig, ids: list[int],
     layers = list(hs.layers or ())
     hsfile.check(path, tensors, ids, len(layers), hs.hidden_size,
                  hsfile.DTYPE_NAMES[hs.dtype or "bfloat16"])
-    rel = os.path.relpath(path, cfg.output_dir)
-    return {"file": rel, "tokens": len(ids), "layers": layers,
+    return _description(path, cfg, ids, tensors, path.stat().st_size)
+
+
+def _description(path: Path, cfg: RunConfig, ids: list[int],
+                 tensors: dict[str, hsfile.Tensor], size: int) -> dict[str, Any]:
+    """What a result row says of a checked file."""
+    return {"file": os.path.relpath(path, cfg.output_dir), "tokens": len(ids),
+            "layers": list(spec(cfg).layers or ()),
             "hidden_size": tensors["hidden_states"].shape[2],
-            "dtype": tensors["hidden_states"].dtype, "bytes": path.stat().st_size}
+            "dtype": tensors["hidden_states"].dtype, "bytes": size}
 
 
 def take(gen: Generation, path: Path, cfg: RunConfig, ids: list[int], row_id: str
@@ -97,9 +103,10 @@ def take(gen: Generation, path: Path, cfg: RunConfig, ids: list[int], row_id: st
     except hsfile.BadFile as exc:
         hsfile.remove_engine_file(src)
         raise BadStates(f"{exc} [{exc.reason}]") from None
-    hsfile.write_whole(path, hsfile.encode(tensors, {"row": row_id, "engine": gen.engine}))
+    data = hsfile.encode(tensors, {"row": row_id, "engine": gen.engine})
+    hsfile.write_whole(path, data)
     hsfile.remove_engine_file(src)
-    return describe(path, cfg, ids, hsfile.read(path)[0])
+    return _description(path, cfg, ids, tensors, len(data))
 
 
 def result(p: Pending, cfg: RunConfig, category: str, desc: dict[str, Any],

@@ -179,11 +179,15 @@ def check(path: str | Path, tensors: dict[str, Tensor], ids: list[int], layers: 
         raise BadFile(path, "shape", f"hidden_states shape {list(hs.shape)}, want {list(want)}")
     if hs.dtype not in ("F32", "F16", "BF16") or (dtype and hs.dtype != dtype):
         raise BadFile(path, "dtype", f"hidden_states dtype {hs.dtype}, want {dtype or 'a float'}")
-    states = hs.array()
-    if not np.isfinite(states).all():
-        bad = np.argwhere(~np.isfinite(states))[0].tolist()
-        raise BadFile(path, "not_finite", f"a value is not finite at [token, layer, i] = {bad}")
-    zero = [k for k in range(layers) if not np.any(states[:, k, :])]
+    # on the raw bits (no widening): not finite = exponent all ones; zero = all but the sign
+    exp, mag, kind = {"BF16": (0x7F80, 0x7FFF, np.uint16), "F16": (0x7C00, 0x7FFF, np.uint16),
+                      "F32": (0x7F800000, 0x7FFFFFFF, np.uint32)}[hs.dtype]
+    bits = np.frombuffer(hs.data, dtype=kind).reshape(hs.shape)
+    bad = (bits & exp) == exp
+    if bad.any():
+        where = np.argwhere(bad)[0].tolist()
+        raise BadFile(path, "not_finite", f"a value is not finite at [token, layer, i] = {where}")
+    zero = [k for k in range(layers) if not ((bits[:, k, :] & mag) != 0).any()]
     if zero:
         raise BadFile(path, "zero_layer", f"layer slot(s) {zero} all zeros (the engine gave "
                       "no states: vLLM PR #46301)")

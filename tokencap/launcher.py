@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from foundation.config import DEFAULT_BUDGET_PORT, load_config
+from foundation.config import DEFAULT_BUDGET_PORT, RunConfig, load_config
 from foundation.engine_api import parse_urls
 from foundation.engine_info import healthy
 from foundation.errors import SIGNALLED, SourceError, TokencapError
@@ -421,8 +421,32 @@ class Stack:
         if why:
             print(f"[up] {why}", flush=True)
             return SourceError.exit_code
+        if cfg.hidden_states is not None:
+            code = self._hidden_states(cfg, redis, rurl, n_workers, should_stop)
+            if code:
+                return code
         states = {st["state"] for st in status["categories"].values()}
         return 0 if states <= {"closed", "exhausted"} else 1
+
+    def _hidden_states(self, cfg: RunConfig, redis: Any, redis_url: str, n_workers: int,
+                       should_stop: Callable[[], bool]) -> int:
+        """The config's hidden-state stage, once generation has ended (`tokencap
+        hidden-states`: its own workers, as many as the stack's): skipped, saying how to run
+        it, when no extraction server is named."""
+        from tokencap.hidden_states import extract_urls, run_stage
+
+        urls = extract_urls(cfg)
+        if not urls:
+            print("[up] [hidden_states] has no engine_url (nor TOKENCAP_EXTRACT_URL): no "
+                  "states extracted; `tokencap hidden-states CONFIG --extract-url URL` does it",
+                  flush=True)
+            return 0
+        print(f"[up] hidden states of {cfg.run}'s rows from {', '.join(urls)}", flush=True)
+        status = run_stage(cfg, redis, redis_url, urls, n_workers, on_progress=ProgressPrinter(),
+                           should_stop=should_stop, say=lambda line: print(f"[up] {line}",
+                                                                            flush=True))
+        print(summary_table(status), flush=True)
+        return STOPPED_BY_SIGNAL if should_stop() else 0
 
     def _report(self, budget: Budget, out: Path, run: str) -> None:
         """Write the run's report, unless the one there is newer than every output file (a
