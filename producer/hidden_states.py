@@ -120,6 +120,20 @@ def disk_plan(cfg: RunConfig, sources: dict[str, Path]) -> dict[str, CategoryPla
     return plan
 
 
+def estimate(cfg: RunConfig, row_tokens: dict[str, tuple[int, int]]) -> dict[str, CategoryPlan]:
+    """Per category, from the plan's (rows, tokens of rows) before any is generated: the
+    tokens and bytes its budget takes."""
+    hs = spec(cfg)
+    bpt = bytes_per_token(hs)
+    out = {}
+    for name, (rows, tokens) in row_tokens.items():
+        budget = hs.budget_for(name)
+        if budget is not None:
+            tokens = min(tokens, budget // bpt)
+        out[name] = CategoryPlan(rows, tokens, tokens * bpt, budget)
+    return out
+
+
 def check_disk(hs: HiddenStates, plan: dict[str, CategoryPlan],
                have: dict[str, int] | None = None) -> int:
     """The bytes still to write (what the plan needs less what is already kept, `have`);

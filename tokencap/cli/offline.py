@@ -378,11 +378,37 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(_plan_table(rows, total, tok_s))
+    if cfg.hidden_states is not None:
+        _states_plan(cfg, rows, prompt_tokens or {}, check)
     empty = [name for name, c in (checked or {}).items() if c.usable == 0]
     if empty:  # a run of it would feed nothing there
         what = "category" if len(empty) == 1 else "categories"
         raise SourceError(f"{config}: no usable record in {what} {', '.join(empty)} (the "
                           "rejects above say why)")
+
+
+def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
+                 check: bool) -> None:
+    """The hidden states the planned rows would make ([hidden_states]): bytes per token, per
+    category and in all, against the free space of their folder (`--check`: exit 2 when
+    they would not fit)."""
+    from producer import hidden_states as stage
+    from tokencap.hidden_states import plan_lines
+
+    tokens = {r.category: (r.samples, round(r.samples * (r.avg_output_tokens + prompt_tokens.get(
+        r.category, 0.0)))) for r in rows}
+    est = stage.estimate(cfg, tokens)
+    for line in plan_lines(cfg, est):
+        click.echo(line)
+    if not prompt_tokens:
+        click.echo("  (the rows' prompt tokens are not measured here: their states are "
+                   "not in these figures)")
+    try:
+        stage.check_disk(stage.spec(cfg), est)
+    except stage.DiskFull as exc:
+        if check:
+            raise SourceError(str(exc)) from None
+        click.echo(f"warning: {exc}", err=True)
 
 
 @click.command("init", cls=_Command)
