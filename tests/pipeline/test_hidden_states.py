@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -44,7 +45,7 @@ def model_config(tmp: Path) -> Path:
     return path
 
 
-def config(tmp: Path) -> Path:
+def config(tmp: Path, attempts: int = 4) -> Path:
     """Two categories of token-id prompts, generated on the simulator; their rows' states
     to `<tmp>/hs`."""
     a = ids_source(tmp, 30, "a.jsonl", base=300)
@@ -52,7 +53,8 @@ def config(tmp: Path) -> Path:
     body = f"""
 run = "hs"
 output_dir = "{tmp / 'out'}"
-{FAULT_KNOBS.replace('lease_s = 1.0', 'lease_s = 10.0')}
+{FAULT_KNOBS.replace('lease_s = 1.0', 'lease_s = 10.0').replace(
+    'max_attempts = 4', f'max_attempts = {attempts}')}
 [hidden_states]
 model_config = "{model_config(tmp)}"
 output_dir = "{tmp / 'hs'}"
@@ -80,6 +82,24 @@ def generate(path: Path, redis_url: str) -> None:
     with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
         status = pipe.run()
     pipe.check_invariants(status)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, redis_server) -> Path:
+    """One generation run on the simulator, its output shared by the module's tests (each
+    copies it: the stage writes only under its own folder)."""
+    from redis import Redis
+
+    tmp = tmp_path_factory.mktemp("hs-generated")
+    generate(config(tmp), redis_server.url)
+    Redis.from_url(redis_server.url).flushdb()
+    return tmp / "out"
+
+
+def prepared(tmp: Path, generated: Path, attempts: int = 4) -> Path:
+    """A config in `tmp` whose run's output is the shared generation's."""
+    shutil.copytree(generated, tmp / "out")
+    return config(tmp, attempts)
 
 
 def extractor(tmp: Path, **faults: float) -> SimServer:
@@ -115,9 +135,8 @@ def _hs(tmp: Path):
 
 
 def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
-        tmp_path, redis_url) -> None:
-    path = config(tmp_path)
-    generate(path, redis_url)
+        tmp_path, redis_url, generated) -> None:
+    path = prepared(tmp_path, generated)
     sim = extractor(tmp_path)
     try:
         status = stage_run(path, redis_url, sim)
@@ -154,9 +173,8 @@ def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
     assert again["categories"]["a"]["samples"] == status["categories"]["a"]["samples"]
 
 
-def test_a_byte_budget_closes_a_category(tmp_path, redis_url) -> None:
-    path = config(tmp_path)
-    generate(path, redis_url)
+def test_a_byte_budget_closes_a_category(tmp_path, redis_url, generated) -> None:
+    path = prepared(tmp_path, generated)
     from foundation.config import load_config
 
     rows = stage.training_rows(load_config(path), "a")
@@ -182,9 +200,9 @@ def test_a_byte_budget_closes_a_category(tmp_path, redis_url) -> None:
 
 @pytest.mark.parametrize("fault,reason", [("hs_nan_rate", "not_finite"),
                                           ("hs_zero_layer_rate", "zero_layer")])
-def test_a_nan_or_all_zero_file_is_never_kept(tmp_path, redis_url, fault, reason) -> None:
-    path = config(tmp_path)
-    generate(path, redis_url)
+def test_a_nan_or_all_zero_file_is_never_kept(tmp_path, redis_url, generated, fault,
+                                              reason) -> None:
+    path = prepared(tmp_path, generated, attempts=2)  # asked twice: a 2 s wait, not 12
     # every file bad: the preflight names the blocker before any row is sent
     sim = extractor(tmp_path, **{fault: 1.0})
     try:
@@ -223,9 +241,8 @@ def test_a_nan_or_all_zero_file_is_never_kept(tmp_path, redis_url, fault, reason
 
 
 def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
-        tmp_path, redis_url) -> None:
-    path = config(tmp_path)
-    generate(path, redis_url)
+        tmp_path, redis_url, generated) -> None:
+    path = prepared(tmp_path, generated)
     hs = _hs(tmp_path)
     sim = extractor(tmp_path)
     killed = threading.Event()
@@ -269,7 +286,7 @@ def _stage_workers() -> list[int]:
             if "tokencap.cli" in " ".join(p.cmdline()) and "worker" in p.cmdline()]
 
 
-def test_the_stage_waits_for_rows_and_says_where_they_come_from(tmp_path, redis_url) -> None:
+def test_a_stage_before_any_row_was_generated_extracts_nothing(tmp_path, redis_url) -> None:
     path = config(tmp_path)  # no generation yet: no rows
     sim = extractor(tmp_path)
     try:
@@ -279,14 +296,14 @@ def test_the_stage_waits_for_rows_and_says_where_they_come_from(tmp_path, redis_
     assert all(st["samples"] == 0 for st in status["categories"].values())
 
 
-def test_the_speculators_export_holds_each_row_s_states_by_its_index(tmp_path, redis_url) -> None:
+def test_the_speculators_export_holds_each_row_s_states_by_its_index(
+        tmp_path, redis_url, generated) -> None:
     import pyarrow as pa
     from click.testing import CliRunner
 
     from tokencap.cli import main
 
-    path = config(tmp_path)
-    generate(path, redis_url)
+    path = prepared(tmp_path, generated)
     sim = extractor(tmp_path)
     try:
         status = stage_run(path, redis_url, sim)

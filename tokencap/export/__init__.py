@@ -60,7 +60,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from foundation.errors import TokencapError
 from foundation.outputs import (
     PART_GLOB,
     BadLine,
@@ -79,6 +78,7 @@ from tokencap.export.length import Limits
 from tokencap.export.sinks import (
     TRUNCATED,
     CategoryStats,
+    ExportError,
     ParquetSink,
     SpecforgeSink,
     SpeculatorsSink,
@@ -104,10 +104,6 @@ EXPORT_MANIFEST = "export-manifest.json"
 DEFAULT_SEED = 42  # SpecForge's
 NO_LIMITS = Limits()
 MAX_BAD_REPORTED = 20  # bad lines listed per category; the rest are only counted
-
-
-class ExportError(TokencapError):
-    """The export cannot start: no output folder, no categories, unknown format."""
 
 
 def find_categories(out_dir: Path) -> list[str]:

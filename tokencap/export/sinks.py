@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from foundation.errors import TokencapError
 from foundation.wire import Result
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ class TmpFile:
 
     def discard(self) -> None:
         self.tmp.unlink(missing_ok=True)
+
+
+class ExportError(TokencapError):
+    """The export cannot start: no output folder, no categories, unknown format, a format
+    whose library is missing."""
 
 
 class TmpDir:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from consumers.states import states_file
 from foundation import hsfile
-from tokencap.export.sinks import TmpDir, TrainingRow
+from tokencap.export.sinks import ExportError, TmpDir, TrainingRow
 
 if TYPE_CHECKING:
     import numpy as np
@@ -135,8 +135,6 @@ class SpecforgeOfflineSink(TmpDir):
         try:
             import torch
         except ImportError:
-            from tokencap.export import ExportError
-
             raise ExportError("SpecForge's offline files (.ckpt) need torch: pip install "
                               "'tokencap[train]', then export again") from None
         super().__init__(path)
