@@ -11,7 +11,7 @@ LOAD ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help install up down workers status test test-fast test-isolation test-engine lint typecheck soak bench clean
+.PHONY: help install up down workers status test test-fast test-engine lint typecheck soak bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -36,13 +36,10 @@ workers: install ## Add N consumers to the running stack (make workers N=8)
 status: install ## Live board of the run started by make up (Ctrl-C to leave)
 	$(BIN)/tokencap status --watch
 
-test: install ## ruff, mypy, then every test but the isolation check (make test-isolation)
+test: install ## ruff, mypy, then every test (each session starts its own redis-server)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q --ignore=tests/pipeline/test_isolation.py
-
-test-isolation: install ## The tests that start a stack, again beside a stack `make up` left running, which they must leave as it was
-	$(BIN)/pytest -q tests/pipeline/test_isolation.py
+	$(BIN)/pytest -q
 
 test-fast: install ## ruff, mypy, and the tests not marked slow (no fault injection, no 16+ workers)
 	$(BIN)/ruff check .

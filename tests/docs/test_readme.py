@@ -35,5 +35,5 @@ def test_every_relative_link_resolves() -> None:
 def test_the_test_commands_are_the_ones_ci_runs() -> None:
     text = README.read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    for command in ("make test", "make test-isolation", "make test-engine"):
+    for command in ("make test", "make test-engine"):
         assert command in text and command in ci
