@@ -22,6 +22,7 @@ from budget_service.keys import Keys
 from foundation.config import RunConfig
 from producer import hidden_states as stage
 from producer.run import run_to_end
+from tokencap.progress import size_text
 from writer.writer import Writer
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,11 @@ def plan_lines(cfg: RunConfig, plan: dict[str, stage.CategoryPlan]) -> list[str]
     lines = [f"hidden states: layers {hs.layers} of {hs.num_layers}, hidden size "
              f"{hs.hidden_size}, {hs.dtype}: {bpt:,} bytes per token"]
     for name, p in plan.items():
-        cap = "no byte budget" if p.budget is None else f"budget {p.budget / 1e9:,.2f} GB"
+        cap = "no byte budget" if p.budget is None else f"budget {size_text(p.budget)}"
         lines.append(f"  {name}: {p.rows:,} rows, {p.tokens:,} tokens -> "
-                     f"{p.bytes / 1e9:,.3f} GB ({cap})")
+                     f"{size_text(p.bytes)} ({cap})")
     total = sum(p.bytes for p in plan.values())
-    lines.append(f"  in all: {total / 1e9:,.3f} GB in {hs.output_dir}")
+    lines.append(f"  in all: {size_text(total)} in {hs.output_dir}")
     return lines
 
 

@@ -11,6 +11,14 @@ from budget_service.ledger import cap_text
 from tokencap.rates import tok_s
 
 
+def size_text(n: float) -> str:
+    """Bytes for people: "512 B", "3.4 MB", "1.25 GB", "5.28 TB"."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
 def since_text(since_ms: int, now_ms: int | None = None) -> str:
     """"for N s (since HH:MM:SS)" of a time in ms since the epoch."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
@@ -66,8 +74,8 @@ class ProgressPrinter:
             t, used = self._last.get(name, (now, st["used"]))
             rate = tok_s(used, t, st["used"], now)
             self._last[name] = (now, st["used"])
-            size = (f" [{st['bytes_used'] / 1e9:,.3f} GB of states"
-                    + (f" of {st['bytes_cap'] / 1e9:,.3f}" if st.get("bytes_cap") else "") + "]"
+            size = (f" [{size_text(st['bytes_used'])} of states"
+                    + (f" of {size_text(st['bytes_cap'])}" if st.get("bytes_cap") else "") + "]"
                     if "bytes_used" in st else "")
             if st["cap"] is None:
                 parts.append(f"{name} {st['used']} (uncapped){size} {rate:.0f} tok/s "
@@ -157,8 +165,8 @@ def summary_table(status: dict[str, Any]) -> str:
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
     rows += gate_lines(status)
     rows += cache_lines(status)
-    rows += [f"hidden states {n}: {st['bytes_used']:,} bytes"
-             + (f" of {st['bytes_cap']:,}" if st.get("bytes_cap") is not None else "")
+    rows += [f"hidden states {n}: {size_text(st['bytes_used'])}"
+             + (f" of {size_text(st['bytes_cap'])}" if st.get("bytes_cap") is not None else "")
              for n, st in status["categories"].items() if "bytes_used" in st]
     rows += trouble_text(status)
     if status.get("simulated"):

@@ -111,7 +111,9 @@ def hidden_states(config: str, redis_url: str, extract_url: str | None, workers:
         plan = stage.disk_plan(cfg, sources)
         click.echo("\n".join(plan_lines(cfg, plan)))
         need = stage.check_disk(stage.spec(cfg), plan, kept_bytes(cfg))
-        click.echo(f"  still to write: {need / 1e9:,.3f} GB: fits the free space")
+        from tokencap.progress import size_text
+
+        click.echo(f"  still to write: {size_text(need)}: fits the free space")
         return
     urls = extract_urls(cfg, extract_url)
     if not urls:
