@@ -64,6 +64,7 @@ from budget_service.ledger import (
     cache_by_engine,
 )
 from foundation import hsfile
+from foundation.config import RunConfig
 from foundation.engine_info import EngineInfo
 from foundation.wire import encode
 
@@ -158,8 +159,11 @@ class TelemetryLedger(Ledger):
                by_engine: bool = False) -> dict[str, Any]:
         """The `tokencap status --json` document (`status_document` of `snapshot`); a
         hidden-state stage's categories also say their bytes (`bytes_used`, `bytes_cap`)."""
+        cfg = self.load_config()  # read once: the categories, and a stage's bytes per token
+        if categories is None:
+            categories = [c.name for c in cfg.category] if cfg else []
         doc = status_document(self.snapshot(categories, by_engine))
-        bpt = self.bytes_per_token()
+        bpt = _bytes_per_token(cfg)
         if bpt:
             for st in doc["categories"].values():
                 st["bytes_used"] = st["used"] * bpt
@@ -168,11 +172,7 @@ class TelemetryLedger(Ledger):
 
     def bytes_per_token(self) -> int | None:
         """A hidden-state stage's bytes per counted token (None for generation)."""
-        cfg = self.load_config()
-        hs = cfg.hidden_states if cfg is not None and cfg.stage == "hidden_states" else None
-        if hs is None or not hs.layers or not hs.hidden_size:
-            return None
-        return hsfile.bytes_per_token(len(hs.layers), hs.hidden_size, hs.dtype or "bfloat16")
+        return _bytes_per_token(self.load_config())
 
     def workers(self) -> int:
         """Workers registered on the run's queues (RQ's registry)."""
@@ -218,6 +218,13 @@ class TelemetryLedger(Ledger):
         is the one caller."""
         return int(self.scripts.engine_trouble(keys=[self.keys.engine_trouble],
                                                args=[url, why or "", at_ms]))
+
+
+def _bytes_per_token(cfg: RunConfig | None) -> int | None:
+    hs = cfg.hidden_states if cfg is not None and cfg.stage == "hidden_states" else None
+    if hs is None or not hs.layers or not hs.hidden_size:
+        return None
+    return hsfile.bytes_per_token(len(hs.layers), hs.hidden_size, hs.dtype or "bfloat16")
 
 
 def status_document(snap: RunStatus) -> dict[str, Any]:

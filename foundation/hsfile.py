@@ -98,30 +98,32 @@ def decode(data: bytes, p: str | Path) -> tuple[dict[str, Tensor], dict[str, str
     return out, dict(meta)
 
 
+def header(path: str | Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header (tensor name -> dtype, shape, data_offsets) and where
+    its buffer starts, read without the buffer (a model shard of gigabytes costs nothing)."""
+    with Path(path).open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise BadFile(path, "torn", "shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > HEADER_LIMIT:
+            raise BadFile(path, "torn", "header too large")
+        doc = json.loads(f.read(n))
+    doc.pop("__metadata__", None)
+    return doc, 8 + n
+
+
 def read_tensor(path: str | Path, name: str) -> Tensor | None:
     """One tensor of a (possibly large, sharded) safetensors file, read by seeking to it;
     None when the file has no such tensor."""
-    p = Path(path)
-    with p.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > HEADER_LIMIT:
-            raise BadFile(p, "torn", "header too large")
-        header = json.loads(f.read(n))
-        spec = header.get(name)
-        if spec is None:
-            return None
-        start, end = spec["data_offsets"]
-        f.seek(8 + n + start)
-        return Tensor(spec["dtype"], tuple(spec["shape"]), f.read(end - start))
-
-
-def tensor_names(path: str | Path) -> list[str]:
-    """The tensors a safetensors file holds (its header only is read)."""
+    doc, base = header(path)
+    spec = doc.get(name)
+    if spec is None:
+        return None
+    start, end = spec["data_offsets"]
     with Path(path).open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > HEADER_LIMIT:
-            raise BadFile(path, "torn", "header too large")
-        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+        f.seek(base + start)
+        return Tensor(spec["dtype"], tuple(spec["shape"]), f.read(end - start))
 
 
 def encode(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -51,6 +51,10 @@ class BadLine(msgspec.Struct, frozen=True):
     error: str
 
 
+# SGLang's (and vLLM's) finish_reason for an output cut at max_new_tokens
+TRUNCATED = "length"
+
+
 def category_dir(out_dir: Path, category: str) -> Path:
     return out_dir / category
 
@@ -133,6 +137,25 @@ def read_committed(cat_dir: Path) -> Iterator[Result | BadLine]:
     replies the gate kept out."""
     path = rejected_path(cat_dir)
     return read_lines([*part_files(cat_dir), *([path] if path.exists() else [])], Result)
+
+
+def truncated_turns(cat_dir: Path) -> dict[str, int]:
+    """conversation id -> its first turn cut at max_new_tokens: that turn and every later one
+    are no training row (they go on from a reply the model did not finish). The one rule the
+    export and the hidden-state stage both apply."""
+    first: dict[str, int] = {}
+    for item in read_results(cat_dir):
+        if not isinstance(item, BadLine) and item.conversation_id is not None \
+                and item.finish_reason == TRUNCATED:
+            first[item.conversation_id] = min(item.turn, first.get(item.conversation_id,
+                                                                   item.turn))
+    return first
+
+
+def after_truncation(item: Result, cut: dict[str, int]) -> bool:
+    """Whether `item` is a later turn of a conversation cut before it (`truncated_turns`)."""
+    return item.conversation_id is not None and item.turn > cut.get(item.conversation_id,
+                                                                    item.turn)
 
 
 def read_dead_letters(cat_dir: Path) -> Iterator[DeadLetter | BadLine]:

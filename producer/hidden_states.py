@@ -29,13 +29,19 @@ import msgspec
 from foundation import hsfile
 from foundation.config import Category, HiddenStates, RunConfig, SamplingParams
 from foundation.errors import ConfigError, TokencapError
-from foundation.outputs import BadLine, category_dir, read_results
+from foundation.outputs import (
+    TRUNCATED,
+    BadLine,
+    after_truncation,
+    category_dir,
+    read_results,
+    truncated_turns,
+)
 
 log = logging.getLogger(__name__)
 
 ROWS_FILE = "rows.jsonl"
 STAGE_SUFFIX = ".hs"
-TRUNCATED = "length"
 
 
 class DiskFull(TokencapError):
@@ -67,16 +73,11 @@ def training_rows(cfg: RunConfig, category: str) -> list[tuple[str, list[int]]]:
     written order: what `export` writes (a reply cut at max_new_tokens, and the later turns
     of its conversation, left out)."""
     cat_dir = category_dir(Path(cfg.output_dir), category)
-    items = [i for i in read_results(cat_dir) if not isinstance(i, BadLine)]
-    cut: dict[str, int] = {}
-    for it in items:
-        if it.finish_reason == TRUNCATED and it.conversation_id is not None:
-            cut[it.conversation_id] = min(cut.get(it.conversation_id, it.turn), it.turn)
+    cut = truncated_turns(cat_dir)
     rows, seen = [], set()
-    for it in items:
-        if it.id in seen or it.finish_reason == TRUNCATED:
-            continue
-        if it.conversation_id is not None and it.turn > cut.get(it.conversation_id, it.turn):
+    for it in read_results(cat_dir):
+        if isinstance(it, BadLine) or it.id in seen or it.finish_reason == TRUNCATED \
+                or after_truncation(it, cut):
             continue
         seen.add(it.id)
         rows.append((it.id, list(it.prompt_ids) + list(it.output_ids)))

@@ -101,3 +101,12 @@ class Listener:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def worker_processes() -> list[int]:
+    """The pids of the `tokencap worker` processes this process started (each leads its own
+    process group): what a test kills to play a node losing its workers."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children()
+            if "tokencap.cli" in " ".join(p.cmdline()) and "worker" in p.cmdline()]

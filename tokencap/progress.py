@@ -26,17 +26,20 @@ def since_text(since_ms: int, now_ms: int | None = None) -> str:
             f"{time.strftime('%H:%M:%S', time.localtime(since_ms / 1000))})")
 
 
-def trouble_text(status: Mapping[str, Any], now_ms: int | None = None) -> list[str]:
+def engine_trouble_lines(status: Mapping[str, Any], now_ms: int | None = None) -> list[str]:
     """The engines that do not answer (the producer's engine watch records them), each with
-    why and since when ("engine URL: WHY, for N s (since HH:MM:SS)"), then the writer's
-    trouble the same way."""
-    out = [f"engine {url}: {t['why']}, {since_text(int(t['since_ms']), now_ms)}"
-           for url, t in sorted((status.get("engine_trouble") or {}).items())]
+    why and since when: "engine URL: WHY, for N s (since HH:MM:SS)"."""
+    return [f"engine {url}: {t['why']}, {since_text(int(t['since_ms']), now_ms)}"
+            for url, t in sorted((status.get("engine_trouble") or {}).items())]
+
+
+def writer_trouble_lines(status: Mapping[str, Any], now_ms: int | None = None) -> list[str]:
+    """The writer's trouble, with since when ([] when none)."""
     w = status.get("writer") or {}
-    if w.get("error"):
-        at = w.get("error_at_ms")
-        out.append(f"writer: {w['error']}" + (f", {since_text(int(at), now_ms)}" if at else ""))
-    return out
+    if not w.get("error"):
+        return []
+    at = w.get("error_at_ms")
+    return [f"writer: {w['error']}" + (f", {since_text(int(at), now_ms)}" if at else "")]
 
 
 class ProgressPrinter:
@@ -63,7 +66,7 @@ class ProgressPrinter:
                 self.out.write(f"[progress] engine {url} answers again, after "
                                f"{max(0, now - since) // 1000} s\n")
         self._down = down
-        return "; ".join(t for t in trouble_text(status, now) if t.startswith("engine "))
+        return "; ".join(engine_trouble_lines(status, now))
 
     def __call__(self, status: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -168,7 +171,7 @@ def summary_table(status: dict[str, Any]) -> str:
     rows += [f"hidden states {n}: {size_text(st['bytes_used'])}"
              + (f" of {size_text(st['bytes_cap'])}" if st.get("bytes_cap") is not None else "")
              for n, st in status["categories"].items() if "bytes_used" in st]
-    rows += trouble_text(status)
+    rows += engine_trouble_lines(status) + writer_trouble_lines(status)
     if status.get("simulated"):
         rows.append(SIMULATED_TEXT)
     return "\n".join(rows)

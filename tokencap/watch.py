@@ -30,7 +30,7 @@ from rich.text import Text
 from foundation.engine_api import engine_spec
 from foundation.engine_load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
-from tokencap.progress import SIMULATED_TEXT, gate_lines, since_text, trouble_text
+from tokencap.progress import SIMULATED_TEXT, engine_trouble_lines, gate_lines, since_text
 from tokencap.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
 
 ENGINE_TIMEOUT_S = 2.0
@@ -140,7 +140,7 @@ def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
         )
     engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
     lines.append(f"engines: {engine_part}; workers={workers}")
-    lines += [t for t in trouble_text(status) if t.startswith("engine ")]
+    lines += engine_trouble_lines(status)
     lines.append(writer_text(status))
     if status.get("simulated"):
         lines.append(SIMULATED_TEXT)
@@ -237,9 +237,7 @@ def _footer(status: Mapping[str, Any], engines: list[EngineLoad], workers: int) 
         footer.append("\n")
     if not engines:
         footer.append("engines: none configured\n")
-    for line in trouble_text(status):  # what the producer's engine watch found
-        if not line.startswith("engine "):
-            continue
+    for line in engine_trouble_lines(status):  # what the producer's engine watch found
         footer.append(line + "\n", style="bold red")
     footer.append(f"workers: {workers}\n")
     for line in gate_lines(status):  # what of the budget a trainer can use

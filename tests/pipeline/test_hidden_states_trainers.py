@@ -28,6 +28,7 @@ from foundation.redisconn import connect
 from producer import hidden_states as stage
 from testing.harness import started
 from tests.conftest import DATASETS, ROOT
+from tests.helpers import worker_processes
 from tokencap.hidden_states import run_stage
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.trainers]
@@ -84,13 +85,6 @@ sampling = {sampling}
     return path
 
 
-def _stage_workers() -> list[int]:
-    import psutil
-
-    return [p.pid for p in psutil.Process().children()
-            if "tokencap.cli" in " ".join(p.cmdline()) and "worker" in p.cmdline()]
-
-
 def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
     url = need("TOKENCAP_EXTRACT_URL")
     model = Path(need("TOKENCAP_EXTRACT_MODEL"))
@@ -115,7 +109,7 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
     def kill_some() -> bool:
         folder = Path(hs.output_dir) / "single" / "states"
         if not killed.is_set() and folder.is_dir() and len(list(folder.iterdir())) >= 3:
-            for pid in _stage_workers():
+            for pid in worker_processes():
                 os.killpg(pid, signal.SIGKILL)
             killed.set()
             return True

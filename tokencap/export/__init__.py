@@ -62,9 +62,12 @@ import msgspec
 
 from foundation.outputs import (
     PART_GLOB,
+    TRUNCATED,
     BadLine,
+    after_truncation,
     categories_on_disk,
     read_results,
+    truncated_turns,
 )
 from foundation.wire import Result
 from producer.manifest import manifest_path
@@ -76,7 +79,6 @@ from tokencap.export.conversations import (
 )
 from tokencap.export.length import Limits
 from tokencap.export.sinks import (
-    TRUNCATED,
     CategoryStats,
     ExportError,
     ParquetSink,
@@ -191,17 +193,6 @@ def copy_manifests(out_dir: Path, dest: Path, made_by: list[str]) -> list[Path]:
     return copied
 
 
-def truncated_turns(cat_dir: Path) -> dict[str, int]:
-    """conversation id -> its first turn cut at max_new_tokens."""
-    first: dict[str, int] = {}
-    for item in read_results(cat_dir):
-        if not isinstance(item, BadLine) and item.conversation_id is not None \
-                and item.finish_reason == TRUNCATED:
-            first[item.conversation_id] = min(item.turn, first.get(item.conversation_id,
-                                                                   item.turn))
-    return first
-
-
 def export_category(
     cat_dir: Path, sides: dict[Side, list[Any]], shaping: Shaping, id_prefix: str = "",
     counts: TokenCounts | None = None, states: StatesSpec | None = None,
@@ -292,8 +283,7 @@ def _left_out(item: Result, shaping: Shaping, cut: dict[str, int]) -> str:
     """The `CategoryStats` field counting why `item` is no training row ("" when it is)."""
     if item.finish_reason == TRUNCATED and not shaping.keep_truncated:
         return "dropped_truncated"
-    if item.conversation_id is not None and item.turn > cut.get(item.conversation_id,
-                                                                item.turn):
+    if after_truncation(item, cut):
         return "dropped_after_truncated"
     if shaping.consistent_only and item.prefix_consistent is False:
         return "dropped_inconsistent"

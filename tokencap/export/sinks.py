@@ -21,7 +21,6 @@ from foundation.wire import Result
 
 log = logging.getLogger(__name__)
 
-TRUNCATED = "length"  # SGLang's finish_reason for an output cut at max_new_tokens
 
 PARQUET_ROW_GROUP_ROWS = 1024  # rows buffered before a Parquet row group is written
 

@@ -77,7 +77,7 @@ class SpeculatorsStates:
         out = folder / SPECULATORS_STATES
         out.mkdir(exist_ok=True)
         dst = out / f"hs_{index}.safetensors"
-        if len(row.input_ids) == _tokens(src):  # whole: the stage's file itself
+        if len(row.input_ids) == hsfile.header(src)[0]["token_ids"]["shape"][0]:  # whole
             try:
                 os.link(src, dst)
             except OSError:
@@ -85,12 +85,6 @@ class SpeculatorsStates:
         else:
             hsfile.write_whole(dst, _sliced(src, len(row.input_ids)))
         self.files += 1
-
-
-def _tokens(path: Path) -> int:
-    with path.open("rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return int(json.loads(f.read(n))["token_ids"]["shape"][0])
 
 
 class FinalNorm:
@@ -106,7 +100,7 @@ class FinalNorm:
         self.eps = float(text.get("rms_norm_eps", 1e-6))
         weight = None
         for shard in sorted(folder.glob("*.safetensors")):
-            names = [k for k in hsfile.tensor_names(shard)
+            names = [k for k in hsfile.header(shard)[0]
                      if k == "model.norm.weight" or k.endswith(".model.norm.weight")]
             if names:
                 weight = hsfile.read_tensor(shard, min(names, key=len))
