@@ -7,7 +7,8 @@ checks and counts without asking the engine again (a rerun resumes without redoi
 file). The engine's own file is read under a shared flock on `<path>.lock` (its writer holds
 it exclusively while writing), checked (`foundation.hsfile.check`: shape, dtype, finite, no
 layer all zeros, `token_ids` equal to the row's ids), written whole under our name
-(temporary name, fsync, rename), then removed with its lock. A file that fails a check is
+(temporary name, fsync, rename; a temporary an attempt killed mid-write left is removed once
+the file is in place), then removed with its lock. A file that fails a check is
 asked for again, up to `max_attempts`, then the sample is dead with reason
 `bad_hidden_states` and the check's words.
 """
@@ -37,11 +38,16 @@ EXTRACT_SAMPLING: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0.0}
 STATES_DIR = "states"
 
 
+def states_dir(out_dir: str | Path, category: str) -> Path:
+    """The folder of a category's states files."""
+    return Path(out_dir) / category / STATES_DIR
+
+
 def states_file(out_dir: str | Path, category: str, row_id: str) -> Path:
     """Where a row's states are kept: named by the row, so a row has one file however often
     it is sent."""
     digest = hashlib.sha256(row_id.encode()).hexdigest()[:24]
-    return Path(out_dir) / category / STATES_DIR / f"{digest}.safetensors"
+    return states_dir(out_dir, category) / f"{digest}.safetensors"
 
 
 def spec(cfg: RunConfig) -> HiddenStates:
@@ -56,10 +62,12 @@ def kept(path: Path, cfg: RunConfig, ids: list[int]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return describe(path, cfg, ids, hsfile.read(path)[0])
+        desc = describe(path, cfg, ids, hsfile.read(path)[0])
     except hsfile.BadFile as exc:
         log.warning("%s: redone (%s)", path, exc)
         return None
+    hsfile.remove_temps(path)  # an earlier attempt killed while writing it
+    return desc
 
 
 def describe(path: Path, cfg: RunConfig, ids: list[int],
@@ -105,6 +113,7 @@ def take(gen: Generation, path: Path, cfg: RunConfig, ids: list[int], row_id: st
         raise BadStates(f"{exc} [{exc.reason}]") from None
     data = hsfile.encode(tensors, {"row": row_id, "engine": gen.engine})
     hsfile.write_whole(path, data)
+    hsfile.remove_temps(path)  # an earlier attempt killed while writing it
     hsfile.remove_engine_file(src)
     return _description(path, cfg, ids, tensors, len(data))
 

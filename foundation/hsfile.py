@@ -16,6 +16,8 @@ equal to the row's ids.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import struct
@@ -142,12 +144,41 @@ def encode(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -
     return struct.pack("<Q", len(head)) + head + b"".join(bytes(t.data) for t in tensors.values())
 
 
+def _temp_prefix(p: Path) -> str:
+    return f".{p.name}."
+
+
+def remove_temps(path: str | Path) -> int:
+    """Remove the temporary files `write_whole` left beside `path` (an attempt killed while
+    writing it); call it once `path` holds its final content. A writer still working on one
+    loses it and fails (os.replace finds no file), which leaves `path` as it is. Returns how
+    many were removed."""
+    p = Path(path)
+    removed = 0
+    for tmp in p.parent.glob(f"{glob.escape(_temp_prefix(p))}*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed += 1
+    return removed
+
+
+def remove_folder_temps(folder: str | Path) -> int:
+    """Remove every temporary `write_whole` left in `folder`: call it only when no writer
+    works there (the stage's end). Returns how many were removed."""
+    removed = 0
+    for tmp in Path(folder).glob(".*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed += 1
+    return removed
+
+
 def write_whole(path: str | Path, data: bytes) -> None:
     """`data` at `path`, whole or not at all: a temporary name beside it, fsync, rename, and
     the folder fsynced (a crash leaves the old file or the new one, never a torn one)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp = p.with_name(f"{_temp_prefix(p)}{os.getpid()}.tmp")
     with tmp.open("wb") as f:
         f.write(data)
         f.flush()

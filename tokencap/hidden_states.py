@@ -19,6 +19,8 @@ from typing import Any
 from redis import Redis
 
 from budget_service.keys import Keys
+from consumers import states
+from foundation import hsfile
 from foundation.config import RunConfig
 from producer import hidden_states as stage
 from producer.run import run_to_end
@@ -45,7 +47,7 @@ def kept_bytes(cfg: RunConfig) -> dict[str, int]:
     hs = stage.spec(cfg)
     out = {}
     for cat in cfg.category:
-        folder = Path(hs.output_dir) / cat.name / "states"
+        folder = states.states_dir(hs.output_dir, cat.name)
         out[cat.name] = sum(p.stat().st_size for p in folder.glob("*.safetensors")) \
             if folder.is_dir() else 0
     return out
@@ -92,9 +94,16 @@ def run_stage(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], wor
                                           env=env, stdin=subprocess.DEVNULL,
                                           start_new_session=True))
 
+    stopped = threading.Event()
+
+    def stop() -> bool:
+        if should_stop():
+            stopped.set()
+        return stopped.is_set()
+
     try:
-        return run_to_end(scfg, redis, urls, on_progress=on_progress, before_feed=before_feed,
-                          should_stop=should_stop, progress_s=progress_s)
+        status = run_to_end(scfg, redis, urls, on_progress=on_progress,
+                            before_feed=before_feed, should_stop=stop, progress_s=progress_s)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -109,3 +118,12 @@ def run_stage(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], wor
             writer["w"].stop_event.set()
             writer["thread"].join(STOP_TIMEOUT_S)
             writer["w"].close()
+    if not stopped.is_set():
+        # every row is done and the workers are stopped: no temporary is still being written
+        # (one left by a worker killed mid-write, whose row was then done by another attempt)
+        removed = sum(hsfile.remove_folder_temps(states.states_dir(stage.spec(cfg).output_dir,
+                                                                   c.name))
+                      for c in cfg.category)
+        if removed:
+            log.info("removed %d temporary file(s) left by killed workers", removed)
+    return status

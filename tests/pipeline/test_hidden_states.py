@@ -263,6 +263,15 @@ def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
     try:
         stage_run(path, redis_url, sim, should_stop=kill_some)
         assert killed.is_set()
+        # a kill mid-write leaves a temporary beside the row's name: planted for a row kept
+        # and a row not yet done, whatever the kill's timing hit
+        done = {r for r in kept_rows(tmp_path, "a")
+                if states_file(hs.output_dir, "a", r).is_file()}
+        todo = set(kept_rows(tmp_path, "a")) - done
+        assert done and todo
+        for row in (min(done), min(todo)):
+            f = states_file(hs.output_dir, "a", row)
+            f.with_name(f".{f.name}.999999.tmp").write_bytes(b"torn")
         status = stage_run(path, redis_url, sim)  # the same command again
     finally:
         sim.stop()
