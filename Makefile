@@ -8,6 +8,9 @@ WORKERS ?= 8
 N ?= 4
 RUNS ?= 30
 LOAD ?= 2
+# make test runs the test files on this many processes, each file whole on one (pytest-xdist)
+TEST_PROCS ?= 2
+PYTEST_PROCS = -n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -36,15 +39,15 @@ workers: install ## Add N consumers to the running stack (make workers N=8)
 status: install ## Live board of the run started by make up (Ctrl-C to leave)
 	$(BIN)/tokencap status --watch
 
-test: install ## ruff, mypy, then every test (each session starts its own redis-server)
+test: install ## ruff, mypy, then every test on TEST_PROCS processes (each starts its own redis-server)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_PROCS)
 
 test-fast: install ## ruff, mypy, and the tests not marked slow (no fault injection, no 16+ workers)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q $(PYTEST_PROCS) -m "not slow"
 
 test-engine: install ## The real-engine tests against vLLM's CPU build, and the trainers' own code on our exports (their venvs and a tiny model made once under ~/.cache/tokencap; TOKENCAP_ENGINE_URL: your own server)
 	$(BIN)/python tests/engine/run.py
