@@ -3,10 +3,15 @@ is the one owner of the run's engine trouble in Redis (`TelemetryLedger.record_e
 which `up`'s progress lines, `tokencap status`, the live page and `/metrics` read.
 
 The engines are not asked while tokens are counted: a run that moves has engines that
-answer. When no token was counted for `STALL_S` while samples are in flight, each engine is
-asked (GET /health, `foundation.engine_info.trouble`); one that does not answer is recorded
-with its reason and since when, and asked again at each check until it answers, when its
-trouble is cleared and its outage logged once with how long it lasted.
+answer. When no token was counted for `STALL_S` while samples wait on the engines (queued, at
+an engine, or released after a failed attempt and waiting to be tried again; not those a
+closed category holds back), each engine is asked (GET /health,
+`foundation.engine_info.trouble`); one that does not answer is recorded with its reason and
+since when, and asked again at each check until it answers, when its trouble is cleared and
+its outage logged once with how long it lasted.
+
+Samples at an engine alone would not do: an engine that refuses connections fails each
+attempt at once, so its samples spend the outage waiting for their retry, not in flight.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ class EngineWatch:
         if used != self._used:
             self._used = used
             self._moved_at = now
-        in_flight = sum(st.in_flight for st in states.values())
-        stalled = in_flight > 0 and now - self._moved_at >= self.stall_s
+        waiting = sum(st.pending - st.parked for st in states.values())
+        stalled = waiting > 0 and now - self._moved_at >= self.stall_s
         if not (stalled or self._down):
             return
         for spec in self.engines:
