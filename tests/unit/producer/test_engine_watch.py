@@ -1,7 +1,8 @@
 """The producer's engine watch: asks the engines only when the run stalls with samples waiting
-on them (queued, in flight or waiting to retry; or while one is in trouble), records an engine that does not answer with since when
-in Redis (status, `/metrics`, the live page read it), clears it when it answers again, and
-clears what an earlier producer left of engines the run no longer uses."""
+on them (queued, in flight or waiting to retry; or while one is in trouble), records an engine
+that does not answer with since when in Redis (status, `/metrics`, the live page read it),
+clears it when it answers again, and clears what an earlier producer left of engines the run
+no longer uses."""
 
 from __future__ import annotations
 
