@@ -13,7 +13,7 @@ current master on every new connection, so after a failover it follows the promo
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import redis
@@ -71,11 +71,12 @@ def client_for(url: str, socket_timeout_s: float = SOCKET_TIMEOUT_S) -> Redis:
             "health_check_interval": HEALTH_CHECK_INTERVAL_S}
     if url.startswith(SENTINEL_SCHEME):
         s = parse_sentinel_url(url)
-        sentinel = Sentinel(s.sentinels, sentinel_kwargs={  # type: ignore[no-untyped-call]
+        # untyped before redis-py 8, typed (with narrower keyword types) from 8 on
+        sentinel_class: Any = Sentinel
+        sentinel = sentinel_class(s.sentinels, sentinel_kwargs={
             "socket_timeout": CONNECT_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S},
             **opts)
-        master: Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
-            s.master, db=s.db, password=s.password)
+        master: Redis = sentinel.master_for(s.master, db=s.db, password=s.password)
         return master
     return Redis.from_url(url, **opts)
 
