@@ -8,6 +8,12 @@ failure TTLs. A refused job runs
 nothing: no callback, no webhook, no retry; it is recorded once in the run's refused stream
 (with the field at fault) and deleted.
 
+RQ's command channel (`rq.command`: shutdown, stop a job) is listened to by a thread of our
+own (`_Commands`), not redis-py's `run_in_thread`: from redis-py 8.2 its `stop()` waits for
+the thread, which RQ's 60 s poll leaves asleep after the unsubscribe, so that every worker's
+end (SIGTERM, a burst worker out of work) took up to 60 s. Ours ends on the unsubscribe's
+reply, whatever the redis-py version.
+
 `SimpleWorker` keeps one process (and one HTTP keep-alive session) across jobs. It beats its
 RQ key only between jobs; a thread beats it during one (`_JobBeats`), so that the key of a
 worker killed at any moment expires `jobs.WORKER_TTL_S` after its last beat and `up`,
@@ -27,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from redis import Redis
+from redis.client import PubSub
 from redis.exceptions import RedisError
 from rq import Queue
 from rq.job import Job
@@ -47,6 +54,10 @@ RESTART_BACKOFF_MAX_S = 10.0
 # A beat that only repeats one sent less than this long ago (same TTL) is skipped: the key's
 # expiry moves by at most this much out of its ~480 s.
 WORKER_BEAT_MIN_S = 1.0
+# how long a worker's end waits for its command listener once unsubscribed (the reply ends it
+# at once; only a Redis gone mid-unsubscribe leaves it to its own retry loop, a daemon thread)
+COMMANDS_JOIN_S = 5.0
+COMMANDS_RETRY_S = 2.0  # RQ's own wait before listening again after Redis was lost
 
 
 class _RedisLostFilter(logging.Filter):
@@ -72,6 +83,7 @@ class TokencapWorker(SimpleWorker):
 
     keys: Keys  # the run's keys (set by make_worker): refusals are recorded under them
     _beat_sent_at = float("-inf")
+    _commands: _Commands | None = None
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's worker heartbeat, in one round trip instead of three, and not repeated
@@ -89,6 +101,31 @@ class TokencapWorker(SimpleWorker):
             super().heartbeat(ttl, pipeline=pipe)
             pipe.execute()
         self._beat_sent_at = time.monotonic()
+
+    def subscribe(self) -> None:
+        """Listen to RQ's command channel (shutdown, stop a job) in `_Commands`."""
+        pubsub = self.connection.pubsub()
+        pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub = pubsub
+        self._commands = _Commands(self.name, pubsub)
+        self._commands.start()
+
+    def unsubscribe(self) -> None:
+        """Unsubscribe: the reply ends the listener's `listen()`, which is waited for."""
+        listener, pubsub = self._commands, self.pubsub
+        if listener is None or pubsub is None:
+            return
+        self._commands = None
+        listener.stopping.set()
+        try:
+            pubsub.unsubscribe()
+        except RedisError as exc:  # Redis gone: the listener sees it too, and ends
+            log.warning("worker %s: unsubscribe failed: %s", self.name, exc)
+        listener.join(COMMANDS_JOIN_S)
+        if listener.is_alive():
+            log.warning("worker %s: its command listener did not end within %.0f s",
+                        self.name, COMMANDS_JOIN_S)
+        pubsub.close()
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """A job that failed because Redis went away is one line, not a traceback: its
@@ -115,6 +152,36 @@ class TokencapWorker(SimpleWorker):
         record = {"job_id": job.id, "queue": queue.name, "reason": reason, "ts": time.time()}
         SampleLedger(self.connection, self.keys).refuse(record)
         jobs.drop(self.connection, queue, job)
+
+
+class _Commands(threading.Thread):
+    """RQ's command listener for one worker: `listen()` runs the worker's handler for each
+    command and ends once the channel is unsubscribed (`TokencapWorker.unsubscribe`). Redis
+    lost meanwhile: one line per outage, and it listens again every COMMANDS_RETRY_S
+    (redis-py subscribes again on the new connection) until the worker ends."""
+
+    def __init__(self, name: str, pubsub: PubSub) -> None:
+        super().__init__(daemon=True, name=f"rq-commands-{name}")
+        self.worker_name = name
+        self.pubsub = pubsub
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        said = False
+        while not self.stopping.is_set():
+            try:
+                for _message in self.pubsub.listen():  # the handler runs inside
+                    said = False  # (the subscription's own replies come this way too)
+                return
+            except RedisError as exc:
+                if self.stopping.is_set():
+                    return
+                if not said:
+                    log.warning("worker %s: command channel lost (%s: %s); listening again "
+                                "once Redis answers", self.worker_name, type(exc).__name__,
+                                exc)
+                    said = True
+                self.stopping.wait(COMMANDS_RETRY_S)
 
 
 class _JobBeats:

@@ -1,10 +1,16 @@
 """The tokencap worker's RQ bookkeeping: the worker heartbeat in one round trip, not
 repeated within WORKER_BEAT_MIN_S, the worker key kept alive WORKER_TTL_S after a beat
-(beaten during a job too), and only workers whose key lives counted."""
+(beaten during a job too), only workers whose key lives counted, and RQ's command channel
+listened to by a thread that ends with the worker."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+
 from rq import Queue
+from rq.command import send_shutdown_command
 from rq.worker import SimpleWorker
 
 from budget_service import jobs
@@ -12,7 +18,7 @@ from budget_service.jobs import MsgspecSerializer
 from budget_service.keys import Keys
 from consumers import worker as worker_mod
 from consumers.worker import TokencapWorker, _job_beats, make_worker, run_worker
-from testing.harness import wait_until
+from testing.harness import ROOT, wait_until
 
 KEYS = Keys("tokencap", "hb")
 
@@ -97,3 +103,48 @@ def test_only_workers_whose_key_lives_count_and_rq_cleans_the_rest(redis) -> Non
     assert redis.scard(registry) == 2  # still registered
     jobs.clean_workers(redis, KEYS, ["count"])
     assert redis.smembers(registry) == {live.key.encode()}
+
+
+class _Watched(TokencapWorker):
+    """Keeps the command listener it had when it unsubscribed."""
+
+    listener: threading.Thread | None = None
+
+    def unsubscribe(self) -> None:
+        self.listener = self._commands
+        super().unsubscribe()
+
+
+def test_a_worker_s_command_listener_ends_with_the_worker(redis) -> None:
+    """The unsubscribe's reply ends the listener before the worker's end returns (with
+    redis-py 8.2, RQ's listener slept on in its 60 s poll and every worker's end waited on
+    it: the kill-point and SIGTERM tests timed out)."""
+    for i in range(3):
+        w = make_worker(redis, KEYS, ["cmd"], name=f"cmd-{i}", worker_class=_Watched)
+        run_worker(w, burst=True)  # an empty queue: subscribe, then straight to the end
+        assert isinstance(w, _Watched) and w.listener is not None
+        assert not w.listener.is_alive()
+        assert redis.pubsub_numsub(w.pubsub_channel_name) == [
+            (w.pubsub_channel_name.encode(), 0)]
+
+
+def test_a_worker_told_to_shut_down_on_rq_s_command_channel_does(redis, redis_url) -> None:
+    """RQ's commands still reach the worker: `send_shutdown_command` ends an idle one."""
+    code = (f"from redis import Redis\n"
+            f"from budget_service.keys import Keys\n"
+            f"from consumers.worker import make_worker, run_worker\n"
+            f"w = make_worker(Redis.from_url({redis_url!r}), Keys('tokencap', 'hb'), ['cmd'],"
+            f" name='told')\n"
+            f"run_worker(w)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        channel = "rq:pubsub:told"
+        wait_until(lambda: redis.pubsub_numsub(channel)[0][1] == 1, timeout_s=60,
+                   what="the worker to listen on its command channel")
+        send_shutdown_command(redis, "told")
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
