@@ -67,8 +67,8 @@ class EngineWatch:
         if used != self._used:
             self._used = used
             self._moved_at = now
-        waiting = sum(st.pending - st.parked for st in states.values())
-        stalled = waiting > 0 and now - self._moved_at >= self.stall_s
+        awaiting_engines = sum(st.pending - st.parked for st in states.values())
+        stalled = awaiting_engines > 0 and now - self._moved_at >= self.stall_s
         if not (stalled or self._down):
             return
         for spec in self.engines:
