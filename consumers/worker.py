@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
@@ -101,6 +102,28 @@ class TokencapWorker(SimpleWorker):
             super().heartbeat(ttl, pipeline=pipe)
             pipe.execute()
         self._beat_sent_at = time.monotonic()
+
+    def bootstrap(self, *args: Any, **kwargs: Any) -> None:
+        """RQ's bootstrap (register, subscribe to the command channel), during which a stop
+        (SIGINT, SIGTERM) is noted and ends the worker before its first job. RQ installs its
+        own handlers only after the bootstrap, and its shutdown command is a SIGINT the
+        worker sends itself: one sent as soon as the worker listened met Python's default
+        handler, a KeyboardInterrupt traceback (and RQ's handler, raising StopRequested
+        outside the work loop, would be one too)."""
+        old = {sig: signal.signal(sig, self._stop_at_start)
+               for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            super().bootstrap(*args, **kwargs)
+        except BaseException:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            raise
+
+    def _stop_at_start(self, signum: int, frame: Any) -> None:
+        """A stop asked for during the bootstrap: the work loop's first turn ends it."""
+        log.info("worker %s: stop asked for while starting (signal %d)", self.name, signum)
+        self._shutdown_requested_date = datetime.now(UTC)
+        self._stop_requested = True
 
     def subscribe(self) -> None:
         """Listen to RQ's command channel (shutdown, stop a job) in `_Commands`."""
@@ -255,6 +278,7 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
     attempt = 0
     said = ""  # the trouble already logged: one line per outage, not one per retry
     while True:
+        worker: TokencapWorker | None = None
         try:
             worker = make_worker(connect(), keys, categories,
                                  f"{name}-{attempt}" if name and attempt else name)
@@ -269,6 +293,8 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
             log.error("worker %s quit unexpectedly; starting it again in %.1f s", worker.name,
                       backoff.delay_s)
         except (RedisError, TokencapError) as exc:
+            if worker is not None and worker._stop_requested:
+                return 0  # asked to stop while starting, then Redis went away: stopped
             trouble = f"{type(exc).__name__}: {exc}"
             if trouble != said:
                 log.error("worker cannot run (%s); retrying with backoff, said once until it "

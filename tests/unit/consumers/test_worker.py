@@ -1,7 +1,8 @@
 """The tokencap worker's RQ bookkeeping: the worker heartbeat in one round trip, not
 repeated within WORKER_BEAT_MIN_S, the worker key kept alive WORKER_TTL_S after a beat
 (beaten during a job too), only workers whose key lives counted, and RQ's command channel
-listened to by a thread that ends with the worker."""
+listened to by a thread that ends with the worker, once the worker's stop handlers are in
+place."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
 from rq.command import send_shutdown_command
 from rq.worker import SimpleWorker
@@ -128,6 +130,35 @@ def test_a_worker_s_command_listener_ends_with_the_worker(redis) -> None:
             (w.pubsub_channel_name.encode(), 0)]
 
 
+def test_a_stop_sent_as_soon_as_the_worker_listens_ends_it_before_its_first_job(
+        redis, redis_url) -> None:
+    """RQ's shutdown command is a SIGINT the worker sends itself; RQ installs its handlers
+    only after subscribing. One sent right then (CI: `send_shutdown_command` as soon as the
+    worker listened) was a KeyboardInterrupt traceback. Here the worker sends it itself the
+    moment it has subscribed, as the command's handler does: it ends cleanly, the job
+    waiting in its queue untouched."""
+    code = (f"import os, signal\n"
+            f"from redis import Redis\n"
+            f"from budget_service import jobs\n"
+            f"from budget_service.keys import Keys\n"
+            f"from consumers.worker import TokencapWorker, make_worker, run_worker\n"
+            f"class Told(TokencapWorker):\n"
+            f"    def subscribe(self):\n"
+            f"        super().subscribe()\n"
+            f"        os.kill(os.getpid(), signal.SIGINT)\n"
+            f"r, keys = Redis.from_url({redis_url!r}), Keys('tokencap', 'hb')\n"
+            f"jobs.queue(r, keys, 'early').enqueue_call(func='os.getcwd')\n"
+            f"w = make_worker(r, keys, ['early'], name='early', worker_class=Told)\n"
+            f"run_worker(w, burst=True)\n"
+            f"print(bool(w._shutdown_requested_date), len(jobs.queue(r, keys, 'early')))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.split() == ["True", "1"]  # stopped; the job left for another worker
+    assert redis.pubsub_numsub("rq:pubsub:early") == [(b"rq:pubsub:early", 0)]
+
+
 def test_a_worker_told_to_shut_down_on_rq_s_command_channel_does(redis, redis_url) -> None:
     """RQ's commands still reach the worker: `send_shutdown_command` ends an idle one."""
     code = (f"from redis import Redis\n"
@@ -148,3 +179,24 @@ def test_a_worker_told_to_shut_down_on_rq_s_command_channel_does(redis, redis_ur
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_stopped_while_starting_is_not_started_again_when_redis_fails_it(
+        redis, monkeypatch) -> None:
+    """A stop noted during the bootstrap, then Redis gone before the work loop: the
+    supervisor returns instead of starting another worker."""
+    made: list[TokencapWorker] = []
+
+    class StoppedThenLost(TokencapWorker):
+        def subscribe(self) -> None:
+            self._stop_at_start(15, None)  # what a SIGTERM here runs
+            raise RedisConnectionError("Redis went away")
+
+    def make(*args, **kwargs):  # the first worker only: another one would run its burst
+        made.append(make_worker(*args, **kwargs,
+                                worker_class=TokencapWorker if made else StoppedThenLost))
+        return made[-1]
+
+    monkeypatch.setattr(worker_mod, "make_worker", make)
+    assert worker_mod.supervise(lambda: redis, KEYS, ["lost"], burst=True) == 0
+    assert len(made) == 1
