@@ -268,6 +268,12 @@ def run_worker(worker: TokencapWorker, *, burst: bool = False) -> bool:
     ))
 
 
+def _asked_to_stop(worker: TokencapWorker) -> bool:
+    """A stop (SIGTERM/SIGINT, RQ's shutdown command) reached `worker`: RQ records one in
+    both the idle and the busy case only through the date; `_stop_at_start` sets it too."""
+    return bool(worker._stop_requested or worker._shutdown_requested_date)
+
+
 def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
               name: str | None = None, *, burst: bool = False) -> int:
     """Run a worker and start it again whenever it quits on its own (Redis lost mid-job,
@@ -286,15 +292,13 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
                 log.warning("worker runs again (after: %s)", said)
                 said = ""
             run_worker(worker, burst=burst)
-            # rq records a warm-shutdown request (SIGTERM/SIGINT) in both the idle and the
-            # busy case only through this date
-            if burst or worker._stop_requested or worker._shutdown_requested_date:
+            if burst or _asked_to_stop(worker):
                 return 0
             log.error("worker %s quit unexpectedly; starting it again in %.1f s", worker.name,
                       backoff.delay_s)
         except (RedisError, TokencapError) as exc:
-            if worker is not None and worker._stop_requested:
-                return 0  # asked to stop while starting, then Redis went away: stopped
+            if worker is not None and _asked_to_stop(worker):
+                return 0  # asked to stop, then Redis went away (while starting or ending)
             trouble = f"{type(exc).__name__}: {exc}"
             if trouble != said:
                 log.error("worker cannot run (%s); retrying with backoff, said once until it "

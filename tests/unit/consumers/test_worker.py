@@ -9,7 +9,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from datetime import UTC, datetime
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
 from rq.command import send_shutdown_command
@@ -181,15 +183,20 @@ def test_a_worker_told_to_shut_down_on_rq_s_command_channel_does(redis, redis_ur
             proc.wait()
 
 
-def test_a_worker_stopped_while_starting_is_not_started_again_when_redis_fails_it(
-        redis, monkeypatch) -> None:
-    """A stop noted during the bootstrap, then Redis gone before the work loop: the
-    supervisor returns instead of starting another worker."""
+@pytest.mark.parametrize("noted_by", ["ours while starting", "RQ's when idle"])
+def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
+        redis, monkeypatch, noted_by) -> None:
+    """A stop noted (by our handler during the bootstrap, or RQ's idle one, which records
+    only the date), then Redis gone: the supervisor returns instead of starting another
+    worker."""
     made: list[TokencapWorker] = []
 
     class StoppedThenLost(TokencapWorker):
         def subscribe(self) -> None:
-            self._stop_at_start(15, None)  # what a SIGTERM here runs
+            if noted_by == "ours while starting":
+                self._stop_at_start(15, None)  # what a SIGTERM here runs
+            else:
+                self._shutdown_requested_date = datetime.now(UTC)
             raise RedisConnectionError("Redis went away")
 
     def make(*args, **kwargs):  # the first worker only: another one would run its burst
