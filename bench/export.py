@@ -34,7 +34,7 @@ TARGET_MEM_RATIO = 1.5  # peak RSS at 10M over 1M tokens, at most
 _CHILD = """
 import json, sys, time
 from pathlib import Path
-from tokencap.export import Vocab, export
+from tokencap.export.exporter import Vocab, export
 from tokencap.export.length import Limits
 out, dest, full = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
 t0 = time.perf_counter()

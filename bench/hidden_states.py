@@ -84,10 +84,10 @@ sampling = {sampling}
 
 
 def run(bench: Bench) -> dict[str, Any]:
-    from producer import hidden_states as stage
     from sglang_sim.testing import SimServer
     from testing.harness import started
-    from tokencap.hidden_states import run_stage
+    from tokencap import extraction as stage
+    from tokencap.stack.stage import run_stage
 
     work = bench.sub(NAME)
     gen = work / "gen"

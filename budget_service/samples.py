@@ -15,7 +15,7 @@ from budget_service.ledger import (
     as_str,
     now_ms,
 )
-from foundation.engine_info import EngineInfo
+from foundation.engine.info import EngineInfo
 from foundation.wire import (
     DeadLetter,
     Pending,

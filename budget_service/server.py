@@ -32,8 +32,8 @@ from budget_service.budget import Budget
 from budget_service.ledger import cap_text, now_ms, parse_cap
 from budget_service.telemetry import render_metrics
 from foundation.config import DEFAULT_BUDGET_PORT
-from foundation.engine_api import engine_specs
-from foundation.engine_load import LoadReader
+from foundation.engine.api import engine_specs
+from foundation.engine.load import LoadReader
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ from budget_service.ledger import (
 )
 from foundation import hsfile
 from foundation.config import RunConfig
-from foundation.engine_info import EngineInfo
+from foundation.engine.info import EngineInfo
 from foundation.wire import encode
 
 CATEGORY_GAUGES = (

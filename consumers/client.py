@@ -1,6 +1,6 @@
 """The engine client of a worker: one `requests.Session` per process, timeouts always set,
 retries with backoff on 429/502/503/504 and connection errors, each engine asked in its own
-API (SGLang's `/generate` or an OpenAI-compatible `/v1/completions`, `foundation.engine_api`),
+API (SGLang's `/generate` or an OpenAI-compatible `/v1/completions`, `foundation.engine.api`),
 replies validated, every generation labelled with the model and engine version that made it.
 
 HTTP errors are translated to `EngineError` subclasses here and nowhere else. No
@@ -28,7 +28,7 @@ from urllib3.util.retry import Retry
 
 from consumers.routing import EnginePool
 from consumers.stats import EngineStats
-from foundation.engine_api import (
+from foundation.engine.api import (
     BACKOFF_FACTOR_S,
     BACKOFF_JITTER_S,
     RETRY_STATUSES,
@@ -46,7 +46,7 @@ from foundation.engine_api import (
     parse,
     request,
 )
-from foundation.engine_info import EngineInfo, discover
+from foundation.engine.info import EngineInfo, discover
 from foundation.errors import EngineUnusable, TokencapError
 
 __all__ = [
@@ -60,7 +60,7 @@ CATEGORY_HEADER = "X-Tokencap-Category"
 
 
 def parse_reply(body: bytes, n_prompt: int, engine: str, latency_s: float) -> Generation:
-    """A SGLang `/generate` reply, validated (`foundation.engine_api.parse`)."""
+    """A SGLang `/generate` reply, validated (`foundation.engine.api.parse`)."""
     return parse("sglang", body, n_prompt, engine, latency_s)
 
 

@@ -20,11 +20,11 @@ from budget_service.estimator import LengthModel, admission, counted_prompt
 from budget_service.keys import Keys
 from budget_service.ledger import now_ms
 from budget_service.samples import SampleLedger
-from consumers import states
+from consumers import extract as states
 from consumers.client import EngineClient, EngineError, Generation
 from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
-from foundation.engine_api import parse_urls
+from foundation.engine.api import parse_urls
 from foundation.errors import RunNotFound
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
 from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result
@@ -220,7 +220,7 @@ def process(ref: dict[str, Any]) -> str:
 
 
 def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms: int) -> str:
-    """The hidden-state stage's step (`consumers/states.py`): a valid file already kept for
+    """The hidden-state stage's step (`consumers/extract.py`): a valid file already kept for
     the row counts as it is; else the engine extracts it."""
     row = p.source_id or p.sample_id
     path = states.states_file(rc.cfg.output_dir, cat.name, row)

@@ -16,7 +16,7 @@ slot), or when it is loaded well above that engine (`AFFINITY_SLACK` requests, o
 engine here: it routes on the `input_ids` itself.
 
 Load is what the engines report (running + queued requests): SGLang's `/v1/loads` (0.5.9
-and later, `foundation.engine_load.parse_loads`), else the Prometheus `/metrics` page
+and later, `foundation.engine.load.parse_loads`), else the Prometheus `/metrics` page
 (`parse_metrics`), read at most every `LOAD_REFRESH_S` per process; an engine with neither
 (SGLang before 0.5.9 started without `--enable-metrics`, or a router, which has no `/metrics`
 on its serving port) counts as equally loaded: no load balancing then. An engine
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import requests
 
-from foundation.engine_api import HEALTH_TIMEOUT_S
-from foundation.engine_load import NO_LOAD_READINGS, LoadReader
+from foundation.engine.api import HEALTH_TIMEOUT_S
+from foundation.engine.load import NO_LOAD_READINGS, LoadReader
 
 log = logging.getLogger(__name__)
 

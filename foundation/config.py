@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from foundation.engine_api import auto_read_timeout
+from foundation.engine.api import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
 from foundation.gate import ReplyMarkers
 from foundation.presets import PRESETS
@@ -42,7 +42,7 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 
-# the source formats producer/formats/__init__.py reads, and the multi-turn policies of
+# the source formats producer/formats/records.py reads, and the multi-turn policies of
 # producer/formats/turns.py
 FORMATS = (
     "auto",
@@ -195,7 +195,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     lock_ttl_s: PositiveFloat = 15.0
     connect_timeout_s: PositiveFloat = 3.05
     # seconds a request may take to answer; "auto": a floor plus max_new_tokens at a quarter
-    # of the decode rate observed per request (`foundation.engine_api.auto_read_timeout`)
+    # of the decode rate observed per request (`foundation.engine.api.auto_read_timeout`)
     read_timeout_s: PositiveFloat | Literal["auto"] = "auto"
     http_retries: NonNegInt = 5
     adaptive_max_queue: NonNegInt | None = None
@@ -220,7 +220,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     reply_markers: ReplyMarkers | None = None
     hidden_states: HiddenStates | None = None
     # set by tokencap: "hidden_states" for the run that extracts a run's states
-    # (`<run>.hs`, `producer/hidden_states.py`), whose workers extract instead of generate
+    # (`<run>.hs`, `tokencap/extraction.py`), whose workers extract instead of generate
     stage: Literal["generate", "hidden_states"] = "generate"
     category: list[Category] = []
 

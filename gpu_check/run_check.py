@@ -188,7 +188,7 @@ def engine_gauges(url: str) -> dict[str, float | None]:
     """running, queued, token_usage, gen_throughput from the engine's /metrics."""
     import requests
 
-    from foundation.engine_load import parse_metrics
+    from foundation.engine.load import parse_metrics
 
     try:
         return parse_metrics(requests.get(f"{url}/metrics", timeout=(1, 5)).text)
@@ -201,7 +201,7 @@ def expected_prompts(cfg: Any) -> dict[str, dict[str, str]]:
     """{category: {sample_id: chat-template text}}: each usable record's first prompt as the
     run renders it (`producer.source.CategorySource`, field and role maps included); the
     rows are then checked to hold exactly it, tokenized by the model's own tokenizer."""
-    from producer.formats import Rejected
+    from producer.formats.records import Rejected
     from producer.run import load_renderer
     from producer.source import CategorySource
 
@@ -267,8 +267,8 @@ def write_config(args: argparse.Namespace, work: Path, caps: dict[str, int]) -> 
 
 
 def _context_length(url: str) -> int | None:
-    from foundation.engine_api import engine_specs
-    from foundation.engine_info import context_length
+    from foundation.engine.api import engine_specs
+    from foundation.engine.info import context_length
 
     return context_length(engine_specs([url]))
 

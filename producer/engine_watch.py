@@ -6,7 +6,7 @@ The engines are not asked while tokens are counted: a run that moves has engines
 answer. When no token was counted for `STALL_S` while samples wait on the engines (queued, at
 an engine, or released after a failed attempt and waiting to be tried again; not those a
 closed category holds back), each engine is asked (GET /health,
-`foundation.engine_info.trouble`); one that does not answer is recorded with its reason and
+`foundation.engine.info.trouble`); one that does not answer is recorded with its reason and
 since when, and asked again at each check until it answers, when its trouble is cleared and
 its outage logged once with how long it lasted.
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from budget_service.ledger import CategoryState, now_ms
 from budget_service.telemetry import TelemetryLedger
-from foundation.engine_api import EngineSpec
+from foundation.engine.api import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ STALL_S = 10.0
 
 
 def engine_trouble(spec: EngineSpec) -> str:
-    from foundation.engine_info import trouble
+    from foundation.engine.info import trouble
 
     return trouble(spec)
 

@@ -45,7 +45,7 @@ from budget_service.ledger import CategoryState, now_ms
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import Category, RunConfig
 from producer.followups import FollowUps
-from producer.readers import SourceIndex
+from producer.readers.index import SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
 

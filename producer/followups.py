@@ -27,8 +27,8 @@ from budget_service.budget import Budget
 from budget_service.ledger import CategoryState, now_ms
 from foundation.config import RunConfig
 from foundation.wire import DeadLetter, Outcome, split_turn_id
-from producer.formats import Rejected
-from producer.readers import Sample
+from producer.formats.records import Rejected
+from producer.readers.index import Sample
 from producer.replay import Replay
 from producer.replies import Unparsed
 from producer.source import CategorySource, NextTurn

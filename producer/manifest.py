@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from foundation.config import RunConfig, config_to_json
-from foundation.engine_api import display
-from foundation.engine_info import EngineInfo
+from foundation.engine.api import display
+from foundation.engine.info import EngineInfo
 
 if TYPE_CHECKING:
     from producer.render import Renderer

@@ -1,7 +1,7 @@
 """Before the first sample is fed: every engine is reachable, speaks a protocol version
 tokencap reads, and serves the model the run's tokenizer belongs to.
 
-Per engine (`foundation.engine_info.discover`): its API, served model, version and context
+Per engine (`foundation.engine.info.discover`): its API, served model, version and context
 length; then one probe generation of a fixed short chat prompt (greedy, 16 tokens) sent
 exactly as samples are, whose reply must have the right shape (SGLang 0.5.1 or later: token
 ids in the reply; vLLM 0.10.2 or later: `return_token_ids`) and whose ids must lie in the
@@ -31,7 +31,7 @@ import requests
 
 from foundation import hsfile
 from foundation.config import RunConfig
-from foundation.engine_api import (
+from foundation.engine.api import (
     EngineError,
     EngineSpec,
     Generation,
@@ -42,7 +42,7 @@ from foundation.engine_api import (
     retry_delay_s,
     transient_status,
 )
-from foundation.engine_info import EngineInfo, discover, vocab_size, why_unreachable
+from foundation.engine.info import EngineInfo, discover, vocab_size, why_unreachable
 from foundation.errors import EngineNotReady, EngineUnusable, TokencapError
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 
 from foundation.errors import TokencapError
-from producer.formats import Rejected
+from producer.formats.records import Rejected
 
 log = logging.getLogger(__name__)
 

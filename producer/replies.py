@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from foundation.config import RunConfig, generation_eos_ids
 from foundation.errors import ConfigError
 from foundation.gate import ReplyMarkers
-from producer.parsers import (
+from producer.parsers.registry import (
     Ambiguous,
     Call,
     Choice,

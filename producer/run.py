@@ -17,14 +17,14 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
 from foundation.config import RunConfig, with_stop_ids
-from foundation.engine_api import engine_specs
-from foundation.engine_info import EngineInfo
+from foundation.engine.api import engine_specs
+from foundation.engine.info import EngineInfo
 from foundation.errors import ConfigError, SourceError
 from producer.engine_watch import EngineWatch
 from producer.feeder import CategoryFeed, Producer
 from producer.manifest import write_manifest
 from producer.preflight import preflight
-from producer.readers import SourceIndex
+from producer.readers.index import SourceIndex
 from producer.reconcile import reconcile
 from producer.replies import reply_parser
 from producer.source import CategorySource

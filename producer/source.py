@@ -37,8 +37,8 @@ from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError
 from foundation.outputs import relative_where
 from foundation.wire import DeadLetter, Outcome, Pending, turn_id
-from producer.formats import Rejected
-from producer.readers import Sample, SourceIndex, read_sample, sample_id, shuffled_order
+from producer.formats.records import Rejected
+from producer.readers.index import Sample, SourceIndex, read_sample, sample_id, shuffled_order
 
 if TYPE_CHECKING:
     from producer.render import Renderer

@@ -40,9 +40,9 @@ from foundation.outputs import (
 from foundation.redisconn import connect
 from foundation.wire import DeadLetter, Result, turn_id
 from producer.feeder import Producer
-from producer.readers import sample_id
+from producer.readers.index import sample_id
 from producer.run import build_producer
-from tokencap.localredis import find_redis_server, free_port
+from tokencap.stack.localredis import find_redis_server, free_port
 from writer.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ DATASETS = FIXTURES / "datasets"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Commands take what they are not given from the run file of a stack `tokencap up` started
-# (`tokencap.runfile`): tests, and the processes they start, see none but their own.
+# (`tokencap.stack.runfile`): tests, and the processes they start, see none but their own.
 os.environ["TOKENCAP_STATE_DIR"] = tempfile.mkdtemp(prefix="tokencap-no-stack-")
 # Compressed sources are decompressed into a cache: a private one, not the user's.
 os.environ["TOKENCAP_SOURCE_CACHE"] = tempfile.mkdtemp(prefix="tokencap-source-cache-")

@@ -11,7 +11,7 @@ from typing import Any
 
 import requests
 
-from foundation.engine_load import parse_metrics
+from foundation.engine.load import parse_metrics
 
 TIMEOUT_S = (3.05, 120.0)
 # what vLLM 0.32.0 answered (docs/ENGINES.md); the simulator must answer the same

@@ -1,12 +1,13 @@
 """From one dataset record to its prompt (`to_prompt`) or its `Conversation`
 (`to_conversation`): the record's turns read in its format (or its `field_map`), kept by the
 turn policy ("first", "last", "all") and made chat messages. The formats and the checks of
-each field are `producer/formats/__init__.py`."""
+each field are `producer/formats/records.py`."""
 
 from __future__ import annotations
 
 from foundation.config import FORMATS, TURN_POLICIES
-from producer.formats import (
+from producer.formats.conversation import Conversation
+from producer.formats.records import (
     ALPACA_SEPARATOR,
     ROLE_ALIASES,
     SINGLE_TURN_KEYS,
@@ -21,7 +22,6 @@ from producer.formats import (
     turn_message,
     typed_field,
 )
-from producer.formats.conversation import Conversation
 
 __all__ = ["to_conversation", "to_prompt"]
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tokencap.cli import main
+from tokencap.cli.main import main
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")

@@ -167,7 +167,7 @@ def test_the_check_finds_a_cycle_through_a_type_only_import(tmp_path: Path) -> N
         ("foundation", "from budget_service.keys import Keys\n", "up a layer"),
         ("budget_service", "def f():\n    from consumers.stats import x\n", "up a layer"),
         ("producer", "import consumers.job\n", "one stage imports another"),
-        ("consumers", "from tokencap.cli import main\n", "up a layer"),
+        ("consumers", "from tokencap.cli.main import main\n", "up a layer"),
         ("sglang_sim", "from foundation.wire import encode\n", "stands apart"),
         ("producer", "from sglang_sim.testing import SimServer\n", "only the roof"),
         ("tokencap", "from testing.harness import Pipeline\n", "up a layer"),

@@ -165,7 +165,7 @@ def test_token_counts_that_disagree_are_never_counted(tmp_path, redis_url, flavo
 
 def test_an_engine_that_stops_answering_is_in_status_with_since_when_until_it_answers(
         tmp_path, redis_url) -> None:
-    from foundation.engine_api import engine_specs
+    from foundation.engine.api import engine_specs
     from producer.engine_watch import EngineWatch
     from tests.faults.proxy import Proxy
 

@@ -29,8 +29,8 @@ from foundation.wire import Result
 from testing.harness import Pipeline, wait_until
 from tests.conftest import DATASETS, QWEN, ROOT, write_config
 from tests.faults.common import FAULT_KNOBS, ids_source
-from tokencap import launcher, processes
-from tokencap.runfile import run_file
+from tokencap.stack import launcher, processes
+from tokencap.stack.runfile import run_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.starts_stack]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from producer.formats import Rejected
-from producer.readers import SourceIndex, read_sample
+from producer.formats.records import Rejected
+from producer.readers.index import SourceIndex, read_sample
 from producer.readers.scan import UTF8_BOM, WHITESPACE
 from sglang_sim.testing import SimServer
 from testing.harness import started

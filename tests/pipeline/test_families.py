@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from producer.readers import SourceIndex, read_sample
+from producer.readers.index import SourceIndex, read_sample
 from producer.render import Renderer
 from producer.replies import ReplyParser, reply_parser
 from producer.run import load_renderer

@@ -18,19 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from consumers.states import states_file
+from consumers.extract import states_file
 from foundation import hsfile
 from foundation.errors import EngineUnusable
 from foundation.outputs import read_dead_letters, read_results
 from foundation.redisconn import connect
-from producer import hidden_states as stage
 from sglang_sim.hidden import states as expected_states
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import write_config
 from tests.faults.common import FAULT_KNOBS, ids_source
 from tests.helpers import worker_processes
-from tokencap.hidden_states import run_stage
+from tokencap import extraction as stage
+from tokencap.stack.stage import run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -304,7 +304,7 @@ def test_the_speculators_export_holds_each_row_s_states_by_its_index(
     import pyarrow as pa
     from click.testing import CliRunner
 
-    from tokencap.cli import main
+    from tokencap.cli.main import main
 
     path = prepared(tmp_path, generated)
     sim = extractor(tmp_path)

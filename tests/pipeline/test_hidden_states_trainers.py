@@ -20,16 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumers.states import states_file
+from consumers.extract import states_file
 from foundation import hsfile
 from foundation.config import load_config
 from foundation.outputs import BadLine, read_results
 from foundation.redisconn import connect
-from producer import hidden_states as stage
 from testing.harness import started
 from tests.conftest import DATASETS, ROOT
 from tests.helpers import worker_processes
-from tokencap.hidden_states import run_stage
+from tokencap import extraction as stage
+from tokencap.stack.stage import run_stage
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.trainers]
 

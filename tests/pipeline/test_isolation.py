@@ -22,7 +22,7 @@ from foundation.config import DEFAULT_BUDGET_PORT
 from tests.conftest import ROOT
 from tests.faults.common import FAULT_KNOBS
 from tests.helpers import STACK_VARS
-from tokencap import processes
+from tokencap.stack import processes
 
 pytestmark = pytest.mark.slow
 INNER_TIMEOUT_S = 600

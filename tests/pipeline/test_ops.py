@@ -174,7 +174,7 @@ sampling = {{ max_new_tokens = 256 }}
 def test_cap_set_cli_refuses_bad_input(bad) -> None:
     from click.testing import CliRunner
 
-    from tokencap.cli import main
+    from tokencap.cli.main import main
 
     out = CliRunner().invoke(main, ["cap", "set", "a", bad])
     assert out.exit_code == 2
@@ -230,7 +230,7 @@ def test_a_crash_looping_pool_slot_backs_off_and_says_why(caplog) -> None:
     import sys
     import time
 
-    from consumers import pool
+    from tokencap.stack import supervisor as pool
 
     slot = pool._Slot([sys.executable, "-c", "raise SystemExit(3)"], {})
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import requests
 
-from foundation.engine_load import read_load
+from foundation.engine.load import read_load
 from foundation.errors import EngineUnusable
 from producer.preflight import preflight
 from producer.render import Renderer

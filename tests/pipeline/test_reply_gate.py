@@ -19,8 +19,8 @@ from sglang_sim.config import FaultConfig, LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import DATASETS, FIXTURES, write_config
-from tokencap.audit import audit
-from tokencap.export import export
+from tokencap.export.exporter import export
+from tokencap.prepare.audit import audit
 
 pytestmark = pytest.mark.slow
 

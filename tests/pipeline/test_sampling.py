@@ -18,8 +18,8 @@ from foundation.errors import ConfigError
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import DATASETS, QWEN, write_config
-from tokencap.cli import main
-from tokencap.plan import preview
+from tokencap.cli.main import main
+from tokencap.prepare.plan import preview
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 MODEL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}

@@ -20,7 +20,7 @@ from foundation.config import RunConfig
 from foundation.errors import ConfigError
 from foundation.outputs import category_dir
 from foundation.wire import Result, split_turn_id, turn_id
-from producer.readers import SourceIndex, read_sample, sample_id
+from producer.readers.index import SourceIndex, read_sample, sample_id
 from producer.render import Renderer
 from producer.replies import ReplyParser
 from producer.run import load_renderer
@@ -28,8 +28,8 @@ from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import RedisServer, started
 from tests.conftest import DATASETS, QWEN, write_config
-from tokencap.export import export
 from tokencap.export.conversations import SourceMessages
+from tokencap.export.exporter import export
 
 pytestmark = pytest.mark.slow
 

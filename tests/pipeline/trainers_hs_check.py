@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 STEPS = 3
-SPECFORGE = "specforge_offline"  # tokencap.export.states.SPECFORGE_OFFLINE
+SPECFORGE = "specforge_offline"  # tokencap.export.state_layouts.SPECFORGE_OFFLINE
 TRAIN_RATIO = 0.75  # speculators: train rows int(n * ratio), the rest validation
 
 

@@ -1,5 +1,5 @@
 """`python -m tokencap.cli`: the `tokencap` command (how the launcher starts its processes)."""
 
-from tokencap.cli import main
+from tokencap.cli.main import main
 
 main()

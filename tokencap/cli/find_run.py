@@ -33,13 +33,13 @@ def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str)
 
 
 def _from_run_file(key: str, default: str | None = None) -> Any:
-    """An option's value when it is not given: the run file of the stack (`tokencap.runfile`),
+    """An option's value when it is not given: the run file of the stack (`tokencap.stack.runfile`),
     else `default`."""
     def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
         if value:
             ctx.meta[SOURCE_META + key] = FLAG
             return value
-        from tokencap.runfile import run_file, state_dir
+        from tokencap.stack.runfile import run_file, state_dir
 
         found = run_file(state_dir(ctx.meta.get(STATE_META))).get(key)
         ctx.meta[SOURCE_META + key] = RUN_FILE if found else DEFAULT

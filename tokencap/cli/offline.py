@@ -1,6 +1,6 @@
 """`tokencap export`, `tokencap plan` and `tokencap preview`: wiring only.
 
-The logic lives in `tokencap.export` and `tokencap.plan`. These commands need no Redis.
+The logic lives in `tokencap.export` and `tokencap.prepare.plan`. These commands need no Redis.
 Each command catches `TokencapError` itself (message, then its exit code) so that it works
 both registered on the `tokencap` group and invoked alone.
 """
@@ -16,7 +16,7 @@ import click
 import msgspec
 
 from foundation.errors import SourceError, TokencapError
-from tokencap.export import FORMATS, MAX_BAD_REPORTED
+from tokencap.export.exporter import FORMATS, MAX_BAD_REPORTED
 
 if TYPE_CHECKING:
     from foundation.config import RunConfig
@@ -188,8 +188,8 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
     a temporary name and renames it into place only when the whole export succeeded; writes
     export-manifest.json (formats, split, limits, counts per reason, vocabulary coverage).
     """
-    from tokencap.export import export
     from tokencap.export.conversations import SourceMessages
+    from tokencap.export.exporter import export
     from tokencap.export.length import Limits
 
     if config_arg and config_path and config_arg != config_path:
@@ -224,7 +224,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                     min_loss_tokens)
     states = None
     if with_states:
-        from tokencap.export.states import StatesSpec
+        from tokencap.export.state_layouts import StatesSpec
 
         hs = cfg.hidden_states if cfg is not None else None
         if hs is None or hs.layers is None or hs.model_config is None:
@@ -278,7 +278,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
 
 def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: int) -> Any:
     """The draft vocabulary's sizes (None when the target's is unknown)."""
-    from tokencap.export import Vocab
+    from tokencap.export.exporter import Vocab
     from tokencap.export.vocab import target_vocab_size
 
     if tokenizer:
@@ -343,7 +343,7 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     Prompts are the records in the sources, or with --check the generations the usable
     records ask for.
     """
-    from tokencap.plan import measure, plan, survey, totals
+    from tokencap.prepare.plan import measure, plan, survey, totals
 
     cfg = _load(config)
     names = [c.name for c in cfg.category]
@@ -354,7 +354,7 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     renders = check or any(cfg.by_name(n).format != "input_ids" for n in estimate)
     renderer = _config_renderer(cfg) if chat and renders else None
     if check:
-        from tokencap.plan import context_for_check
+        from tokencap.prepare.plan import context_for_check
 
         context, origin = context_for_check(cfg, renderer)
         click.echo(f"prompts checked against a context of {context:,} tokens ({origin})"
@@ -392,8 +392,8 @@ def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
     """The hidden states the planned rows would make ([hidden_states]): bytes per token, per
     category and in all, against the free space of their folder (`--check`: exit 2 when
     they would not fit)."""
-    from producer import hidden_states as stage
-    from tokencap.hidden_states import plan_lines
+    from tokencap import extraction as stage
+    from tokencap.stack.stage import plan_lines
 
     tokens = {r.category: (r.samples, round(r.samples * (r.avg_output_tokens + prompt_tokens.get(
         r.category, 0.0)))) for r in rows}
@@ -428,7 +428,7 @@ def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, ca
     from its records (or the field_map that would read it), a cap, the model's sampling, and
     the plan's figures as comments. Then `tokencap plan CONFIG --check` and `make up
     CONFIG=...`. Needs no Redis."""
-    from tokencap.init import plan_comments, write_config
+    from tokencap.prepare.init import plan_comments, write_config
 
     out = Path(dest)
     found = write_config([Path(d) for d in data], Path(tokenizer), out, run_name, cap, force)
@@ -454,13 +454,13 @@ def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool)
     the rendered chat template with special tokens, the token count and the sampling params,
     so that a wrong template or setting is seen before GPU time is spent. Needs no Redis.
     """
-    from tokencap.plan import preview, preview_text
+    from tokencap.prepare.plan import preview, preview_text
 
     cfg = _load(config)
     unknown = [c for c in categories if c not in {cat.name for cat in cfg.category}]
     if unknown:
         raise TokencapError(f"no category {', '.join(map(repr, unknown))} in {config}")
-    from tokencap.plan import PREVIEW_SCAN_LIMIT
+    from tokencap.prepare.plan import PREVIEW_SCAN_LIMIT
 
     previews = preview(cfg, n, categories=list(categories) or None)
     if as_json:
@@ -493,7 +493,7 @@ def audit_cmd(rows: tuple[str, ...], tokenizer: str | None, config_path: str | N
     with examples (file:line); exits 1 when any reply or row is flagged.
     """
     from producer.replies import ReplyParser, reply_parser
-    from tokencap.audit import audit
+    from tokencap.prepare.audit import audit
 
     cfg = _load(config_path) if config_path else None
     if cfg is not None and not tokenizer:

@@ -46,7 +46,7 @@ SERIES_FOR_RATES = 30  # the series' last points a board reads (a minute at one 
 def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str, prefix: str,
            as_json: bool, watch_flag: bool, interval: float, events_flag: bool) -> None:
     """Show each category's cap, used, reserved, samples and state."""
-    from tokencap.progress import summary_table
+    from tokencap.reports.progress import summary_table
 
     budget = open_budget(redis_url, prefix, run_name)
     if events_flag:
@@ -55,8 +55,8 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
             _event_line(e) for e in events) or "no events")
         return
     if watch_flag:
-        from foundation.engine_api import parse_urls
-        from tokencap.watch import watch
+        from foundation.engine.api import parse_urls
+        from tokencap.reports.watch import watch
 
         watch(budget.telemetry.status, parse_urls(sglang_url), budget.telemetry.workers,
               interval_s=interval,
@@ -127,7 +127,7 @@ def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     """Write <dest>/<run>-report.html (self-contained) and its PNG figures: output lengths,
     finish reasons, tokens against caps, throughput and engine batch over time, the tail,
     rejected/dead by reason, cap changes. `up` writes one at the end of a run."""
-    from tokencap.report import build_report
+    from tokencap.reports.report import build_report
 
     budget = open_budget(redis_url, prefix, run_name, changes="write a report")
     out = Path(out_dir or stored_config(budget).output_dir)

@@ -25,7 +25,7 @@ from tokencap.cli.find_run import (
 
 if TYPE_CHECKING:
     from budget_service.budget import Budget
-    from foundation.engine_info import EngineInfo
+    from foundation.engine.info import EngineInfo
 
 log = logging.getLogger("tokencap")
 
@@ -46,14 +46,14 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
     Safe to stop and restart: committed samples are never fed again.
     """
     from foundation.config import load_config
-    from foundation.engine_api import parse_urls
+    from foundation.engine.api import parse_urls
     from foundation.redisconn import connect
     from producer.run import run_to_end
-    from tokencap.progress import ProgressPrinter, nothing_usable, summary_table
+    from tokencap.reports.progress import ProgressPrinter, nothing_usable, summary_table
 
     cfg = load_config(config)
     if dry_run:
-        from tokencap.plan import preview, preview_text
+        from tokencap.prepare.plan import preview, preview_text
 
         click.echo(preview_text(preview(cfg)))
         return
@@ -100,9 +100,9 @@ def hidden_states(config: str, redis_url: str, extract_url: str | None, workers:
     resumes: a row whose file is kept is not asked for again."""
     from foundation.config import load_config
     from foundation.redisconn import connect
-    from producer import hidden_states as stage
-    from tokencap.hidden_states import extract_urls, kept_bytes, plan_lines, run_stage
-    from tokencap.progress import ProgressPrinter, summary_table
+    from tokencap import extraction as stage
+    from tokencap.reports.progress import ProgressPrinter, summary_table
+    from tokencap.stack.stage import extract_urls, kept_bytes, plan_lines, run_stage
 
     cfg = load_config(config)
     stage.spec(cfg)
@@ -111,7 +111,7 @@ def hidden_states(config: str, redis_url: str, extract_url: str | None, workers:
         plan = stage.disk_plan(cfg, sources)
         click.echo("\n".join(plan_lines(cfg, plan)))
         need = stage.check_disk(stage.spec(cfg), plan, kept_bytes(cfg))
-        from tokencap.progress import size_text
+        from tokencap.reports.progress import size_text
 
         click.echo(f"  still to write: {size_text(need)}: fits the free space")
         return
@@ -154,7 +154,7 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     current sample, then exits.
     """
     if pool:
-        from consumers.pool import run_pool
+        from tokencap.stack.supervisor import run_pool
 
         argv = [sys.executable, "-m", "tokencap.cli", "worker"] + (["--burst"] if burst else [])
         env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sglang_url,
@@ -162,7 +162,7 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
         sys.exit(run_pool(argv, env, pool, restart=not burst))
     from consumers.job import configure, flush_stats
     from consumers.worker import supervise
-    from foundation.engine_api import parse_urls
+    from foundation.engine.api import parse_urls
     from foundation.redisconn import connect
 
     urls = parse_urls(sglang_url)
@@ -216,7 +216,7 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
     budget = open_budget(redis_url, prefix, run_name)
     cfg = stored_config(budget)
     if supervise:
-        from consumers.pool import run_pool
+        from tokencap.stack.supervisor import run_pool
 
         argv = [sys.executable, "-m", "tokencap.cli", "writer"] + (
             ["--out", out_dir] if out_dir else [])

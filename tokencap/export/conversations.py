@@ -87,7 +87,7 @@ class SourceMessages:
             return None
 
     def _sample(self, row: Result) -> Any:
-        from producer.formats import Rejected
+        from producer.formats.records import Rejected
 
         try:
             source = self._source(self.cfg.by_name(row.category))

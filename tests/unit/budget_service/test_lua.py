@@ -18,7 +18,7 @@ from budget_service.budget import Budget
 from budget_service.keys import WRITER_GROUP, CategoryKeys, Keys
 from budget_service.ledger import now_ms, prompt_digest
 from budget_service.scripts import CATEGORY_SCRIPTS, LUA_DIR, OTHER_SCRIPTS
-from foundation.engine_info import EngineInfo
+from foundation.engine.info import EngineInfo
 from foundation.errors import RunMismatch
 from foundation.wire import DeadLetter, Pending, Result, encode
 from tests.helpers import LEASE_MS, feed, make_cfg, pending, result

@@ -18,7 +18,7 @@ from consumers.client import (
     parse_reply,
 )
 from consumers.routing import EnginePool
-from foundation.engine_load import LoadReader
+from foundation.engine.load import LoadReader
 from sglang_sim.testing import SimServer
 from testing.harness import free_port
 
@@ -97,7 +97,7 @@ def test_read_timeout(sim) -> None:
 
 
 def test_the_auto_read_timeout_grows_with_max_new_tokens_and_a_slow_decode() -> None:
-    from foundation.engine_api import auto_read_timeout
+    from foundation.engine.api import auto_read_timeout
 
     c = client(["http://e"], read_timeout_s=None)  # read_timeout_s = "auto"
     # nothing observed yet: a floor plus max_new_tokens at the slowest decode assumed
@@ -337,7 +337,7 @@ def test_vllm_completions_give_token_ids_finish_reason_and_usage() -> None:
 
 
 def test_a_vllm_that_ignores_return_token_ids_is_refused() -> None:
-    from foundation.engine_api import parse
+    from foundation.engine.api import parse
 
     old = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
                       "usage": {"prompt_tokens": 9, "completion_tokens": 2}}).encode()
@@ -347,7 +347,7 @@ def test_a_vllm_that_ignores_return_token_ids_is_refused() -> None:
 
 def test_the_simulator_maps_vllm_fields_back_to_the_params_the_client_maps_them_from() -> None:
     # two sides of one protocol, written apart (the simulator imports nothing of tokencap)
-    from foundation.engine_api import OPENAI_PARAMS
+    from foundation.engine.api import OPENAI_PARAMS
     from sglang_sim.protocol import VLLM_PARAMS
 
     assert {v: k for k, v in OPENAI_PARAMS.items()} == VLLM_PARAMS

@@ -68,7 +68,7 @@ sampling = {{ max_new_tokens = 64 }}
 
 
 def preview(path: Path, n: int) -> list[dict]:
-    from tokencap.cli import main
+    from tokencap.cli.main import main
 
     out = CliRunner().invoke(main, ["preview", str(path), "-n", str(n), "--json"])
     assert out.exit_code == 0, out.output

@@ -19,7 +19,7 @@ import zstandard
 
 from foundation.config import load_config
 from foundation.errors import ConfigError
-from producer.readers import SourceIndex, sample_id
+from producer.readers.index import SourceIndex, sample_id
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import DATASETS, QWEN, ROOT

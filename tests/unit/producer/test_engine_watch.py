@@ -14,7 +14,7 @@ import pytest
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.ledger import CategoryState
-from foundation.engine_api import engine_spec
+from foundation.engine.api import engine_spec
 from producer import engine_watch
 from producer.engine_watch import EngineWatch
 from tests.helpers import make_cfg

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from producer.formats import Rejected
+from producer.formats.records import Rejected
 from producer.formats.turns import to_conversation, to_prompt
-from producer.readers import SourceIndex, read_sample
+from producer.readers.index import SourceIndex, read_sample
 from tests.conftest import DATASETS
 
 CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"

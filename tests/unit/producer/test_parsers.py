@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from foundation.config import REASONING_PARSERS, TOOL_CALL_PARSERS
-from producer.parsers import (
+from producer.parsers.registry import (
     Ambiguous,
     Unparsed,
     choose,

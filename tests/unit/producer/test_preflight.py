@@ -16,7 +16,7 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.config import RunConfig
-from foundation.engine_info import EngineInfo
+from foundation.engine.info import EngineInfo
 from foundation.errors import EngineNotReady, EngineUnusable
 from producer.preflight import until_ready
 from producer.run import run_to_end
@@ -25,8 +25,8 @@ from sglang_sim.testing import SimServer
 from testing.harness import Pipeline, free_port
 from tests.conftest import ROOT, write_config
 from tests.faults.common import FAULT_KNOBS
-from tokencap.export import ExportError, export
-from tokencap.progress import SIMULATED_TEXT, summary_table
+from tokencap.export.exporter import ExportError, export
+from tokencap.reports.progress import SIMULATED_TEXT, summary_table
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PHI3 = FIXTURES / "tokenizers" / "phi-3-mini"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from foundation.errors import TokencapError
-from producer.formats import Rejected
-from producer.readers import SourceIndex, read_sample
+from producer.formats.records import Rejected
+from producer.readers.index import SourceIndex, read_sample
 from producer.render import Renderer, TokenizerError
 from tests.conftest import DATASETS, FIXTURES, QWEN
 

@@ -14,8 +14,8 @@ import pytest
 
 from foundation.config import RunConfig
 from foundation.wire import Outcome, turn_id
-from producer.formats import Rejected
-from producer.readers import sample_id
+from producer.formats.records import Rejected
+from producer.readers.index import sample_id
 from producer.render import Renderer
 from producer.source import CategorySource, DoesNotFit, template_kwargs
 from tests.conftest import QWEN, write_config

@@ -9,7 +9,7 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foundation.engine_load import parse_metrics
+from foundation.engine.load import parse_metrics
 from sglang_sim.prefix_cache import RadixCache
 from sglang_sim.testing import SimServer
 

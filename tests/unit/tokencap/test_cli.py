@@ -8,7 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from tokencap.cli import main
+from tokencap.cli.main import main
 
 COMMANDS = {
     "run": "producer",

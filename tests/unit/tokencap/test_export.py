@@ -17,11 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 from foundation.wire import Result
-from producer.readers import SourceIndex, read_sample, shuffled_order
+from producer.readers.index import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
 from tokencap.cli.offline import export_cmd
-from tokencap.export import ExportError, export
+from tokencap.export.exporter import ExportError, export
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 MINERVA = DATASETS / "problem_solution" / "qwen25math_minerva_math_test.jsonl"

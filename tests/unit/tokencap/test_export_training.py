@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from foundation.wire import Result, encode
 from tokencap.cli.offline import export_cmd
-from tokencap.export import Vocab, export
+from tokencap.export.exporter import Vocab, export
 from tokencap.export.length import Limits, apply
 from tokencap.export.split import side
 from tokencap.export.vocab import TokenCounts, VocabError, mapping, select, target_vocab_size

@@ -14,8 +14,8 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from tests.helpers import make_cfg
-from tokencap.cli import main
-from tokencap.runfile import RUN_FILE
+from tokencap.cli.main import main
+from tokencap.stack.runfile import RUN_FILE
 
 
 @pytest.fixture

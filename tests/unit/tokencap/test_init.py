@@ -1,4 +1,4 @@
-"""`tokencap init` (`tokencap/init.py`): a config from the data files alone, which the plan
+"""`tokencap init` (`tokencap/prepare/init.py`): a config from the data files alone, which the plan
 accepts as it is."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from foundation.config import load_config
 from tests.conftest import DATASETS, QWEN
-from tokencap.cli import main
+from tokencap.cli.main import main
 from tokencap.cli.offline import plan_cmd
 
 FILES = [DATASETS / "question_answer" / "gsm8k_test_first200.jsonl",

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from foundation.config import load_config
 from foundation.wire import Result
-from producer.readers import SourceIndex, read_sample, shuffled_order
+from producer.readers.index import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
 from tokencap.cli.offline import plan_cmd, preview_cmd
-from tokencap.plan import PROMPT_SAMPLE_SIZE, Measured, plan, preview, totals
+from tokencap.prepare.plan import PROMPT_SAMPLE_SIZE, Measured, plan, preview, totals
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 SHAREGPT = DATASETS / "sharegpt" / "fastchat_dummy_conversation.json"

@@ -1,4 +1,4 @@
-"""Pid files that name a process (`tokencap.processes`), and what the launcher does with one
+"""Pid files that name a process (`tokencap.stack.processes`), and what the launcher does with one
 that names no process of its stack any more: a killed process not yet reaped (a zombie), a
 pid another process has now, a pid file written before identities were recorded."""
 
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from testing.harness import wait_until
-from tokencap import processes
-from tokencap.launcher import Stack
+from tokencap.stack import processes
+from tokencap.stack.launcher import Stack
 
 IDLE = "import sys; sys.stdin.read()  # idle child"
 

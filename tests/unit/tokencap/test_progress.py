@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from tokencap.progress import ProgressPrinter
+from tokencap.reports.progress import ProgressPrinter
 
 
 def status(state: str, used: int, unwritten: int, holder: str | None = "h:1:x",
@@ -61,8 +61,8 @@ def test_an_engine_away_is_said_in_every_line_with_since_when_until_it_answers()
 
 
 def test_the_trouble_of_an_engine_is_what_its_health_check_says() -> None:
-    from foundation.engine_api import engine_spec
-    from foundation.engine_info import trouble
+    from foundation.engine.api import engine_spec
+    from foundation.engine.info import trouble
     from sglang_sim.testing import SimServer
     from testing.harness import free_port
 

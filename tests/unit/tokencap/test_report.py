@@ -16,7 +16,7 @@ from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import ROOT
 from tests.faults.common import two_category_config
-from tokencap.report import FIGURES
+from tokencap.reports.report import FIGURES
 
 
 def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(

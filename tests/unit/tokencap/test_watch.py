@@ -19,13 +19,13 @@ from rich.console import Console
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from foundation.engine_load import parse_metrics as parse_sglang_metrics
+from foundation.engine.load import parse_metrics as parse_sglang_metrics
 from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
 from tests.helpers import LEASE_MS, feed, make_cfg, result
-from tokencap.progress import summary_table
-from tokencap.rates import CategoryRate, RateTracker, format_eta, series_rates, tok_s
-from tokencap.watch import (
+from tokencap.reports.progress import summary_table
+from tokencap.reports.rates import CategoryRate, RateTracker, format_eta, series_rates, tok_s
+from tokencap.reports.watch import (
     EngineLoad,
     engine_load,
     plain_lines,
@@ -308,7 +308,7 @@ def test_board_rates_come_from_the_runs_time_series_from_the_first_board() -> No
 
 CHILD = """
 import itertools, sys
-from tokencap.watch import watch
+from tokencap.reports.watch import watch
 calls = itertools.count()
 
 def status():

@@ -1,12 +1,12 @@
 """`tokencap status --watch`: a live board of every category's budget and the engines' load.
 
 Each refresh reads the status document (`TelemetryLedger.status()`), the number of workers,
-and each engine's load (`foundation.engine_load.LoadReader`: SGLang's `/v1/loads`, else the
+and each engine's load (`foundation.engine.load.LoadReader`: SGLang's `/v1/loads`, else the
 Prometheus `/metrics` page of SGLang or vLLM). On a terminal the board is redrawn in place
 with `rich.live.Live`; otherwise (a pipe, a log file) plain lines without escape codes are
 printed each interval, one per category and one for the engines and workers.
 
-Token rates come from a `tokencap.rates.RateTracker`, which keeps the `used` counter of each
+Token rates come from a `tokencap.reports.rates.RateTracker`, which keeps the `used` counter of each
 category over the last minute, so tok/s and ETA follow what the run does now, not its
 average since start.
 """
@@ -27,11 +27,11 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from foundation.engine_api import engine_spec
-from foundation.engine_load import NO_LOAD_READINGS, LoadReader
+from foundation.engine.api import engine_spec
+from foundation.engine.load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
-from tokencap.progress import SIMULATED_TEXT, engine_trouble_lines, gate_lines, since_text
-from tokencap.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
+from tokencap.reports.progress import SIMULATED_TEXT, engine_trouble_lines, gate_lines, since_text
+from tokencap.reports.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
 
 ENGINE_TIMEOUT_S = 2.0
 BAR_WIDTH_CHARS = 24

@@ -32,7 +32,7 @@ import msgspec
 from foundation.gate import GateReason, check
 from foundation.outputs import PART_GLOB, REJECTED_FILE
 from foundation.wire import Result
-from producer.formats import Rejected
+from producer.formats.records import Rejected
 from producer.formats.turns import to_conversation
 from producer.replies import ReplyParser, Unparsed
 

@@ -8,7 +8,7 @@ run, the budget service's URL and its bearer token. Every other command reads th
 stack. Whatever is given through REDIS_URL / SGLANG_URL is used as is and never stopped.
 
 A process of the stack counts as running only while it is the process its pid file records
-(`tokencap.processes`: pid and start time; for Redis also the port answering with the stack's
+(`tokencap.stack.processes`: pid and start time; for Redis also the port answering with the stack's
 data folder), so after the whole stack was killed at once (a node that rebooted or ran out
 of memory) the same `up` starts everything again, Redis on its port from its AOF. Workers are
 counted by their RQ heartbeat, the writer by its lease. While `up` feeds it tends the stack
@@ -36,22 +36,22 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.config import DEFAULT_BUDGET_PORT, RunConfig, load_config
-from foundation.engine_api import parse_urls
-from foundation.engine_info import healthy
+from foundation.engine.api import parse_urls
+from foundation.engine.info import healthy
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.redisconn import connect
 from foundation.waiting import wait_until
 from producer.run import run_to_end
-from tokencap import processes
-from tokencap.localredis import (
+from tokencap.reports.progress import ProgressPrinter, nothing_usable, summary_table
+from tokencap.stack import processes
+from tokencap.stack.localredis import (
     find_redis_server,
     free_port,
     free_port_of,
     port_free,
     redis_serving,
 )
-from tokencap.progress import ProgressPrinter, nothing_usable, summary_table
-from tokencap.runfile import RUN_FILE, run_file, stop_hint
+from tokencap.stack.runfile import RUN_FILE, run_file, stop_hint
 
 if TYPE_CHECKING:
     from foundation.config import RunConfig
@@ -433,7 +433,7 @@ class Stack:
         """The config's hidden-state stage, once generation has ended (`tokencap
         hidden-states`: its own workers, as many as the stack's): skipped, saying how to run
         it, when no extraction server is named."""
-        from tokencap.hidden_states import extract_urls, run_stage
+        from tokencap.stack.stage import extract_urls, run_stage
 
         urls = extract_urls(cfg)
         if not urls:
@@ -458,7 +458,7 @@ class Stack:
                 print(f"[up] report: {report} (no new results since it was written)",
                       flush=True)
                 return
-            from tokencap.report import build_report
+            from tokencap.reports.report import build_report
 
             print(f"[up] report: {build_report(budget, out, out)}", flush=True)
         except Exception as exc:  # a report that cannot be drawn never fails the run

@@ -36,8 +36,8 @@ def _format_of(path: Path) -> tuple[str | None, str, int]:
     """(the format most of the first records have, or None, or "preset:NAME" when every one
     of them is a record of a preset's dataset; a note for the config; records)."""
     from foundation.presets import preset_of
-    from producer.formats import Rejected, detect_format
-    from producer.readers import SourceIndex
+    from producer.formats.records import Rejected, detect_format
+    from producer.readers.index import SourceIndex
 
     with SourceIndex.build([path]) as index:
         n = len(index)
@@ -136,7 +136,7 @@ def plan_comments(dest: Path) -> list[str]:
     prompt tokens of the first prompts), appended to it."""
     from foundation.config import load_config
     from producer.run import load_renderer
-    from tokencap.plan import survey
+    from tokencap.prepare.plan import survey
 
     cfg = load_config(dest)
     renderer = load_renderer(cfg)

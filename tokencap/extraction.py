@@ -2,7 +2,7 @@
 training rows of a finished generation run, fed, admitted, sent once, committed and written
 by the same producer, ledger, workers and writer as generation (`RunConfig.stage =
 "hidden_states"`: the workers ask the extraction server and keep a checked file per row,
-`consumers/states.py`).
+`consumers/extract.py`).
 
 - Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`, `{"id": the
   row's id, "input_ids": prompt + output}` for every training row of the generation output

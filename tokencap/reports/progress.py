@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from budget_service.ledger import cap_text
-from tokencap.rates import tok_s
+from tokencap.reports.rates import tok_s
 
 
 def size_text(n: float) -> str:

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from foundation import hsfile
 from foundation.config import HiddenStates, RunConfig
-from foundation.engine_api import BadStates, InvalidResponse
+from foundation.engine.api import BadStates, InvalidResponse
 from foundation.wire import Pending, Result
 
 if TYPE_CHECKING:
-    from foundation.engine_api import Generation
+    from foundation.engine.api import Generation
 
 log = logging.getLogger(__name__)
 

@@ -252,7 +252,7 @@ def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] 
            ) -> tuple[SourceCheck, list[int]]:
     """Every record of `source` read, rendered and checked; the check and the usable
     records' prompt lengths."""
-    from producer.formats import Rejected
+    from producer.formats.records import Rejected
 
     name = source.cat.name
     rejected: dict[str, int] = {}
@@ -288,7 +288,7 @@ def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, wan
 def _shuffled_prompts(source: CategorySource, renderer: Renderer | None, want: int):
     """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
     stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
-    from producer.formats import Rejected
+    from producer.formats.records import Rejected
 
     for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT):
         if isinstance(prompt, Rejected):

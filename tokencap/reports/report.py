@@ -38,7 +38,7 @@ from typing import Any
 from budget_service.budget import Budget
 from budget_service.ledger import cap_text
 from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
-from tokencap.rates import tok_s
+from tokencap.reports.rates import tok_s
 
 FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
 DPI = 110

@@ -1,7 +1,7 @@
 """Rates and ETAs of a run: tokens per second over a recent window, and the time left to
-each cap at that rate. The live board (`tokencap.watch`), the progress lines
-(`tokencap.progress`) and the report's charts (`tokencap.report`) all count tok/s with
-`tok_s`; the live page (`budget_service/web/index.html`) does the same in its own JS."""
+each cap at that rate. The live board (`tokencap.reports.watch`), the progress lines
+(`tokencap.reports.progress`) and the report's charts (`tokencap.reports.report`) all count
+tok/s with `tok_s`; the live page (`budget_service/web/index.html`) does the same in its own JS."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Hidden states in the trainers' offline layouts (`export --hidden-states`), from the files
-the hidden-state stage keeps per row (`consumers/states.py`, docs/HIDDEN_STATES.md):
+the hidden-state stage keeps per row (`consumers/extract.py`, docs/HIDDEN_STATES.md):
 
 - speculators: ``<speculators>/hidden_states/hs_<i>.safetensors`` for row i of the folder's
   dataset (its trainer's `--data-path`): ``hidden_states`` [T, layers, H] (the aux layers,
@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from consumers.states import states_file
+from consumers.extract import states_file
 from foundation import hsfile
 from tokencap.export.sinks import ExportError, TmpDir, TrainingRow
 

@@ -1,5 +1,5 @@
 """`tokencap hidden-states CONFIG`: the stage that extracts the target's hidden states of
-every kept row (`producer/hidden_states.py` makes its run, `consumers/states.py` is the
+every kept row (`tokencap/extraction.py` makes its run, `consumers/extract.py` is the
 workers' step), run to its end: the rows written once, the disk checked against the plan,
 then the producer with its own workers and writer, all stopped at the end. Run it again to
 resume: what was kept is not asked for again."""
@@ -19,12 +19,12 @@ from typing import Any
 from redis import Redis
 
 from budget_service.keys import Keys
-from consumers import states
+from consumers import extract as states
 from foundation import hsfile
 from foundation.config import RunConfig
-from producer import hidden_states as stage
 from producer.run import run_to_end
-from tokencap.progress import size_text
+from tokencap import extraction as stage
+from tokencap.reports.progress import size_text
 from writer.writer import Writer
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ STOP_TIMEOUT_S = 60.0
 def extract_urls(cfg: RunConfig, given: str | None = None) -> list[str]:
     """The extraction servers: `given` (a flag), else TOKENCAP_EXTRACT_URL, else the config's
     `hidden_states.engine_url`."""
-    from foundation.engine_api import parse_urls
+    from foundation.engine.api import parse_urls
 
     hs = stage.spec(cfg)
     return parse_urls(given or os.environ.get(EXTRACT_URL_ENV) or hs.engine_url)

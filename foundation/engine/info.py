@@ -4,7 +4,7 @@ later; ``/get_server_info`` before), vLLM's from ``/version``; a simulator says 
 (``"simulator": true``, model ``tokencap-sglang-sim``). SGLang tells its vocabulary size only
 in the message that refuses an out-of-range ``logit_bias`` key (`vocab_size`). Also: why a
 connection failed (`why_unreachable`), the smallest context length of several engines and
-the ``/health`` probe. Engines' names, requests and replies are `foundation/engine_api.py`."""
+the ``/health`` probe. Engines' names, requests and replies are `foundation/engine/api.py`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import requests
 
-from foundation.engine_api import (
+from foundation.engine.api import (
     API_AUTO,
     API_KEY_ENV,
     API_OPENAI,

@@ -8,8 +8,8 @@ Naming (`SGLANG_URL`, comma separated): ``http://host:30000``; a prefix picks th
 or, per engine, from the URL's password (``http://:KEY@host:30000``). A key is never
 printed: `EngineSpec.url` has none.
 
-What an engine serves (`discover`, `vocab_size`) is `foundation/engine_info.py`; its load
-(`/v1/loads`, `/metrics`) is `foundation/engine_load.py`.
+What an engine serves (`discover`, `vocab_size`) is `foundation/engine/info.py`; its load
+(`/v1/loads`, `/metrics`) is `foundation/engine/load.py`.
 
 Versions handled (read in their source: SGLang 0.4.10 to 0.5.23, vLLM 0.10.1 to 0.33):
 
@@ -22,7 +22,7 @@ Versions handled (read in their source: SGLang 0.4.10 to 0.5.23, vLLM 0.10.1 to 
 - vLLM returns token ids only with ``return_token_ids`` (0.10.2 and later); an older vLLM
   ignores the field and is refused (`InvalidResponse`);
 - load from ``/v1/loads`` (0.5.9 and later), else ``/metrics``
-  (`foundation/engine_load.py`).
+  (`foundation/engine/load.py`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Before and after a run: plan, init, audit."""

@@ -1,0 +1,1 @@
+"""Boards and reports: progress lines, the live board, rates, the HTML report."""

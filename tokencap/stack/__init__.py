@@ -1,0 +1,1 @@
+"""The local stack: its processes, their supervisor, the one stage runner."""
