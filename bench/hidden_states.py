@@ -84,10 +84,10 @@ sampling = {sampling}
 
 
 def run(bench: Bench) -> dict[str, Any]:
+    from foundation.outputs import rows_file
     from sglang_sim.testing import SimServer
     from testing.harness import started
     from tokencap import extraction as stage
-    from tokencap.stack.stage import run_stage
 
     work = bench.sub(NAME)
     gen = work / "gen"
@@ -103,7 +103,7 @@ def run(bench: Bench) -> dict[str, Any]:
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage)) as sim:
         t0 = time.perf_counter()
-        status = run_stage(cfg, redis, bench.redis.url, [sim.url], WORKERS, progress_s=1.0,
+        status = stage.run(cfg, redis, bench.redis.url, [sim.url], WORKERS, progress_s=1.0,
                            say=lambda line: None)
         stage_s = time.perf_counter() - t0
     st = status["categories"]["chat"]
@@ -111,7 +111,7 @@ def run(bench: Bench) -> dict[str, Any]:
     log(f"{NAME}: the baseline, the same rows as plain one-token requests")
     plain_out = work / "plain"
     plain_cfg = _config(work, plain_out, work / "unused",
-                        stage.rows_file(stage.spec(cfg), "chat"), "{ max_new_tokens = 1 }")
+                        rows_file(cfg.states().output_dir, "chat"), "{ max_new_tokens = 1 }")
     bench.fresh_redis()
     with SimServer(flavor="vllm", time_scale=1000.0) as sim:
         t0 = time.perf_counter()  # its workers' start counted, as the stage's are

@@ -20,7 +20,7 @@ from budget_service.estimator import LengthModel, admission, counted_prompt
 from budget_service.keys import Keys
 from budget_service.ledger import now_ms
 from budget_service.samples import SampleLedger
-from consumers import extract as states
+from consumers import extract
 from consumers.client import EngineClient, EngineError, Generation
 from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
@@ -174,7 +174,7 @@ class _Heartbeat:
         progressed = (time.monotonic() - beat.t0 + beat.rc.beat_s) * rate
         est, var = model.moments(progressed)
         beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est + beat.extra,
-                                 int(beat.rc.cfg.lease_s * 1000), var)
+                                 beat.rc.cfg.lease_ms, var)
 
 
 _heartbeat = _Heartbeat()
@@ -185,7 +185,7 @@ def admit(budget: SampleLedger, cfg: RunConfig, cat: Category, model: LengthMode
     """Admission of the job's sample: the ask the producer's unpark makes too
     (`estimator.admission`), plus the prompt tokens the sample counts."""
     ask = admission(cfg, cat, model)
-    return budget.admit(cat.name, job.sample_id, ask.estimate, int(cfg.lease_s * 1000),
+    return budget.admit(cat.name, job.sample_id, ask.estimate, cfg.lease_ms,
                         ask.max_add, ask.variance, ask.sigmas, job.seq, ask.max_unwritten,
                         counted_prompt(cfg, job.prompt_tokens))
 
@@ -222,21 +222,22 @@ def process(ref: dict[str, Any]) -> str:
 def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms: int) -> str:
     """The hidden-state stage's step (`consumers/extract.py`): a valid file already kept for
     the row counts as it is; else the engine extracts it."""
-    row = p.source_id or p.sample_id
-    path = states.states_file(rc.cfg.output_dir, cat.name, row)
+    spec = rc.cfg.states()
     gen = None
     try:
-        desc = states.kept(path, rc.cfg, p.prompt_ids)
+        path = extract.row_file(rc.cfg, cat.name, p)
+        desc = extract.kept(path, spec, p.prompt_ids, rc.cfg.output_dir)
         if desc is None:
-            gen = rc.client.generate(p.prompt_ids, states.EXTRACT_SAMPLING, cat.name, rate,
+            gen = rc.client.generate(p.prompt_ids, extract.EXTRACT_SAMPLING, cat.name, rate,
                                      prefer=p.prefer_engine, affinity=p.affinity)
-            desc = states.take(gen, path, rc.cfg, p.prompt_ids, row)
+            desc = extract.take(gen, path, spec, p.prompt_ids, str(p.row_id),
+                                rc.cfg.output_dir)
     except EngineError as exc:
         return _failed(rc, cat, p, exc)
     finally:
         _heartbeat.track(None)
         rc.client.stats.flush(rc.budget)
-    status, used = rc.budget.commit(states.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
+    status, used = rc.budget.commit(extract.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
                                     0, 0.0)
     log.debug("%s/%s %s: states of %d tokens, used %d", cat.name, p.sample_id, status,
               len(p.prompt_ids), used)

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from foundation import hsfile
 from foundation.engine.api import auto_read_timeout
 from foundation.errors import ConfigError, UnknownCategory
 from foundation.gate import ReplyMarkers
@@ -150,9 +151,36 @@ class HiddenStates(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     num_layers: PositiveInt | None = None
 
     def budget_for(self, category: str) -> int | None:
-        if isinstance(self.max_bytes, dict):
-            return self.max_bytes.get(category)
-        return self.max_bytes
+        return _bytes_budget(self.max_bytes, category)
+
+
+def _bytes_budget(max_bytes: int | dict[str, int] | None, category: str) -> int | None:
+    if isinstance(max_bytes, dict):
+        return max_bytes.get(category)
+    return max_bytes
+
+
+class StatesSpec(Struct, frozen=True, kw_only=True):
+    """`[hidden_states]` resolved (`RunConfig.states`): every value known, nothing to
+    default again. Made once from a config `load_config` resolved (or a stored copy of one)."""
+
+    engine_url: str | None
+    layers: tuple[int, ...]  # vLLM's layer ids, rising; the last is the pre-norm target
+    dtype: Literal["bfloat16", "float16", "float32"]
+    output_dir: str
+    model_config: str
+    max_bytes: int | dict[str, int] | None
+    hidden_size: int
+    num_layers: int
+
+    def budget_for(self, category: str) -> int | None:
+        """The category's byte budget (None: none)."""
+        return _bytes_budget(self.max_bytes, category)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What a token costs on disk: its states and its id (the header aside)."""
+        return hsfile.bytes_per_token(len(self.layers), self.hidden_size, self.dtype)
 
 
 class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -245,6 +273,28 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
             if cat.name == name:
                 return cat
         raise UnknownCategory(self.run, name)
+
+    @property
+    def lease_ms(self) -> int:
+        """`lease_s` in ms, as the ledger's scripts take a lease."""
+        return int(self.lease_s * 1000)
+
+    def states(self) -> StatesSpec:
+        """The resolved `[hidden_states]` (`ConfigError` naming the section when the config
+        has none: the extraction server, layers, output folder and byte budgets)."""
+        hs = self.hidden_states
+        if hs is None:
+            raise ConfigError("$.hidden_states", "the config has no [hidden_states] section "
+                              "(the extraction server, layers, output folder and byte "
+                              "budgets: docs/HIDDEN_STATES.md)")
+        if hs.layers is None or hs.dtype is None or hs.hidden_size is None \
+                or hs.num_layers is None or hs.model_config is None:
+            raise ConfigError("$.hidden_states", "not resolved: load the config with "
+                              "load_config (it reads the model's config.json)")
+        return StatesSpec(engine_url=hs.engine_url, layers=tuple(hs.layers), dtype=hs.dtype,
+                          output_dir=hs.output_dir, model_config=hs.model_config,
+                          max_bytes=hs.max_bytes, hidden_size=hs.hidden_size,
+                          num_layers=hs.num_layers)
 
     def read_timeout(self) -> float | None:
         """The configured read timeout in seconds, or None for "auto"."""

@@ -21,6 +21,7 @@ so one that escapes is still printed as a message.
 | 9 | `EngineUnusable`: an engine is unreachable, too old, or serves another model than the |
 |   | tokenizer's (found before anything is fed); `EngineNotReady` while it may still come |
 |   | up by itself (the preflight waits `preflight_wait_s` for it first) |
+| 10 | `DiskFull`: what a stage would write does not fit the free space of its folder |
 """
 
 from __future__ import annotations
@@ -128,6 +129,14 @@ class UnknownCategory(TokencapError):
 
 class PayloadRefused(TokencapError):
     """A job payload that is not tokencap's msgspec JSON (pickle, garbage, wrong shape)."""
+
+
+class DiskFull(TokencapError):
+    """What a stage would write (hidden states) does not fit the free space of its folder:
+    found before anything is sent."""
+
+    exit_code = 10
+    meaning = "no room on the disk"
 
 
 SIGNALLED = 130  # stopped by a signal before the end (Ctrl-C, SIGTERM)

@@ -13,7 +13,15 @@
 <out>/<category>/stopped.jsonl           conversations' turns not generated: held back by the
                                          category's cap (a raised cap sends them), or stopped by
                                          policy (tool_divergence, unparsed_reply, ...)
+
+<states out>/<category>/rows.jsonl       a hidden-state stage's source: the category's training
+                                         rows, one `StatesRow` a line (append-only)
+<states out>/<category>/states/<h>.safetensors  a row's checked hidden states, named by the
+                                         row (`states_file`; `foundation/hsfile.py` the format)
 ```
+
+Which committed replies are training rows is decided here once (`row_verdicts`,
+`training_rows`): the export and the hidden-state stage both ask it.
 
 `dead-letter.jsonl` (what earlier versions wrote for both of the last two) is still read,
 never written. The writer (writer/writer.py) is the only one that appends; reconcile,
@@ -24,10 +32,11 @@ decoded or a `BadLine` naming `file:line` (line numbers count every physical lin
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 
@@ -38,6 +47,8 @@ REJECTED_FILE = "rejected-replies.jsonl"
 FAILED_FILE = "failed.jsonl"
 STOPPED_FILE = "stopped.jsonl"
 LEGACY_DEAD_FILE = "dead-letter.jsonl"  # read, never written
+STATES_DIR = "states"  # a category's hidden-state files, under the states' output folder
+ROWS_FILE = "rows.jsonl"  # a hidden-state stage's source, beside them
 PART_MAX_BYTES = 256 * 1024 * 1024
 _TAIL_CHUNK_BYTES = 65536
 
@@ -156,6 +167,98 @@ def after_truncation(item: Result, cut: dict[str, int]) -> bool:
     """Whether `item` is a later turn of a conversation cut before it (`truncated_turns`)."""
     return item.conversation_id is not None and item.turn > cut.get(item.conversation_id,
                                                                     item.turn)
+
+
+class RowRule(NamedTuple):
+    """Which committed replies are training rows, past the reply gate: a reply cut at
+    max_new_tokens (and the later turns of its conversation) is none unless
+    `keep_truncated`; `consistent_only` also leaves out a turn whose prompt does not extend
+    the turn before (`prefix_consistent` false), `exact_tool_args` one whose history replays
+    a tool result for a call with other arguments (`tool_args_match` false)."""
+
+    keep_truncated: bool = False
+    consistent_only: bool = False
+    exact_tool_args: bool = False
+
+
+DEFAULT_RULE = RowRule()
+
+
+class Verdict(NamedTuple):
+    """A committed reply (or a bad line) and why it is no training row: "" when it is one,
+    else the reason, named as the export counts it (`dropped_truncated`, ...,
+    `duplicates`, `bad_lines`). `gated`: it lies in rejected-replies.jsonl (the gate kept it
+    out for its `length` reason)."""
+
+    item: Result | BadLine
+    left_out: str
+    gated: bool = False
+
+
+def row_verdicts(cat_dir: Path, rule: RowRule = DEFAULT_RULE) -> Iterator[Verdict]:
+    """Every committed reply of a category with its verdict (`Verdict`), in write order:
+    the part files, then the replies the gate kept out for `length` only (on a gated run
+    the cut replies lie there; the gate\'s other reasons are never training rows). The one
+    owner of "is this a training row?": `export` and the hidden-state stage ask it."""
+    cut = {} if rule.keep_truncated else truncated_turns(cat_dir)
+    seen: set[str] = set()
+    gated = (r for r in read_rejected(cat_dir)
+             if isinstance(r, BadLine) or r.gate == TRUNCATED)
+    for is_gated, items in ((False, read_results(cat_dir)), (True, gated)):
+        for item in items:
+            if isinstance(item, BadLine):
+                yield Verdict(item, "bad_lines", is_gated)
+                continue
+            if item.id in seen:
+                yield Verdict(item, "duplicates", is_gated)
+                continue
+            seen.add(item.id)
+            yield Verdict(item, _left_out(item, rule, cut), is_gated)
+
+
+def _left_out(item: Result, rule: RowRule, cut: dict[str, int]) -> str:
+    if item.finish_reason == TRUNCATED and not rule.keep_truncated:
+        return "dropped_truncated"
+    if after_truncation(item, cut):
+        return "dropped_after_truncated"
+    if rule.consistent_only and item.prefix_consistent is False:
+        return "dropped_inconsistent"
+    if rule.exact_tool_args and item.tool_args_match is False:
+        return "dropped_tool_args"
+    return ""
+
+
+def training_rows(cat_dir: Path, rule: RowRule = DEFAULT_RULE) -> Iterator[Result]:
+    """The category's training rows (`row_verdicts` with nothing to say), in write order."""
+    for v in row_verdicts(cat_dir, rule):
+        if not v.left_out:
+            assert isinstance(v.item, Result)
+            yield v.item
+
+
+class StatesRow(msgspec.Struct, frozen=True):
+    """A line of a hidden-state stage's rows file: the training row (`id`, the row's own id:
+    the stage's sample carries it as `Pending.row_id`) and its ids, prompt then output."""
+
+    id: str
+    input_ids: list[int]
+
+
+def states_dir(states_out: str | Path, category: str) -> Path:
+    """The folder of a category's hidden-state files."""
+    return Path(states_out) / category / STATES_DIR
+
+
+def states_file(states_out: str | Path, category: str, row_id: str) -> Path:
+    """Where a row's hidden states are kept: named by the row, so a row has one file however
+    often it is sent."""
+    digest = hashlib.sha256(row_id.encode()).hexdigest()[:24]
+    return states_dir(states_out, category) / f"{digest}.safetensors"
+
+
+def rows_file(states_out: str | Path, category: str) -> Path:
+    """A hidden-state stage's source for one category (`StatesRow` lines)."""
+    return Path(states_out) / category / ROWS_FILE
 
 
 def read_dead_letters(cat_dir: Path) -> Iterator[DeadLetter | BadLine]:

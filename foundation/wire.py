@@ -78,6 +78,9 @@ class Pending(Struct, frozen=True):
     prefer_engine: str = ""
     affinity: str = ""
     fed_at_ms: int = 0  # when the producer fed it (Unix ms)
+    # a hidden-state stage's sample: the training row whose states it extracts (the rows
+    # file's `foundation.outputs.StatesRow.id`)
+    row_id: str | None = None
 
 
 class Result(Struct, frozen=True):

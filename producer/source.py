@@ -97,6 +97,9 @@ class CategorySource:
         self.context_length = context_length
         self.kwargs: dict[str, Any] = template_kwargs(cfg, cat)
         self.turns = cat.turns == "all"
+        # a hidden-state stage: each record is a `foundation.outputs.StatesRow`, its `id` the
+        # training row the sample extracts (`Pending.row_id`)
+        self.extracts = cfg.stage == "hidden_states"
         self.out_dir = Path(cfg.output_dir)
         self._order: array | None = None
 
@@ -276,8 +279,8 @@ class CategorySource:
                     fields["prefer_engine"] = turns[k].engine
             prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=out.ids,
                                     sampling=sampling, where=self.row_where(s.where),
-                                    source_id=s.source_id,
-                                    fed_at_ms=fed_at, **fields))
+                                    source_id=s.source_id, fed_at_ms=fed_at,
+                                    row_id=s.source_id if self.extracts else None, **fields))
         return prepared, rejected
 
     def first_prompts(self, want: int, scan: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import msgspec
 from rq import Queue
@@ -110,3 +111,12 @@ def worker_processes() -> list[int]:
 
     return [p.pid for p in psutil.Process().children()
             if "tokencap.cli" in " ".join(p.cmdline()) and "worker" in p.cmdline()]
+
+
+def training_row_ids(cfg: RunConfig, category: str) -> list[tuple[str, list[int]]]:
+    """(row id, prompt + output ids) of each training row of a category's output, in order:
+    what the hidden-state stage extracts."""
+    from foundation.outputs import training_rows
+
+    return [(r.id, list(r.prompt_ids) + list(r.output_ids))
+            for r in training_rows(Path(cfg.output_dir) / category)]

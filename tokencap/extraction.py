@@ -1,51 +1,59 @@
-"""The stage that extracts hidden states: the run `<run>.hs` whose samples are the kept
-training rows of a finished generation run, fed, admitted, sent once, committed and written
-by the same producer, ledger, workers and writer as generation (`RunConfig.stage =
-"hidden_states"`: the workers ask the extraction server and keep a checked file per row,
-`consumers/extract.py`).
+"""The hidden-state stage: the target's hidden states of every training row of a finished
+generation run, extracted once per row by a vLLM server (`extract_hidden_states`), checked,
+kept in a file named by the row, under a byte budget per category. Its home: what the stage
+is (its rows, its run, its disk plan and the lines that say it), and `run`, which runs it
+to its end through the one stage runner (`tokencap/stack/stage.py`).
 
-- Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`, `{"id": the
-  row's id, "input_ids": prompt + output}` for every training row of the generation output
-  (the rows export writes: truncated replies and the turns after them left out), written once
-  (frozen: the stage's sample ids are its line numbers; rows generated later need another
-  output_dir).
-- Its budget per category is bytes (`hidden_states.max_bytes`), a token cap at the run's
-  bytes per token (`foundation.hsfile.bytes_per_token`): the ledger counts each row's tokens,
-  so a category closes where the byte budget is reached, the way a token cap closes one.
+- Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`
+  (`foundation.outputs.rows_file`): one `StatesRow` (`id`: the training row, `input_ids`:
+  prompt + output) for every training row of the generation output
+  (`foundation.outputs.training_rows`, what `export` writes), written once when the stage
+  first runs (frozen: the stage's sample ids are its line numbers).
+- It is the run `<run>.hs` (`stage_config`), fed, admitted, sent once, committed and written
+  by the same producer, ledger, workers and writer as generation (`RunConfig.stage =
+  "hidden_states"`: the workers ask the extraction server and keep a checked file per row,
+  `consumers/extract.py`; the files' layout is `foundation.outputs.states_file`).
+- Its budget per category is bytes (`hidden_states.max_bytes`), a token cap at the stage's
+  bytes per token (`StatesSpec.bytes_per_token`): the ledger counts each row's tokens, so a
+  category closes where the byte budget is reached, the way a token cap closes one.
 - Disk as a budget: `disk_plan` gives the bytes per category (the rows' tokens, up to each
-  budget) and refuses a stage whose total exceeds the free space of the output folder.
+  budget); `check_disk` refuses a stage whose bytes still to write exceed the free space of
+  the output folder (`DiskFull`). `--plan` prints the plan and writes nothing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
+from redis import Redis
 
 from foundation import hsfile
-from foundation.config import Category, HiddenStates, RunConfig, SamplingParams
-from foundation.errors import ConfigError, TokencapError
+from foundation.config import Category, RunConfig, SamplingParams, StatesSpec
+from foundation.engine.api import parse_urls
+from foundation.errors import DiskFull
 from foundation.outputs import (
-    TRUNCATED,
-    BadLine,
-    after_truncation,
+    StatesRow,
     category_dir,
-    read_results,
-    truncated_turns,
+    rows_file,
+    states_dir,
+    training_rows,
 )
+from foundation.units import size_text
+from tokencap.stack import processes
+from tokencap.stack.stage import Stage, StageRun
+from tokencap.stack.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-ROWS_FILE = "rows.jsonl"
-STAGE_SUFFIX = ".hs"
-
-
-class DiskFull(TokencapError):
-    """The stage's files would not fit the free space of its output folder."""
+EXTRACT_URL_ENV = "TOKENCAP_EXTRACT_URL"
+STAGE_SUFFIX = ".hs"  # the stage's run is `<run>.hs`
+STATES_PREFIX = "hs-"  # its processes' names beside a stack's
 
 
 class CategoryPlan(NamedTuple):
@@ -55,94 +63,87 @@ class CategoryPlan(NamedTuple):
     budget: int | None  # bytes; None: none
 
 
-def spec(cfg: RunConfig) -> HiddenStates:
-    if cfg.hidden_states is None:
-        raise ConfigError("$.hidden_states", "the config has no [hidden_states] section (the "
-                          "extraction server, layers, output folder and byte budgets: "
-                          "docs/HIDDEN_STATES.md)")
-    return cfg.hidden_states
+def extract_urls(cfg: RunConfig, given: str | None = None) -> list[str]:
+    """The extraction servers: `given` (a flag), else TOKENCAP_EXTRACT_URL, else the config's
+    `hidden_states.engine_url`."""
+    return parse_urls(given or os.environ.get(EXTRACT_URL_ENV) or cfg.states().engine_url)
 
 
-def bytes_per_token(hs: HiddenStates) -> int:
-    return hsfile.bytes_per_token(len(hs.layers or ()), int(hs.hidden_size or 0),
-                                  hs.dtype or "bfloat16")
-
-
-def training_rows(cfg: RunConfig, category: str) -> list[tuple[str, list[int]]]:
-    """(row id, prompt + output ids) of every training row of a category's output, in
-    written order: what `export` writes (a reply cut at max_new_tokens, and the later turns
-    of its conversation, left out)."""
-    cat_dir = category_dir(Path(cfg.output_dir), category)
-    cut = truncated_turns(cat_dir)
-    rows, seen = [], set()
-    for it in read_results(cat_dir):
-        if isinstance(it, BadLine) or it.id in seen or it.finish_reason == TRUNCATED \
-                or after_truncation(it, cut):
-            continue
-        seen.add(it.id)
-        rows.append((it.id, list(it.prompt_ids) + list(it.output_ids)))
-    return rows
-
-
-def rows_file(hs: HiddenStates, category: str) -> Path:
-    return Path(hs.output_dir) / category / ROWS_FILE
+def row_lengths(cfg: RunConfig) -> dict[str, list[int]]:
+    """Per category, the length (prompt + output) of each row the stage extracts: its rows
+    file's when it has one, else the training rows the stage would write. Writes nothing."""
+    spec = cfg.states()
+    out = {}
+    for cat in cfg.category:
+        path = rows_file(spec.output_dir, cat.name)
+        if path.is_file():
+            decoder = msgspec.json.Decoder(StatesRow)
+            out[cat.name] = [len(decoder.decode(line).input_ids)
+                             for line in path.read_bytes().splitlines() if line.strip()]
+        else:
+            out[cat.name] = [len(r.prompt_ids) + len(r.output_ids) for r in training_rows(
+                category_dir(Path(cfg.output_dir), cat.name))]
+    return out
 
 
 def write_rows(cfg: RunConfig) -> dict[str, Path]:
     """Each category's rows file, written once (an existing one is the stage's source as
     it is: its line numbers are the stage's sample ids)."""
-    hs = spec(cfg)
+    spec = cfg.states()
     out = {}
     for cat in cfg.category:
-        path = rows_file(hs, cat.name)
+        path = rows_file(spec.output_dir, cat.name)
         if not path.is_file():
-            rows = training_rows(cfg, cat.name)
-            hsfile.write_whole(path, b"".join(
-                msgspec.json.encode({"id": row_id, "input_ids": ids}) + b"\n"
-                for row_id, ids in rows))
+            rows = [StatesRow(r.id, list(r.prompt_ids) + list(r.output_ids)) for r in
+                    training_rows(category_dir(Path(cfg.output_dir), cat.name))]
+            hsfile.write_whole(path, b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
             log.info("%s: %d training rows to extract (%s)", cat.name, len(rows), path)
         out[cat.name] = path
     return out
 
 
-def disk_plan(cfg: RunConfig, sources: dict[str, Path]) -> dict[str, CategoryPlan]:
-    """Per category: its rows, the tokens and bytes its budget takes of them."""
-    hs = spec(cfg)
-    bpt = bytes_per_token(hs)
-    plan = {}
-    for name, path in sources.items():
-        lengths = [len(json.loads(line)["input_ids"]) for line in
-                   path.read_text().splitlines() if line.strip()]
-        budget = hs.budget_for(name)
-        tokens = sum(lengths)
-        if budget is not None:
-            tokens = min(tokens, budget // bpt)
-        plan[name] = CategoryPlan(len(lengths), tokens, tokens * bpt, budget)
-    return plan
-
-
-def estimate(cfg: RunConfig, row_tokens: dict[str, tuple[int, int]]) -> dict[str, CategoryPlan]:
-    """Per category, from the plan's (rows, tokens of rows) before any is generated: the
-    tokens and bytes its budget takes."""
-    hs = spec(cfg)
-    bpt = bytes_per_token(hs)
+def plan_of(spec: StatesSpec, row_tokens: dict[str, tuple[int, int]]
+            ) -> dict[str, CategoryPlan]:
+    """Per category, from its (rows, tokens of those rows): the tokens and bytes its byte
+    budget takes of them."""
+    bpt = spec.bytes_per_token
     out = {}
     for name, (rows, tokens) in row_tokens.items():
-        budget = hs.budget_for(name)
+        budget = spec.budget_for(name)
         if budget is not None:
             tokens = min(tokens, budget // bpt)
         out[name] = CategoryPlan(rows, tokens, tokens * bpt, budget)
     return out
 
 
-def check_disk(hs: HiddenStates, plan: dict[str, CategoryPlan],
+def disk_plan(cfg: RunConfig) -> dict[str, CategoryPlan]:
+    """Per category: its rows, the tokens and bytes its budget takes of them."""
+    lengths = row_lengths(cfg)
+    return plan_of(cfg.states(), {n: (len(v), sum(v)) for n, v in lengths.items()})
+
+
+def kept_bytes(cfg: RunConfig) -> dict[str, int]:
+    """Bytes of states files already kept, per category."""
+    spec = cfg.states()
+    out = {}
+    for cat in cfg.category:
+        folder = states_dir(spec.output_dir, cat.name)
+        out[cat.name] = sum(p.stat().st_size for p in folder.glob("*.safetensors")) \
+            if folder.is_dir() else 0
+    return out
+
+
+def check_disk(spec: StatesSpec, plan: dict[str, CategoryPlan],
                have: dict[str, int] | None = None) -> int:
     """The bytes still to write (what the plan needs less what is already kept, `have`);
-    `DiskFull` when they exceed the output folder's free space."""
+    `DiskFull` when they exceed the output folder's free space (the folder's nearest
+    existing parent's: nothing is made here)."""
     need = sum(p.bytes for p in plan.values()) - sum((have or {}).values())
-    folder = Path(hs.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
+    folder = Path(spec.output_dir)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
     if need > free:
         raise DiskFull(f"the hidden states need {need / 1e9:,.2f} GB more in {folder}, which "
                        f"has {free / 1e9:,.2f} GB free: lower hidden_states.max_bytes, or "
@@ -150,24 +151,73 @@ def check_disk(hs: HiddenStates, plan: dict[str, CategoryPlan],
     return need
 
 
+def plan_lines(spec: StatesSpec, plan: dict[str, CategoryPlan]) -> list[str]:
+    """The plan for people: bytes per token, then per category and in all."""
+    lines = [f"hidden states: layers {list(spec.layers)} of {spec.num_layers}, hidden size "
+             f"{spec.hidden_size}, {spec.dtype}: {spec.bytes_per_token:,} bytes per token"]
+    for name, p in plan.items():
+        cap = "no byte budget" if p.budget is None else f"budget {size_text(p.budget)}"
+        lines.append(f"  {name}: {p.rows:,} rows, {p.tokens:,} tokens -> "
+                     f"{size_text(p.bytes)} ({cap})")
+    total = sum(p.bytes for p in plan.values())
+    lines.append(f"  in all: {size_text(total)} in {spec.output_dir}")
+    return lines
+
+
 def stage_config(cfg: RunConfig, sources: dict[str, Path]) -> RunConfig:
     """The run `<run>.hs` that extracts `cfg`'s rows (module docstring)."""
-    hs = spec(cfg)
-    bpt = bytes_per_token(hs)
+    spec = cfg.states()
+    bpt = spec.bytes_per_token
     cats = []
     for c in cfg.category:
-        budget = hs.budget_for(c.name)
+        budget = spec.budget_for(c.name)
         cats.append(Category(
             name=c.name, source=str(sources[c.name]), format="input_ids",
             sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
             cap_tokens="none" if budget is None else budget // bpt, expected_tokens=1))
     return RunConfig(
-        run=cfg.run + STAGE_SUFFIX, output_dir=hs.output_dir, count="total", reply_gate=False,
-        sampling_defaults="engine", key_prefix=cfg.key_prefix, stage="hidden_states",
-        hidden_states=hs, cap_tokens="none", seed=cfg.seed, expected_tokens=1,
-        lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s, max_attempts=cfg.max_attempts,
-        lock_ttl_s=cfg.lock_ttl_s, connect_timeout_s=cfg.connect_timeout_s,
-        read_timeout_s=cfg.read_timeout_s, http_retries=cfg.http_retries,
-        backoff_max_s=cfg.backoff_max_s, preflight_wait_s=cfg.preflight_wait_s,
-        max_unwritten=cfg.max_unwritten, high_water=cfg.high_water, affinity=cfg.affinity,
-        category=cats)
+        run=cfg.run + STAGE_SUFFIX, output_dir=spec.output_dir, count="total",
+        reply_gate=False, sampling_defaults="engine", key_prefix=cfg.key_prefix,
+        stage="hidden_states", hidden_states=cfg.hidden_states, cap_tokens="none",
+        seed=cfg.seed, expected_tokens=1, lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s,
+        max_attempts=cfg.max_attempts, lock_ttl_s=cfg.lock_ttl_s,
+        connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
+        http_retries=cfg.http_retries, backoff_max_s=cfg.backoff_max_s,
+        preflight_wait_s=cfg.preflight_wait_s, max_unwritten=cfg.max_unwritten,
+        high_water=cfg.high_water, affinity=cfg.affinity, category=cats)
+
+
+def run(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], workers: int, *,
+        sup: Supervisor | None = None, on_progress: Callable[[Any], None] | None = None,
+        should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
+        say: Callable[[str], None] = print) -> Any:
+    """Extract every training row's states (module docstring): the rows written once, the
+    disk checked against the plan, then the stage run to its end by the stage runner, its
+    workers and writer children of `sup` (default: of this process alone), stopped at the
+    end. Run it again to resume: what was kept is not asked for again. Returns the stage's
+    final status."""
+    spec = cfg.states()
+    sources = write_rows(cfg)
+    plan = disk_plan(cfg)
+    for line in plan_lines(spec, plan):
+        say(line)
+    check_disk(spec, plan, kept_bytes(cfg))
+    scfg = stage_config(cfg, sources)
+    sup = sup or Supervisor(processes.Table(None))
+    stage = StageRun(Stage(scfg, redis_url, urls, workers, STATES_PREFIX), redis, sup,
+                     say=say)
+    stopped = {"flag": False}
+
+    def stop() -> bool:
+        stopped["flag"] = stopped["flag"] or should_stop()
+        return stopped["flag"]
+
+    status = stage.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
+    if not stopped["flag"]:
+        # every row is done and the workers are stopped: no temporary is still being written
+        # (one left by a worker killed mid-write, whose row was then done by another attempt)
+        removed = sum(hsfile.remove_folder_temps(states_dir(spec.output_dir, c.name))
+                      for c in cfg.category)
+        if removed:
+            log.info("removed %d temporary file(s) left by killed workers", removed)
+    return status

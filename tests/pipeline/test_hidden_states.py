@@ -18,19 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from consumers.extract import states_file
 from foundation import hsfile
 from foundation.errors import EngineUnusable
-from foundation.outputs import read_dead_letters, read_results
+from foundation.outputs import read_dead_letters, read_results, rows_file, states_file
 from foundation.redisconn import connect
 from sglang_sim.hidden import states as expected_states
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import write_config
 from tests.faults.common import FAULT_KNOBS, ids_source
-from tests.helpers import worker_processes
+from tests.helpers import training_row_ids, worker_processes
 from tokencap import extraction as stage
-from tokencap.stack.stage import run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -121,12 +119,12 @@ def stage_run(path: Path, redis_url: str, sim: SimServer, workers: int = 2,
     from foundation.config import load_config
 
     cfg = load_config(path)
-    return run_stage(cfg, connect(redis_url), redis_url, [sim.url], workers,
+    return stage.run(cfg, connect(redis_url), redis_url, [sim.url], workers,
                      should_stop=should_stop, progress_s=0.2, say=lambda line: None)
 
 
 def kept_rows(tmp: Path, category: str) -> dict[str, list[int]]:
-    rows = stage.rows_file(_hs(tmp), category).read_text().splitlines()
+    rows = rows_file(_hs(tmp).output_dir, category).read_text().splitlines()
     return {r["id"]: r["input_ids"] for r in map(json.loads, rows)}
 
 
@@ -179,7 +177,7 @@ def test_a_byte_budget_closes_a_category(tmp_path, redis_url, generated) -> None
     path = prepared(tmp_path, generated)
     from foundation.config import load_config
 
-    rows = stage.training_rows(load_config(path), "a")
+    rows = training_row_ids(load_config(path), "a")
     longest = max(len(ids) for _, ids in rows)
     budget = sum(len(ids) for _, ids in rows) // 3 * BPT  # a third of category a
     path.write_text(path.read_text().replace("[hidden_states]",

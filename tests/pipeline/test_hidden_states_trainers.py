@@ -20,16 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumers.extract import states_file
 from foundation import hsfile
 from foundation.config import load_config
-from foundation.outputs import BadLine, read_results
+from foundation.outputs import BadLine, read_results, states_file
 from foundation.redisconn import connect
 from testing.harness import started
 from tests.conftest import DATASETS, ROOT
-from tests.helpers import worker_processes
+from tests.helpers import training_row_ids, worker_processes
 from tokencap import extraction as stage
-from tokencap.stack.stage import run_stage
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.trainers]
 
@@ -98,7 +96,7 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
     with started(cfg, redis_url, [url], 2) as pipe:
         status = pipe.run()
     pipe.check_invariants(status)
-    rows = {c: stage.training_rows(cfg, c) for c in ("single", "multi")}
+    rows = {c: training_row_ids(cfg, c) for c in ("single", "multi")}
     assert len(rows["single"]) == 6, "replies cut at max_new_tokens: the bias did not hold"
     assert any(r.turn > 1 for r in read_results(Path(cfg.output_dir) / "multi")
                if not isinstance(r, BadLine) and r.id in dict(rows["multi"]))
@@ -115,9 +113,9 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
             return True
         return False
 
-    run_stage(cfg, connect(redis_url), redis_url, [url], 2, should_stop=kill_some,
+    stage.run(cfg, connect(redis_url), redis_url, [url], 2, should_stop=kill_some,
               progress_s=0.2, say=lambda line: None)
-    final = run_stage(cfg, connect(redis_url), redis_url, [url], 2, progress_s=0.2,
+    final = stage.run(cfg, connect(redis_url), redis_url, [url], 2, progress_s=0.2,
                       say=lambda line: None)
     all_rows = {(c, row_id): ids for c, rs in rows.items() for row_id, ids in rs}
     for c in ("single", "multi"):

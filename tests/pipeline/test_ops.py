@@ -224,29 +224,3 @@ def _pid_alive(pid: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def test_a_crash_looping_pool_slot_backs_off_and_says_why(caplog) -> None:
-    import sys
-    import time
-
-    from tokencap.stack import supervisor as pool
-
-    slot = pool._Slot([sys.executable, "-c", "raise SystemExit(3)"], {})
-
-    def delay_after_death() -> float:
-        code = slot.proc.wait(30)
-        before = time.monotonic()
-        slot.died(code, "worker")
-        assert slot.restart_at is not None
-        return slot.restart_at - before
-
-    delays = []
-    for _ in range(7):
-        delays.append(round(delay_after_death(), 1))
-        slot.start()
-    assert delays == [1, 2, 4, 8, 16, 30, 30]  # doubling, capped at RESTART_MAX_S
-    assert caplog.text.count("Redis unreachable (exit status 3)") == 7
-    slot.start()
-    slot.started_at -= pool.STABLE_S  # a process that lived long: the next delay is short
-    assert round(delay_after_death(), 1) == pool.RESTART_MIN_S

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import msgspec
 
-from foundation.errors import SourceError, TokencapError
+from foundation.errors import DiskFull, SourceError, TokencapError
 from tokencap.export.exporter import FORMATS, MAX_BAD_REPORTED
 
 if TYPE_CHECKING:
@@ -123,8 +123,10 @@ def _export_table(summary: dict[str, Any]) -> str:
 @click.option("--category", "categories", multiple=True,
               help="Export only this category (repeatable). Default: all.")
 @click.option("--keep-truncated", is_flag=True,
-              help="Keep samples cut at max_new_tokens (finish_reason length); "
-              "by default they are dropped and counted.")
+              help="Keep samples cut at max_new_tokens (finish_reason length), with the "
+              "later turns of their conversations; on a gated run (reply_gate, the default) "
+              "these are the replies the gate kept out as `length`, read from "
+              "rejected-replies.jsonl. By default they are dropped and counted.")
 @click.option("--allow-simulated", is_flag=True,
               help="Export rows a simulator generated (synthetic outputs); refused otherwise.")
 @click.option("--loss-mask", type=click.Choice(["generated", "shifted"]), default="generated",
@@ -224,15 +226,11 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                     min_loss_tokens)
     states = None
     if with_states:
-        from tokencap.export.state_layouts import StatesSpec
-
-        hs = cfg.hidden_states if cfg is not None else None
-        if hs is None or hs.layers is None or hs.model_config is None:
+        if cfg is None or cfg.hidden_states is None:
             raise TokencapError("--hidden-states needs CONFIG with a [hidden_states] section "
                                 "(its output_dir holds the states `tokencap hidden-states` "
                                 "kept)")
-        states = StatesSpec(Path(hs.output_dir), list(hs.layers), int(hs.hidden_size or 0),
-                            Path(hs.model_config))
+        states = cfg.states()
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
@@ -392,22 +390,22 @@ def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
     """The hidden states the planned rows would make ([hidden_states]): bytes per token, per
     category and in all, against the free space of their folder (`--check`: exit 2 when
     they would not fit)."""
-    from tokencap import extraction as stage
-    from tokencap.stack.stage import plan_lines
+    from tokencap import extraction
 
+    spec = cfg.states()
     tokens = {r.category: (r.samples, round(r.samples * (r.avg_output_tokens + prompt_tokens.get(
         r.category, 0.0)))) for r in rows}
-    est = stage.estimate(cfg, tokens)
-    for line in plan_lines(cfg, est):
+    est = extraction.plan_of(spec, tokens)
+    for line in extraction.plan_lines(spec, est):
         click.echo(line)
     if not prompt_tokens:
         click.echo("  (the rows' prompt tokens are not measured here: their states are "
                    "not in these figures)")
     try:
-        stage.check_disk(stage.spec(cfg), est)
-    except stage.DiskFull as exc:
+        extraction.check_disk(spec, est)
+    except DiskFull as exc:
         if check:
-            raise SourceError(str(exc)) from None
+            raise
         click.echo(f"warning: {exc}", err=True)
 
 

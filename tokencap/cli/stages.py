@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.errors import SIGNALLED, SourceError, TokencapError
+from foundation.stopping import StopFlag, on_stop_signals
 from tokencap.cli.find_run import (
     PREFIX_OPT,
     REDIS_OPT,
@@ -58,18 +58,13 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
         click.echo(preview_text(preview(cfg)))
         return
     redis = connect(redis_url)
-    stop = {"flag": False}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop["flag"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    status = run_to_end(cfg, redis, parse_urls(sglang_url),
-                        on_progress=ProgressPrinter(),
-                        should_stop=lambda: stop["flag"], progress_s=progress_s)
+    stop = StopFlag()
+    with stop.catch():
+        status = run_to_end(cfg, redis, parse_urls(sglang_url),
+                            on_progress=ProgressPrinter(),
+                            should_stop=lambda: bool(stop), progress_s=progress_s)
     click.echo(summary_table(status))
-    if stop["flag"]:
+    if stop:
         click.echo("stopped before the end; run the same command again to resume", err=True)
         sys.exit(SIGNALLED)
     why = nothing_usable(status, cfg.output_dir)
@@ -100,37 +95,29 @@ def hidden_states(config: str, redis_url: str, extract_url: str | None, workers:
     resumes: a row whose file is kept is not asked for again."""
     from foundation.config import load_config
     from foundation.redisconn import connect
-    from tokencap import extraction as stage
+    from foundation.units import size_text
+    from tokencap import extraction
     from tokencap.reports.progress import ProgressPrinter, summary_table
-    from tokencap.stack.stage import extract_urls, kept_bytes, plan_lines, run_stage
 
     cfg = load_config(config)
-    stage.spec(cfg)
+    spec = cfg.states()
     if plan_only:
-        sources = stage.write_rows(cfg)
-        plan = stage.disk_plan(cfg, sources)
-        click.echo("\n".join(plan_lines(cfg, plan)))
-        need = stage.check_disk(stage.spec(cfg), plan, kept_bytes(cfg))
-        from tokencap.reports.progress import size_text
-
+        plan = extraction.disk_plan(cfg)
+        click.echo("\n".join(extraction.plan_lines(spec, plan)))
+        need = extraction.check_disk(spec, plan, extraction.kept_bytes(cfg))
         click.echo(f"  still to write: {size_text(need)}: fits the free space")
         return
-    urls = extract_urls(cfg, extract_url)
+    urls = extraction.extract_urls(cfg, extract_url)
     if not urls:
         raise TokencapError("no extraction server: pass --extract-url, set "
                             "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
-    stop = {"flag": False}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop["flag"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    status = run_stage(cfg, connect(redis_url), redis_url, urls, workers,
-                       on_progress=ProgressPrinter(), should_stop=lambda: stop["flag"],
-                       progress_s=progress_s, say=click.echo)
+    stop = StopFlag()
+    with stop.catch():
+        status = extraction.run(cfg, connect(redis_url), redis_url, urls, workers,
+                                on_progress=ProgressPrinter(), should_stop=lambda: bool(stop),
+                                progress_s=progress_s, say=click.echo)
     click.echo(summary_table(status))
-    if stop["flag"]:
+    if stop:
         click.echo("stopped before the end; run the same command again to resume", err=True)
         sys.exit(SIGNALLED)
 
@@ -154,9 +141,9 @@ def worker(run_name: str | None, redis_url: str, sglang_url: str, prefix: str, b
     current sample, then exits.
     """
     if pool:
-        from tokencap.stack.supervisor import run_pool
+        from tokencap.stack.supervisor import run_pool, tokencap_argv
 
-        argv = [sys.executable, "-m", "tokencap.cli", "worker"] + (["--burst"] if burst else [])
+        argv = tokencap_argv("worker", *(["--burst"] if burst else []))
         env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": sglang_url,
                "TOKENCAP_PREFIX": prefix, **({"TOKENCAP_RUN": run_name} if run_name else {})}
         sys.exit(run_pool(argv, env, pool, restart=not burst))
@@ -216,20 +203,17 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
     budget = open_budget(redis_url, prefix, run_name)
     cfg = stored_config(budget)
     if supervise:
-        from tokencap.stack.supervisor import run_pool
+        from tokencap.stack.supervisor import run_pool, tokencap_argv
 
-        argv = [sys.executable, "-m", "tokencap.cli", "writer"] + (
-            ["--out", out_dir] if out_dir else [])
+        argv = tokencap_argv("writer", *(["--out", out_dir] if out_dir else []))
         env = {**os.environ, "REDIS_URL": redis_url, "TOKENCAP_PREFIX": prefix,
                "TOKENCAP_RUN": budget.keys.run}
         sys.exit(run_pool(argv, env, 1, restart=True, what="writer"))
     w = Writer(budget.redis, budget.keys, [c.name for c in cfg.category],
                Path(out_dir or cfg.output_dir), lease_ttl_s=cfg.lock_ttl_s)
-    signal.signal(signal.SIGTERM, lambda *_: w.stop_event.set())
     try:
-        w.run()
-    except KeyboardInterrupt:
-        pass
+        with on_stop_signals(lambda _signum: w.stop_event.set()):
+            w.run()
     finally:
         w.close()
 
@@ -263,5 +247,5 @@ def serve(run_name: str | None, redis_url: str, prefix: str, host: str, port: in
     if record_s > 0:
         Recorder(budget, record_s).start()
     log.info("budget service on http://%s:%d", host, server.server_address[1])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server.serve_forever()
+    with on_stop_signals(lambda _signum: sys.exit(0)):
+        server.serve_forever()

@@ -40,9 +40,11 @@ one row per turn, its loss mask over that turn's output only (`loss_mask` "gener
 One rule for truncated output in every format: a sample or turn cut at max_new_tokens
 (``finish_reason == "length"``) is dropped, and every later turn of its conversation with it
 (the conversations export ends the conversation there, ``stopped: "truncated"``), unless
-`keep_truncated`. `consistent_only` drops the turns whose prompt does not extend the
-previous turn's prompt and output ids (``prefix_consistent`` false) and the conversations
-that hold one.
+`keep_truncated`, which keeps them, and on a gated run the replies the reply gate kept out
+for `length` too (read from ``rejected-replies.jsonl``); the rule is
+`foundation.outputs.row_verdicts`, which the hidden-state stage asks too. `consistent_only`
+drops the turns whose prompt does not extend the previous turn's prompt and output ids
+(``prefix_consistent`` false) and the conversations that hold one.
 Rows a simulator generated (``simulated``: synthetic outputs) stop the export unless
 `allow_simulated`: they are not training data.
 Every file is written to a temporary name beside it, fsynced, and renamed over the final
@@ -62,14 +64,13 @@ import msgspec
 
 from foundation.outputs import (
     PART_GLOB,
-    TRUNCATED,
     BadLine,
-    after_truncation,
+    RowRule,
     categories_on_disk,
-    read_results,
+    row_verdicts,
+    states_file,
     truncated_turns,
 )
-from foundation.wire import Result
 from producer.manifest import manifest_path
 from tokencap.export import length
 from tokencap.export.conversations import (
@@ -90,7 +91,7 @@ from tokencap.export.sinks import (
 from tokencap.export.split import Side, side
 
 if TYPE_CHECKING:  # numpy, imported when a vocabulary is counted (not by every command)
-    from tokencap.export.state_layouts import StatesSpec
+    from foundation.config import StatesSpec
     from tokencap.export.vocab import TokenCounts
 
 log = logging.getLogger(__name__)
@@ -200,28 +201,30 @@ def export_category(
     cat_dir: Path, sides: dict[Side, list[Any]], shaping: Shaping, id_prefix: str = "",
     counts: TokenCounts | None = None, states: StatesSpec | None = None,
 ) -> CategoryStats:
-    """Stream one category's part files into the sinks of each side; return its counts.
+    """Stream one category's training rows into the sinks of each side; return its counts.
 
-    The rule for truncated output is one for every format: a sample or turn cut at
+    Which committed replies are training rows is `foundation.outputs.row_verdicts`' rule, the
+    same for every format and for the hidden-state stage: a sample or turn cut at
     max_new_tokens is dropped, and with it every later turn of its conversation (they go on
-    from a reply the model did not finish), unless `keep_truncated`. `consistent_only` also
-    drops the turns whose prompt does not extend the previous turn's prompt and output
-    (`prefix_consistent` false), and the conversations holding one; `exact_tool_args` the
-    turns whose history replays a tool result for a call of the same function with other
-    arguments (`tool_args_match` false). A row's side is its conversation's
-    (`tokencap.export.split`); the token formats get it within the length limit
-    (`tokencap.export.length`), and `counts` (the draft vocabulary's) adds the loss-masked
-    tokens of the train side's. The replies the gate kept out of training are in no part
-    file: no export holds them."""
+    from a reply the model did not finish), unless `keep_truncated` (which also keeps the
+    replies a gated run's gate kept out for `length`: they lie in rejected-replies.jsonl).
+    `consistent_only` also drops the turns whose prompt does not extend the previous turn's
+    prompt and output (`prefix_consistent` false), and the conversations holding one;
+    `exact_tool_args` the turns whose history replays a tool result for a call of the same
+    function with other arguments (`tool_args_match` false). A row's side is its
+    conversation's (`tokencap.export.split`); the token formats get it within the length
+    limit (`tokencap.export.length`), and `counts` (the draft vocabulary's) adds the
+    loss-masked tokens of the train side's. The replies the gate kept out for its other
+    reasons (loop, unclosed_reasoning, empty) are never training rows."""
     stats = CategoryStats()
-    seen: set[str] = set()
     cut = {} if shaping.keep_truncated else truncated_turns(cat_dir)
     for sinks in sides.values():
         for sink in sinks:
             if isinstance(sink, ConversationSink):
                 sink.truncated_at = dict(cut)
                 sink.consistent_only = shaping.consistent_only
-    for item in read_results(cat_dir):
+    rule = RowRule(shaping.keep_truncated, shaping.consistent_only, shaping.exact_tool_args)
+    for item, why, gated in row_verdicts(cat_dir, rule):
         if not isinstance(item, BadLine) and item.simulated and not shaping.allow_simulated:
             raise ExportError(f"{cat_dir}: rows were generated by a simulator ({item.model}): "
                               "synthetic outputs, not training data; --allow-simulated "
@@ -232,18 +235,18 @@ def export_category(
                 stats.bad.append(msgspec.structs.asdict(item))
             log.debug("%s: bad line skipped: %s", item.where, item.error)
             continue
-        if item.id in seen:
+        if why == "duplicates":
             stats.duplicates += 1
             continue
-        seen.add(item.id)
         where = side(item.conversation_id or item.id, shaping.eval_fraction, shaping.seed)
         sinks = sides[where]
-        if item.conversation_id is not None:  # a conversation keeps its truncated turns
+        # a conversation keeps its truncated turns (a turn the gate kept out only when kept)
+        if item.conversation_id is not None and not (gated and why):
             for sink in sinks:
                 if isinstance(sink, ConversationSink):
                     sink.add_turn(item)
-        why = _left_out(item, shaping, cut)
-        if not why and states is not None and not states.has(item.category, item.id):
+        if not why and states is not None and \
+                not states_file(states.output_dir, item.category, item.id).is_file():
             why = "dropped_no_states"  # the trainer would fail on it, or skip it
         if why:
             setattr(stats, why, getattr(stats, why) + 1)
@@ -280,19 +283,6 @@ def export_category(
             if isinstance(sink, ConversationSink):
                 sink.flush_conversations(cat_dir, id_prefix, stats)
     return stats
-
-
-def _left_out(item: Result, shaping: Shaping, cut: dict[str, int]) -> str:
-    """The `CategoryStats` field counting why `item` is no training row ("" when it is)."""
-    if item.finish_reason == TRUNCATED and not shaping.keep_truncated:
-        return "dropped_truncated"
-    if after_truncation(item, cut):
-        return "dropped_after_truncated"
-    if shaping.consistent_only and item.prefix_consistent is False:
-        return "dropped_inconsistent"
-    if shaping.exact_tool_args and item.tool_args_match is False:
-        return "dropped_tool_args"
-    return ""
 
 
 class Vocab(NamedTuple):
@@ -405,7 +395,8 @@ def export(
                   if eval_fraction > 0 else []},
         "limits": limits.describe(),
         "hidden_states": None if states is None else {
-            "from": str(states.hs_dir), "layers": states.layers, "hidden_size": states.hidden},
+            "from": states.output_dir, "layers": list(states.layers),
+            "hidden_size": states.hidden_size},
         "files": [str(sink.path) for sink in all_sinks],
         "manifests": [str(p) for p in manifests],
         "categories": {name: asdict(stats) for name, stats in per_cat.items()},

@@ -1,5 +1,5 @@
 """Hidden states in the trainers' offline layouts (`export --hidden-states`), from the files
-the hidden-state stage keeps per row (`consumers/extract.py`, docs/HIDDEN_STATES.md):
+the hidden-state stage keeps per row (`foundation.outputs.states_file`, docs/HIDDEN_STATES.md):
 
 - speculators: ``<speculators>/hidden_states/hs_<i>.safetensors`` for row i of the folder's
   dataset (its trainer's `--data-path`): ``hidden_states`` [T, layers, H] (the aux layers,
@@ -24,10 +24,11 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from consumers.extract import states_file
 from foundation import hsfile
+from foundation.config import StatesSpec
+from foundation.outputs import states_file
 from tokencap.export.sinks import ExportError, TmpDir, TrainingRow
 
 if TYPE_CHECKING:
@@ -38,19 +39,9 @@ SPECFORGE_FOLDER_ROWS = 2000  # SpecForge's rows_<a>-<a+2000> folders
 SPECULATORS_STATES = "hidden_states"
 
 
-class StatesSpec(NamedTuple):
-    """Where the stage kept the states, and the model they are of."""
-
-    hs_dir: Path
-    layers: list[int]
-    hidden: int
-    model_config: Path
-
-    def file_for(self, row: TrainingRow) -> Path:
-        return states_file(self.hs_dir, row.result.category, row.result.id)
-
-    def has(self, category: str, row_id: str) -> bool:
-        return states_file(self.hs_dir, category, row_id).is_file()
+def row_states(spec: StatesSpec, category: str, row_id: str) -> Path:
+    """The stage's file of a training row's states (it may not exist)."""
+    return states_file(spec.output_dir, category, row_id)
 
 
 def _sliced(src: Path, n: int) -> bytes:
@@ -73,7 +64,7 @@ class SpeculatorsStates:
         self.files = 0
 
     def __call__(self, folder: Path, index: int, row: TrainingRow) -> None:
-        src = self.spec.file_for(row)
+        src = row_states(self.spec, row.result.category, row.result.id)
         out = folder / SPECULATORS_STATES
         out.mkdir(exist_ok=True)
         dst = out / f"hs_{index}.safetensors"
@@ -134,13 +125,14 @@ class SpecforgeOfflineSink(TmpDir):
         super().__init__(path)
         self.torch = torch
         self.spec = spec
-        self.norm = FinalNorm(spec.model_config)
+        self.norm = FinalNorm(Path(spec.model_config))
         self.rows = 0
 
     def write_row(self, row: TrainingRow) -> None:
         torch = self.torch
         n = len(row.input_ids)
-        tensors, _ = hsfile.read(self.spec.file_for(row))
+        tensors, _ = hsfile.read(row_states(self.spec, row.result.category,
+                                                       row.result.id))
         hs = tensors["hidden_states"]
         # [T, L, H], widened to float32 exactly, then bf16 (what SpecForge's trainer reads)
         states = torch.from_numpy(hs.array()[:n].copy()).to(torch.bfloat16)

@@ -8,15 +8,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from budget_service.ledger import cap_text
+from foundation.units import size_text
 from tokencap.reports.rates import tok_s
-
-
-def size_text(n: float) -> str:
-    """Bytes for people: "512 B", "3.4 MB", "1.25 GB", "5.28 TB"."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def since_text(since_ms: int, now_ms: int | None = None) -> str:

@@ -14,13 +14,14 @@ command line instead: the process must still be the program it names.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 PROC = Path("/proc")
 BOOT_ID = PROC / "sys" / "kernel" / "random" / "boot_id"
@@ -28,6 +29,7 @@ BOOT_ID = PROC / "sys" / "kernel" / "random" / "boot_id"
 # starttime (clock ticks after boot) the twentieth (man 5 proc: fields 3 and 22)
 STAT_STATE, STAT_START = 0, 19
 GONE_STATES = ("Z", "X")  # zombie (dead, not reaped), dead
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
 
 
 class Recorded(NamedTuple):
@@ -104,53 +106,99 @@ def running(rec: Recorded | None, program: str) -> bool:
     return program in command_line(rec.pid)
 
 
-class Table:
-    """The processes of one stack: `pids/<name>.pid` and `logs/<name>.log` under its state
-    dir, each started in a session of its own; `programs` names what a process runs, by
-    name (`default` for the rest), to check a pid file that has no identity line."""
+def _prctl() -> Any:
+    """libc's prctl, looked up once here (not in a forked child, where only the calling
+    thread runs and a lookup could wait on a lock another thread held), None without one."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
-    def __init__(self, state_dir: Path, programs: Mapping[str, str], default: str) -> None:
-        self.pids = state_dir / "pids"
-        self.logs = state_dir / "logs"
-        self.programs = programs
+
+_PRCTL = _prctl()
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec: SIGTERM it when the process that started it dies
+    (Linux's parent-death signal), so a supervisor SIGKILLed leaves no child behind. Where
+    there is no prctl the child outlives a killed parent."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+class Table:
+    """The processes of one supervisor: with a state dir, `pids/<name>.pid` and
+    `logs/<name>.log` under it, each process started in a session of its own and found again
+    by a later process through its pid file (a stack's); without one (`state_dir` None),
+    this process's children only, writing to its own output (a pool's). `programs` names
+    what a process runs, by name (`default` for the rest), to check a pid file that has no
+    identity line."""
+
+    def __init__(self, state_dir: Path | None, programs: Mapping[str, str] | None = None,
+                 default: str = "tokencap.cli") -> None:
+        self.pids = state_dir / "pids" if state_dir is not None else None
+        self.logs = state_dir / "logs" if state_dir is not None else None
+        self.programs = programs or {}
         self.default = default
         self.spawned: list[str] = []  # what this process started, by name
         # this process's children: one that exited stays a zombie until it is waited for
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def pidfile(self, name: str) -> Path:
+        assert self.pids is not None, "a table without a state dir keeps no pid files"
         return self.pids / f"{name}.pid"
 
     def names(self, prefix: str = "") -> list[str]:
-        """The pid files' names that start with `prefix`, in numeric order of their tail
-        (worker-2 before worker-10)."""
-        if not self.pids.exists():
+        """The processes' names that start with `prefix` (pid files, else this process's
+        children), in numeric order of their tail (worker-2 before worker-10)."""
+        if self.pids is None:
+            found = [n for n in self.children if n.startswith(prefix)]
+        elif not self.pids.exists():
             return []
-        found = [p.stem for p in self.pids.glob(f"{prefix}*.pid")]
+        else:
+            found = [p.stem for p in self.pids.glob(f"{prefix}*.pid")]
         return sorted(found, key=lambda n: (len(n), n))
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> int:
-        self.pids.mkdir(parents=True, exist_ok=True)
-        self.logs.mkdir(parents=True, exist_ok=True)
-        with (self.logs / f"{name}.log").open("ab") as logf:
-            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
-        record(self.pidfile(name), proc.pid)
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], *,
+              with_parent: bool = False) -> int:
+        """Start `argv` as `name`; `with_parent`: it dies with this process (`die_with_parent`)."""
+        preexec = die_with_parent if with_parent else None
+        if self.pids is None or self.logs is None:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True, preexec_fn=preexec)
+        else:
+            self.pids.mkdir(parents=True, exist_ok=True)
+            self.logs.mkdir(parents=True, exist_ok=True)
+            with (self.logs / f"{name}.log").open("ab") as logf:
+                proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True, preexec_fn=preexec)
+            record(self.pidfile(name), proc.pid)
         self.spawned.append(name)
         self.children[name] = proc
         return proc.pid
 
+    def exit_code(self, name: str) -> int | None:
+        """The exit status of `name` when it is this process's child and ended (reaped here),
+        else None."""
+        child = self.children.get(name)
+        return None if child is None else child.poll()
+
     def alive(self, name: str) -> bool:
-        """Whether the process the pid file `name` records still runs (`running`)."""
+        """Whether the process `name` still runs: this process's child not ended, else the
+        process its pid file records (`running`)."""
         child = self.children.get(name)
         if child is not None and child.poll() is not None:
             return False
+        if self.pids is None:
+            return child is not None
         return running(read(self.pidfile(name)), self.programs.get(name, self.default))
 
     def stale(self, names: list[str]) -> list[str]:
         """Of the pid files `names`, those that name no live process of the stack any more;
         they are removed (a process started in its place writes its own)."""
+        if self.pids is None:
+            return []
         found = [n for n in names if read(self.pidfile(n)) is not None and not self.alive(n)]
         for name in found:
             self.pidfile(name).unlink(missing_ok=True)
@@ -169,11 +217,19 @@ class Table:
                 time.sleep(poll_s)
             if self.alive(name):
                 self._signal(name, signal.SIGKILL)
-            self.pidfile(name).unlink(missing_ok=True)
+                child = self.children.get(name)
+                if child is not None:
+                    child.wait()
+            if self.pids is not None:
+                self.pidfile(name).unlink(missing_ok=True)
         return live
 
     def _signal(self, name: str, sig: signal.Signals) -> None:
-        rec = read(self.pidfile(name))
-        if rec is not None:
+        child = self.children.get(name)
+        pid = child.pid if child is not None else None
+        if pid is None and self.pids is not None:
+            rec = read(self.pidfile(name))
+            pid = rec.pid if rec is not None else None
+        if pid is not None:
             with contextlib.suppress(OSError):
-                os.killpg(rec.pid, sig)
+                os.killpg(pid, sig)

@@ -1,129 +1,187 @@
-"""`tokencap hidden-states CONFIG`: the stage that extracts the target's hidden states of
-every kept row (`tokencap/extraction.py` makes its run, `consumers/extract.py` is the
-workers' step), run to its end: the rows written once, the disk checked against the plan,
-then the producer with its own workers and writer, all stopped at the end. Run it again to
-resume: what was kept is not asked for again."""
+"""The one stage runner: run one stage of a run to its end, its processes tended.
+
+This process is the stage's producer (`producer.run.run_to_end`: the engines checked, the
+run created or resumed, fed until every category is done and written). Once the run is
+created it starts the stage's writer and N workers as children of a `Supervisor`, and while it
+feeds it tends them every TEND_EVERY_S: one that died is started again (with the
+supervisor's backoff), the writer once no writer holds the run's lease (a killed one's runs
+out within lock_ttl_s), the workers when none serves the run. At the end it stops them,
+unless they are the stack's (`keep`: `tokencap up`'s generation leaves its workers and writer
+up for the next run).
+
+`tokencap up` runs generation through it (the stack's pid files, `keep`), then the
+hidden-state stage; `tokencap hidden-states` runs the hidden-state stage alone
+(`tokencap/extraction.py` defines that stage).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import signal
-import subprocess
-import sys
-import threading
+import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
 
 from redis import Redis
 
+from budget_service.budget import Budget
+from budget_service.jobs import clean_workers
 from budget_service.keys import Keys
-from consumers import extract as states
-from foundation import hsfile
 from foundation.config import RunConfig
 from producer.run import run_to_end
-from tokencap import extraction as stage
-from tokencap.reports.progress import size_text
-from writer.writer import Writer
+from tokencap.stack.supervisor import Supervisor, tokencap_argv
 
 log = logging.getLogger(__name__)
 
-EXTRACT_URL_ENV = "TOKENCAP_EXTRACT_URL"
-STOP_TIMEOUT_S = 60.0
+TEND_EVERY_S = 2.0  # how often a stage looks for a process of its own that is gone
 
 
-def extract_urls(cfg: RunConfig, given: str | None = None) -> list[str]:
-    """The extraction servers: `given` (a flag), else TOKENCAP_EXTRACT_URL, else the config's
-    `hidden_states.engine_url`."""
-    from foundation.engine.api import parse_urls
+class Stage(NamedTuple):
+    """One stage to run: its run config, where its Redis and engines are, how many workers."""
 
-    hs = stage.spec(cfg)
-    return parse_urls(given or os.environ.get(EXTRACT_URL_ENV) or hs.engine_url)
-
-
-def kept_bytes(cfg: RunConfig) -> dict[str, int]:
-    """Bytes of states files already kept, per category."""
-    hs = stage.spec(cfg)
-    out = {}
-    for cat in cfg.category:
-        folder = states.states_dir(hs.output_dir, cat.name)
-        out[cat.name] = sum(p.stat().st_size for p in folder.glob("*.safetensors")) \
-            if folder.is_dir() else 0
-    return out
+    cfg: RunConfig
+    redis_url: str
+    engine_urls: list[str]
+    workers: int
+    names: str = ""  # the prefix of its processes' names: "" generation, "hs-" states
+    whose: str = "the stage's"  # how its lines name its workers ("this stack's")
 
 
-def plan_lines(cfg: RunConfig, plan: dict[str, stage.CategoryPlan]) -> list[str]:
-    hs = stage.spec(cfg)
-    bpt = stage.bytes_per_token(hs)
-    lines = [f"hidden states: layers {hs.layers} of {hs.num_layers}, hidden size "
-             f"{hs.hidden_size}, {hs.dtype}: {bpt:,} bytes per token"]
-    for name, p in plan.items():
-        cap = "no byte budget" if p.budget is None else f"budget {size_text(p.budget)}"
-        lines.append(f"  {name}: {p.rows:,} rows, {p.tokens:,} tokens -> "
-                     f"{size_text(p.bytes)} ({cap})")
-    total = sum(p.bytes for p in plan.values())
-    lines.append(f"  in all: {size_text(total)} in {hs.output_dir}")
-    return lines
+class StageRun:
+    """Runs `stage` with its processes under `sup` (module docstring). `say` prints the lines
+    a user reads (what was started, what was started again); `also_tend` is called at
+    every tend (the stack's budget service and simulator)."""
 
+    def __init__(self, stage: Stage, redis: Redis, sup: Supervisor, *, keep: bool = False,
+                 say: Callable[[str], None] = print,
+                 also_tend: Callable[[bool], None] | None = None,
+                 guard: Callable[[bool], AbstractContextManager[bool]] | None = None) -> None:
+        self.stage = stage
+        self.cfg = stage.cfg
+        self.budget = Budget(redis, Keys(stage.cfg.key_prefix, stage.cfg.run))
+        self.sup = sup
+        self.keep = keep
+        self.say = say
+        self.also_tend = also_tend
+        self.guard = guard or (lambda _first: contextlib.nullcontext(True))
+        self.writer = f"{stage.names}writer"
+        self.env = {**os.environ, "REDIS_URL": stage.redis_url,
+                    "SGLANG_URL": ",".join(stage.engine_urls), "TOKENCAP_RUN": self.cfg.run,
+                    "TOKENCAP_PREFIX": self.cfg.key_prefix}
+        self.env.pop("TOKENCAP_TOKEN", None)  # the budget service's, never a worker's
+        self.started = False
+        self._tended_at = time.monotonic()
 
-def run_stage(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], workers: int,
-              on_progress: Callable[[dict[str, Any]], None] | None = None,
-              should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
-              say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Extract every kept row's states (module docstring); returns the stage's status."""
-    sources = stage.write_rows(cfg)
-    plan = stage.disk_plan(cfg, sources)
-    for line in plan_lines(cfg, plan):
-        say(line)
-    stage.check_disk(stage.spec(cfg), plan, kept_bytes(cfg))
-    scfg = stage.stage_config(cfg, sources)
-    procs: list[subprocess.Popen[bytes]] = []
-    writer: dict[str, Any] = {}
+    # -- the processes -------------------------------------------------------------------
+    def slots(self) -> list[str]:
+        """The stage's worker names: pid files (the stack's, also those `add-workers` made),
+        else the children this process started."""
+        return self.sup.table.names(f"{self.stage.names}worker-")
 
-    def before_feed(_producer: Any) -> None:
-        w = Writer(redis, Keys(scfg.key_prefix, scfg.run), [c.name for c in scfg.category],
-                   Path(scfg.output_dir), lease_ttl_s=scfg.lock_ttl_s)
-        thread = threading.Thread(target=w.run, name="hs-writer", daemon=True)
-        thread.start()
-        writer.update(w=w, thread=thread)
-        env = {**os.environ, "REDIS_URL": redis_url, "SGLANG_URL": ",".join(urls),
-               "TOKENCAP_RUN": scfg.run, "TOKENCAP_PREFIX": scfg.key_prefix}
-        for _ in range(workers):
-            procs.append(subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker"],
-                                          env=env, stdin=subprocess.DEVNULL,
-                                          start_new_session=True))
+    def add_workers(self, n: int) -> None:
+        slots = self.slots()
+        first = int(slots[-1].rsplit("-", 1)[1]) + 1 if slots else 0
+        for i in range(first, first + n):
+            self.sup.start(f"{self.stage.names}worker-{i}", tokencap_argv("worker"), self.env,
+                           with_parent=not self.keep)
 
-    stopped = threading.Event()
+    def start(self) -> None:
+        """Start what the stage lacks (its run is created: the writer and workers read it
+        from Redis), said in full."""
+        self.started = True
+        self._tend(first=True)
 
-    def stop() -> bool:
-        if should_stop():
-            stopped.set()
-        return stopped.is_set()
+    def tend(self) -> None:
+        """Start again what died since (said only when something was)."""
+        if self.started:
+            self._tend(first=False)
 
-    try:
-        status = run_to_end(scfg, redis, urls, on_progress=on_progress,
-                            before_feed=before_feed, should_stop=stop, progress_s=progress_s)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        if writer:
-            writer["w"].stop_event.set()
-            writer["thread"].join(STOP_TIMEOUT_S)
-            writer["w"].close()
-    if not stopped.is_set():
-        # every row is done and the workers are stopped: no temporary is still being written
-        # (one left by a worker killed mid-write, whose row was then done by another attempt)
-        removed = sum(hsfile.remove_folder_temps(states.states_dir(stage.spec(cfg).output_dir,
-                                                                   c.name))
-                      for c in cfg.category)
-        if removed:
-            log.info("removed %d temporary file(s) left by killed workers", removed)
-    return status
+    def _tend(self, first: bool) -> None:
+        with self.guard(first) as allowed:
+            if not allowed:
+                return
+            self._tend_writer(first)
+            self._tend_workers(first)
+            if self.also_tend is not None:
+                self.also_tend(first)
+
+    def _tend_writer(self, first: bool) -> None:
+        name = self.writer
+        if name in self.sup.specs:
+            if self.sup.tend([name]):
+                self.say(f"the run's writer was gone: started another ({self.cfg.run})")
+            return
+        if self.sup.alive(name):  # the stack's, from an earlier `up`
+            self.sup.watch(name, tokencap_argv("writer"), self.env, with_parent=not self.keep)
+            return
+        holder = self.budget.writing.writer_holder()
+        if holder is None:
+            gone = self.sup.table.stale([name])
+            if gone:
+                self.say(f"stale pid file(s) replaced: {name} (its process was killed, or "
+                         "the node restarted)")
+            self.sup.start(name, tokencap_argv("writer"), self.env, with_parent=not self.keep)
+            if gone or not first:
+                self.say("the run's writer was gone: started another")
+        elif first:
+            self.say(f"the run's writer lease is held ({holder}): that writer is running, or "
+                     "it was killed and a writer starts here once its lease runs out "
+                     f"(lock_ttl_s = {self.cfg.lock_ttl_s:g} s)")
+
+    def _tend_workers(self, first: bool) -> None:
+        # RQ's way: drop the registrations of workers whose key expired (no heartbeat)
+        clean_workers(self.budget.redis, self.budget.keys, [c.name for c in self.cfg.category])
+        slots = self.slots()
+        for slot in slots:
+            if slot not in self.sup.specs:  # found by its pid file: an earlier `up`'s, or
+                self.sup.watch(slot, tokencap_argv("worker"), self.env,  # add-workers'
+                               with_parent=not self.keep)
+        restarted = self.sup.tend(slots, at_once=first, what="worker")
+        if restarted:
+            self.say(f"{len(restarted)} of {self.stage.whose} {len(slots)} worker(s) were "
+                     "gone: started again")
+        if slots:
+            return
+        live = self.budget.telemetry.workers()
+        if live:
+            if first:
+                self.say(f"{live} worker(s) already on run {self.cfg.run}; `tokencap "
+                         "add-workers N` (make workers N=...) adds more")
+            return
+        if not first:
+            self.say(f"no worker serves run {self.cfg.run} any more: starting "
+                     f"{self.stage.workers}")
+        self.add_workers(self.stage.workers)
+        self.say(f"{self.stage.workers} worker(s) started ({self.stage.workers} in all)")
+
+    def stop(self) -> None:
+        """Stop the stage's processes (a worker finishes the sample it holds first)."""
+        self.sup.stop([self.writer, *self.slots()])
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self, *, on_progress: Callable[[Any], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
+            before_start: Callable[[], None] | None = None) -> Any:
+        """Run the stage to its end (or until `should_stop()`); returns its final status.
+        `before_start` runs once the run is created, before its processes start (the stack
+        takes over Ctrl-C there)."""
+        def before_feed(_producer: object) -> None:
+            if before_start is not None:
+                before_start()
+            self.start()
+
+        def stop() -> bool:
+            if time.monotonic() - self._tended_at >= TEND_EVERY_S:
+                self._tended_at = time.monotonic()
+                self.tend()
+            return should_stop()
+
+        try:
+            return run_to_end(self.cfg, self.budget.redis, self.stage.engine_urls,
+                              on_progress=on_progress, before_feed=before_feed,
+                              should_stop=stop, progress_s=progress_s)
+        finally:
+            if not self.keep and self.started:
+                self.stop()

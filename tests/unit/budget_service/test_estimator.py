@@ -65,7 +65,7 @@ def test_a_beat_reserves_for_the_progress_at_the_next_beat() -> None:
     budget = SimpleNamespace(heartbeat=lambda cat, sid, est, lease_ms, var: sent.append(
         (est, var)))
     rc = SimpleNamespace(model=lambda cat: (model, 20.0), beat_s=5.0, budget=budget,
-                         cfg=SimpleNamespace(lease_s=15.0))
+                         cfg=SimpleNamespace(lease_ms=15_000))
     cat = SimpleNamespace(name="c")
     # 1 s in at 20 tok/s: 20 tokens now, 120 by the next beat (5 s later)
     _Heartbeat.send(_Beat(rc, cat, "s1", 7, time.monotonic() - 1.0))
