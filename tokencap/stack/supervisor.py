@@ -133,8 +133,10 @@ class Supervisor:
                     r.due_at = now
                 else:
                     delay = r.died()
-                    log.warning("%s %s (exit status %s); starting it again in %.0f s",
-                                what or name, exit_meaning(code), code, delay)
+                    child = self.table.children.get(name)
+                    log.warning("%s pid %s %s (exit status %s); starting another in %.0f s",
+                                what or name, child.pid if child else "?", exit_meaning(code),
+                                code, delay)
             if r.due_at is not None and now >= r.due_at:
                 self.table.stale([name])  # its pid file: the new process writes its own
                 self.table.spawn(name, spec.argv, spec.env, with_parent=spec.with_parent)
