@@ -414,13 +414,30 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
     if gen is None and tok is not None and (Path(tok) / GENERATION_CONFIG).is_file():
         gen = str(Path(tok) / GENERATION_CONFIG)
     cats = _with_model_sampling(cfg, cats, gen, str(path))
+    out = rel(cfg.output_dir)
+    _a_folder(out, "$.output_dir", str(path))
     hs = cfg.hidden_states
     if hs is not None:
         hs = _hidden_states(hs, rel, tok, str(path))
+        _a_folder(hs.output_dir, "$.hidden_states.output_dir", str(path))
     return msgspec.structs.replace(
-        cfg, category=cats, tokenizer=tok, output_dir=rel(cfg.output_dir), generation_config=gen,
+        cfg, category=cats, tokenizer=tok, output_dir=out, generation_config=gen,
         hidden_states=hs,
     )
+
+
+def _a_folder(folder: str, field: str, path: str) -> None:
+    """A folder the run writes into: refused when something else than a folder is there."""
+    p = Path(folder)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(path, f"{field}: {folder} is a file, not a folder: name a folder "
+                          "(it is made when missing)")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(path, f"{field}: {parent} is a file, not a folder: "
+                                  f"{folder} cannot be made under it")
+            return
 
 
 def model_shape(config_json: str) -> tuple[int, int, str | None]:

@@ -1,8 +1,8 @@
 """`tokencap export`, `tokencap plan` and `tokencap preview`: wiring only.
 
 The logic lives in `tokencap.export` and `tokencap.prepare.plan`. These commands need no Redis.
-Each command catches `TokencapError` itself (message, then its exit code) so that it works
-both registered on the `tokencap` group and invoked alone.
+Each command ends an expected error as one line (`tokencap.cli.errors.Command`), registered
+on the `tokencap` group or invoked alone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import click
 import msgspec
 
 from foundation.errors import DiskFull, SourceError, TokencapError
+from tokencap.cli.errors import Command
 from tokencap.export.exporter import FORMATS, MAX_BAD_REPORTED
 
 if TYPE_CHECKING:
@@ -23,20 +24,6 @@ if TYPE_CHECKING:
     from producer.render import Renderer
 
 CONFIG_ENV = "TOKENCAP_CONFIG"
-
-
-class _Command(click.Command):
-    """A click command that turns a `TokencapError` or unreadable file into a message."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except TokencapError as exc:
-            click.echo(f"tokencap: error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except OSError as exc:
-            click.echo(f"tokencap: error: {exc}", err=True)
-            sys.exit(1)
 
 
 def _load(config: str) -> Any:
@@ -93,7 +80,7 @@ def _export_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@click.command("export", cls=_Command)
+@click.command("export", cls=Command)
 @click.argument("config_arg", metavar="[CONFIG]", required=False,
                 type=click.Path(dir_okay=False))
 @click.option("--config", "config_path", envvar=CONFIG_ENV, default=None,
@@ -321,7 +308,7 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
     return "\n".join(lines)
 
 
-@click.command("plan", cls=_Command)
+@click.command("plan", cls=Command)
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--tok-s", type=click.FloatRange(min=0, min_open=True), default=1000.0,
               envvar="TOKENCAP_TOK_S", show_default=True,
@@ -409,7 +396,7 @@ def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
         click.echo(f"warning: {exc}", err=True)
 
 
-@click.command("init", cls=_Command)
+@click.command("init", cls=Command)
 @click.argument("data", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--tokenizer", "tokenizer", envvar="TOKENCAP_TOKENIZER", required=True,
               type=click.Path(file_okay=False),
@@ -430,16 +417,26 @@ def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, ca
 
     out = Path(dest)
     found = write_config([Path(d) for d in data], Path(tokenizer), out, run_name, cap, force)
+    unreadable = []
     for name, f in found.items():
         fmt = f["format"] or "not told (see the config)"
+        for bad in f["bad"]:
+            click.echo(f"skipped {bad}", err=True)
+        if f["unreadable"]:
+            unreadable.append(f["bad"][0])
+            continue
         click.echo(f"{name}: {f['file']}, {f['records']:,} records, format {fmt}")
-    if all(f["format"] for f in found.values()):
+    usable = [f for f in found.values() if f["format"]]
+    if len(usable) == len(found):
         for line in plan_comments(out):
             click.echo(line.removeprefix("# "))
     click.echo(f"wrote {out}; next: tokencap plan {out} --check, then make up CONFIG={out}")
+    if unreadable:
+        raise SourceError(f"no record read in {len(unreadable)} file(s), left out of {out}: "
+                          f"{'; '.join(unreadable)}")
 
 
-@click.command("preview", cls=_Command)
+@click.command("preview", cls=Command)
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("-n", "n", type=click.IntRange(min=1), default=1, show_default=True,
               help="Prompts to show per category.")
@@ -473,7 +470,7 @@ def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool)
                           "say why, file:line each)")
 
 
-@click.command("audit", cls=_Command)
+@click.command("audit", cls=Command)
 @click.argument("rows", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--tokenizer", envvar="TOKENCAP_TOKENIZER", default=None,
               help="Tokenizer folder of the model that wrote the rows (its markers, its "

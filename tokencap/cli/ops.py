@@ -13,6 +13,7 @@ import click
 
 from budget_service.lease import producer_lease
 from foundation.errors import UnknownCategory
+from tokencap.cli.errors import Command
 from tokencap.cli.find_run import (
     PREFIX_OPT,
     REDIS_OPT,
@@ -29,7 +30,7 @@ log = logging.getLogger("tokencap")
 SERIES_FOR_RATES = 30  # the series' last points a board reads (a minute at one every 2-5 s)
 
 
-@click.command()
+@click.command(cls=Command)
 @STATE_OPT
 @RUN_OPT
 @REDIS_OPT
@@ -96,7 +97,7 @@ class CapType(click.ParamType):
             self.fail(f"{value!r} is not a number of tokens >= 0 or \"none\"", param, ctx)
 
 
-@cap.command("set")
+@cap.command("set", cls=Command)
 @click.argument("category")
 @click.argument("tokens", type=CapType())
 @stack_run_options
@@ -117,7 +118,7 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
                f"({'closed' if closed else 'open'})")
 
 
-@click.command()
+@click.command(cls=Command)
 @stack_run_options
 @click.option("--out", "out_dir", default=None,
               help="The run's output folder (default: the run config's output_dir).")
@@ -135,7 +136,7 @@ def report(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     click.echo(f"report: {path}")
 
 
-@click.command()
+@click.command(cls=Command)
 @stack_run_options
 @click.option("--category", "categories", multiple=True,
               help="Only this category (repeat for several; default: all).")

@@ -14,6 +14,7 @@ import click
 from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.stopping import StopFlag, on_stop_signals
+from tokencap.cli.errors import Command
 from tokencap.cli.find_run import (
     PREFIX_OPT,
     REDIS_OPT,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokencap")
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("config", type=click.Path(dir_okay=False))
 @REDIS_OPT
 @SGLANG_OPT
@@ -72,7 +73,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
         raise SourceError(why)
 
 
-@click.command("hidden-states")
+@click.command("hidden-states", cls=Command)
 @click.argument("config", type=click.Path(dir_okay=False))
 @REDIS_OPT
 @click.option("--extract-url", envvar="TOKENCAP_EXTRACT_URL", default=None,
@@ -122,7 +123,7 @@ def hidden_states(config: str, redis_url: str, extract_url: str | None, workers:
         sys.exit(SIGNALLED)
 
 
-@click.command()
+@click.command(cls=Command)
 @RUN_OPT
 @REDIS_OPT
 @SGLANG_OPT
@@ -178,7 +179,7 @@ def _check_engines(infos: list[EngineInfo], budget: Budget) -> None:
                                  "model's outputs")
 
 
-@click.command()
+@click.command(cls=Command)
 @RUN_OPT
 @REDIS_OPT
 @PREFIX_OPT
@@ -218,7 +219,7 @@ def writer(run_name: str | None, redis_url: str, prefix: str, out_dir: str | Non
         w.close()
 
 
-@click.command()
+@click.command(cls=Command)
 @RUN_OPT
 @REDIS_OPT
 @PREFIX_OPT

@@ -13,7 +13,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from foundation.errors import SourceError
 
@@ -32,33 +32,49 @@ def _name(path: Path, taken: set[str]) -> str:
     return name
 
 
-def _format_of(path: Path) -> tuple[str | None, str, int]:
-    """(the format most of the first records have, or None, or "preset:NAME" when every one
-    of them is a record of a preset's dataset; a note for the config; records)."""
+class Found(NamedTuple):
+    """What `init` read of one file."""
+
+    format: str | None  # the format most of its first records have, "preset:NAME", or None
+    note: str  # a note for the config
+    records: int
+    bad: list[str]  # "file:line: reason: message" of each record it could not read
+
+
+def _format_of(path: Path) -> Found:
+    """The format most of the first records have (None when none told; "preset:NAME" when
+    every one of them is a record of a preset's dataset), a note for the config, the records,
+    and the bad ones among the first read (skipped: `plan --check` reads them all)."""
     from foundation.presets import preset_of
     from producer.formats.records import Rejected, detect_format
     from producer.readers.index import SourceIndex
 
+    bad: list[str] = []
     with SourceIndex.build([path]) as index:
         n = len(index)
         seen: Counter[str] = Counter()
         presets: Counter[str | None] = Counter()
         why = ""
         for i in range(min(n, LOOKED_AT)):
-            record = index.read(i)
+            try:
+                record = index.read(i)
+            except Rejected as exc:
+                bad.append(f"{index.where(i)}: {exc}")
+                continue
             presets[preset_of(record)] += 1
             try:
                 seen[detect_format(record)] += 1
             except Rejected as exc:
                 why = why or str(exc)
     if len(presets) == 1 and None not in presets:
-        return f"preset:{next(iter(presets))}", "", n
+        return Found(f"preset:{next(iter(presets))}", "", n, bad)
     if not seen:
-        return None, why or "no record", n
+        why = why or (f"no readable record among the first {len(bad)}" if bad else "no record")
+        return Found(None, why, n, bad)
     fmt, count = seen.most_common(1)[0]
     note = "" if count == sum(seen.values()) else (
         f"{count} of the first {sum(seen.values())} records are {fmt}")
-    return fmt, note, n
+    return Found(fmt, note, n, bad)
 
 
 def _sampling(tokenizer: Path) -> tuple[str, str]:
@@ -81,7 +97,9 @@ def _sampling(tokenizer: Path) -> tuple[str, str]:
 
 def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
                  cap: int = DEFAULT_CAP, force: bool = False) -> dict[str, Any]:
-    """Write the config to `dest`; returns what it found per file."""
+    """Write the config to `dest`; returns what it found per file (`Found`'s fields, `bad`
+    the records it could not read). A file of which not one record reads is left out of the
+    config (a comment says why); none readable: `SourceError`, nothing written."""
     if dest.exists() and not force:
         raise SourceError(f"{dest} exists: pass --force to replace it, or another --out")
     missing = [str(p) for p in data if not p.is_file()]
@@ -103,12 +121,19 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
     ]
     found: dict[str, Any] = {}
     taken: set[str] = set()
+    unreadable: list[str] = []
     for path in data:
         name = _name(path, taken)
-        fmt, note, n = _format_of(path)
+        fmt, note, n, bad = _format_of(path)
         rel = path.resolve()
         source = str(rel.relative_to(base)) if rel.is_relative_to(base) else str(rel)
-        found[name] = {"file": str(path), "format": fmt, "records": n, "note": note}
+        none_read = bool(bad) and len(bad) == min(n, LOOKED_AT)
+        found[name] = {"file": str(path), "format": fmt, "records": n, "note": note,
+                       "bad": bad, "unreadable": none_read}
+        if none_read:
+            unreadable.append(bad[0])
+            lines += [f"# {path}: left out: {bad[0]}", ""]
+            continue
         lines += [f"# {path}: {n:,} records" + (f"; {note}" if note else "")]
         lines += ["[[category]]", f'name = "{name}"', f'source = "{source}"']
         if fmt is None:
@@ -127,6 +152,9 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
                           '(default "first": the first user turn)']
         lines += [f"cap_tokens = {cap}  # output tokens; \"none\": the whole file",
                   f"# {sampling_note}", sampling, ""]
+    if len(unreadable) == len(data):
+        raise SourceError(f"no record read in any file, no config written: "
+                          f"{'; '.join(unreadable)}")
     dest.write_text("\n".join(lines))
     return found
 

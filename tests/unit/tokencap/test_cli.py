@@ -144,3 +144,39 @@ def test_up_takes_the_connection_flags_and_the_prefixed_variables() -> None:
     out = CliRunner().invoke(main, ["up", "-h"]).output
     assert "--redis-url" in out and "--sglang-url" in out
     assert "TOKENCAP_WORKERS" in out and "TOKENCAP_BUDGET_PORT" in out
+
+
+def _folder_is_a_file(tmp_path, field: str) -> list[str]:
+    """A config whose `field` (output_dir, or [hidden_states] output_dir) names a file."""
+    (tmp_path / "taken").write_text("a file, not a folder\n")
+    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2]}\n')
+    (tmp_path / "model.json").write_text('{"num_hidden_layers": 8, "hidden_size": 64}')
+    out = "taken" if field == "output_dir" else "out"
+    hs = "taken" if field != "output_dir" else "hs"
+    (tmp_path / "run.toml").write_text(
+        f'run = "r"\noutput_dir = "{out}"\nsampling_defaults = "engine"\n'
+        f'[hidden_states]\nmodel_config = "model.json"\noutput_dir = "{hs}"\n'
+        '[[category]]\nname = "a"\nsource = "ids.jsonl"\nformat = "input_ids"\n'
+        "sampling = { max_new_tokens = 8 }\n")
+    return [str(tmp_path / "run.toml")]
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["run"], "output_dir"), (["plan"], "output_dir"),
+    (["hidden-states", "--plan"], "hidden_states.output_dir")])
+def test_an_output_folder_that_is_a_file_is_exit_2_naming_the_file_and_field(
+        tmp_path, argv, field) -> None:
+    res = CliRunner().invoke(main, [*argv, *_folder_is_a_file(tmp_path, field)])
+    assert _one_line_usage_error(res), res.output
+    assert f"$.{field}" in res.output and str(tmp_path / "taken") in res.output
+
+
+def test_init_on_a_file_that_is_not_utf8_is_exit_2_naming_the_file_and_line(tmp_path) -> None:
+    from tests.conftest import QWEN
+
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    res = CliRunner().invoke(main, ["init", str(bad), "--tokenizer", str(QWEN),
+                                    "--out", str(tmp_path / "run.toml")])
+    assert _one_line_usage_error(res), res.output
+    assert f"{bad}:1: invalid_utf8" in res.output

@@ -155,6 +155,39 @@ def test_truncated_are_dropped_and_counted_unless_kept(tmp_path, built):
     assert kept[cut.id]["loss_mask"][-len(cut.output_ids):] == [1] * len(cut.output_ids)
 
 
+def test_keep_truncated_on_a_gated_run_exports_the_replies_the_gate_kept_out_as_length(
+        tmp_path, built) -> None:
+    """With the reply gate on (the default) a cut reply is no part-file row: the gate wrote it
+    to rejected-replies.jsonl with reason `length`. --keep-truncated exports it; without it
+    it is counted as dropped; the gate's other reasons are never exported."""
+    out = tmp_path / "out"
+    for cat, rows in built.items():
+        (out / cat).mkdir(parents=True)
+        kept = [r["result"] for r in rows if r["result"].finish_reason == "stop"]
+        cut = [msgspec.structs.replace(r["result"], gate="length") for r in rows
+               if r["result"].finish_reason == "length"]
+        looped = msgspec.structs.replace(kept[0], id=kept[0].id + "-loop", gate="loop")
+        (out / cat / "part-00000.jsonl").write_bytes(
+            b"".join(msgspec.json.encode(r) + b"\n" for r in kept))
+        (out / cat / "rejected-replies.jsonl").write_bytes(
+            b"".join(msgspec.json.encode(r) + b"\n" for r in [*cut, looped]))
+    runner = CliRunner()
+    res = runner.invoke(export_cmd, ["--out", str(out), "--dest", str(tmp_path / "a"),
+                                     "--json"])
+    assert res.exit_code == 0, res.output
+    st = json.loads(res.stdout)["categories"]["math_qa"]
+    assert st["rows"] == PER_CATEGORY - 1 and st["dropped_truncated"] == 1
+    assert "--keep-truncated keeps them" in res.stderr
+    res = runner.invoke(export_cmd, ["--out", str(out), "--dest", str(tmp_path / "b"),
+                                     "--keep-truncated", "--json"])
+    assert res.exit_code == 0, res.output
+    st = json.loads(res.stdout)["categories"]["math_qa"]
+    assert st["rows"] == PER_CATEGORY and st["dropped_truncated"] == 0
+    got = {r["id"] for r in _jsonl(tmp_path / "b" / "math_qa" / "specforge.jsonl")}
+    assert built["math_qa"][-1]["result"].id in got  # the cut reply, from the gate's file
+    assert not any(i.endswith("-loop") for i in got)  # another reason: never a row
+
+
 def test_parquet_round_trips_with_pyarrow(tmp_path, built):
     import pyarrow as pa
     import pyarrow.parquet as pq
