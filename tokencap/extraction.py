@@ -36,7 +36,7 @@ from redis import Redis
 from foundation import hsfile
 from foundation.config import Category, RunConfig, SamplingParams, StatesSpec
 from foundation.engine.api import parse_urls
-from foundation.errors import DiskFull
+from foundation.errors import DiskFull, TokencapError
 from foundation.outputs import (
     StatesRow,
     category_dir,
@@ -44,6 +44,7 @@ from foundation.outputs import (
     states_dir,
     training_rows,
 )
+from foundation.redisconn import connect
 from foundation.units import size_text
 from tokencap.stack import processes
 from tokencap.stack.stage import Stage, StageRun
@@ -187,15 +188,31 @@ def stage_config(cfg: RunConfig, sources: dict[str, Path]) -> RunConfig:
         high_water=cfg.high_water, affinity=cfg.affinity, category=cats)
 
 
-def run(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], workers: int, *,
-        sup: Supervisor | None = None, on_progress: Callable[[Any], None] | None = None,
-        should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
-        say: Callable[[str], None] = print) -> Any:
-    """Extract every training row's states (module docstring): the rows written once, the
-    disk checked against the plan, then the stage run to its end by the stage runner, its
-    workers and writer children of `sup` (default: of this process alone), stopped at the
-    end. Run it again to resume: what was kept is not asked for again. Returns the stage's
-    final status."""
+def states_plan_text(cfg: RunConfig) -> str:
+    """`hidden-states --plan`: the plan, checked against the free disk (`DiskFull` when it
+    does not fit). Writes nothing."""
+    spec = cfg.states()
+    plan = disk_plan(cfg)
+    need = check_disk(spec, plan, kept_bytes(cfg))
+    return "\n".join([*plan_lines(spec, plan),
+                      f"  still to write: {size_text(need)}: fits the free space"])
+
+
+def extract_states(cfg: RunConfig, redis_url: str, workers: int,
+                   extract_url: str | None = None, redis: Redis | None = None,
+                   sup: Supervisor | None = None,
+                   on_progress: Callable[[Any], None] | None = None,
+                   should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
+                   say: Callable[[str], None] = print) -> Any:
+    """Extract every training row's states (module docstring) from the extraction servers
+    (`extract_urls`): the rows written once, the disk checked against the plan, then the
+    stage run to its end by the stage runner, its workers and writer children of `sup`
+    (default: of this process alone), stopped at the end. Run it again to resume: what was
+    kept is not asked for again. Returns the stage's final status."""
+    urls = extract_urls(cfg, extract_url)
+    if not urls:
+        raise TokencapError("no extraction server: pass --extract-url, set "
+                            "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
     spec = cfg.states()
     sources = write_rows(cfg)
     plan = disk_plan(cfg)
@@ -204,8 +221,8 @@ def run(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], workers: 
     check_disk(spec, plan, kept_bytes(cfg))
     scfg = stage_config(cfg, sources)
     sup = sup or Supervisor(processes.Table(None))
-    stage = StageRun(Stage(scfg, redis_url, urls, workers, STATES_PREFIX), redis, sup,
-                     say=say)
+    stage = StageRun(Stage(scfg, redis_url, urls, workers, STATES_PREFIX),
+                     redis or connect(redis_url), sup, say=say)
     stopped = {"flag": False}
 
     def stop() -> bool:

@@ -15,7 +15,6 @@ import pytest
 from foundation import hsfile
 from foundation.config import load_config
 from foundation.outputs import BadLine, read_results, states_dir, states_file
-from foundation.redisconn import connect
 from sglang_sim.testing import SimServer
 from testing.harness import started
 from tests.conftest import write_config
@@ -101,7 +100,7 @@ def test_stage_workers_and_writer_killed_are_replaced_and_every_row_kept_once(
     with SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage), stall_s=STALL_S) as ex:
-        status = extraction.run(cfg, connect(redis_url), redis_url, [ex.url], WORKERS,
+        status = extraction.extract_states(cfg, redis_url, WORKERS, extract_url=ex.url,
                                 sup=sup, should_stop=kill_at_points, progress_s=0.2,
                                 say=lambda line: None)
 

@@ -21,7 +21,6 @@ import pytest
 from foundation import hsfile
 from foundation.errors import EngineUnusable
 from foundation.outputs import read_dead_letters, read_results, rows_file, states_file
-from foundation.redisconn import connect
 from sglang_sim.hidden import states as expected_states
 from sglang_sim.testing import SimServer
 from testing.harness import started
@@ -119,7 +118,7 @@ def stage_run(path: Path, redis_url: str, sim: SimServer, workers: int = 2,
     from foundation.config import load_config
 
     cfg = load_config(path)
-    return stage.run(cfg, connect(redis_url), redis_url, [sim.url], workers,
+    return stage.extract_states(cfg, redis_url, workers, extract_url=sim.url,
                      should_stop=should_stop, progress_s=0.2, say=lambda line: None)
 
 

@@ -38,7 +38,15 @@ def fail(exc: BaseException) -> NoReturn:
 
 
 class Command(click.Command):
-    """A command that ends an expected error as one line (`exit_for`), also invoked alone."""
+    """A command that ends an expected error as one line (`exit_for`), also invoked alone:
+    raised while its arguments are read (a config file that does not load) or run."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except (TokencapError, OSError) as exc:
+            fail(exc)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

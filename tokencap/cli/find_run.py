@@ -1,6 +1,7 @@
-"""What the `tokencap` commands share: the options that find a run (--state-dir, --redis-url,
---sglang-url, --run, --prefix; each falls back on the stack's run file) and the lookup of the
-run and its `Budget` in Redis.
+"""What the `tokencap` commands share: a run config argument (`ConfigFile`: loaded and
+checked once, where the command's options are read), the options that find a run
+(--state-dir, --redis-url, --sglang-url, --run, --prefix; each falls back on the stack's run
+file) and the lookup of the run and its `Budget` in Redis.
 
 A run is always named before it is touched: `open_budget` says which run, on which Redis
 (password hidden) and under which prefix, and where each came from (a flag or its
@@ -25,6 +26,24 @@ if TYPE_CHECKING:
 STATE_META = "tokencap.state_dir"
 SOURCE_META = "tokencap.source."  # + a run-file key: where the option's value came from
 FLAG, RUN_FILE, DEFAULT = "flag", "run file", "default"
+
+
+class ConfigFile(click.ParamType):
+    """A run config file, loaded (`foundation.config.load_config`): a mistake in it is the
+    command's one line (file, field, exit 2) before the command does anything."""
+
+    name = "CONFIG"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> RunConfig:
+        from foundation.config import RunConfig, load_config
+
+        if isinstance(value, RunConfig):
+            return value
+        return load_config(value)
+
+
+CONFIG = ConfigFile()
 
 
 def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str) -> str:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
-from foundation.config import DEFAULT_BUDGET_PORT
+from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
 from foundation.errors import SIGNALLED, TokencapError
 from tokencap.cli.errors import Command
-from tokencap.cli.find_run import STATE_OPT
+from tokencap.cli.find_run import CONFIG, STATE_OPT
 
 
 @click.command(cls=Command, context_settings={"ignore_unknown_options": True,
@@ -37,8 +37,8 @@ def _warn_renamed_env() -> None:
             click.echo(f"[up] {old} is read for one more version: set {new} instead", err=True)
 
 
-@click.command(cls=Command, )
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.command(cls=Command)
+@click.argument("config", type=CONFIG)
 @click.option("--workers", "n_workers", envvar=["TOKENCAP_WORKERS", "WORKERS"], default=8,
               show_default=True, help="Consumers to start. Env: TOKENCAP_WORKERS.")
 @STATE_OPT
@@ -57,7 +57,7 @@ def _warn_renamed_env() -> None:
               "simulated) instead of SGLANG_URL.")
 @click.option("--sim-time-scale", default=20.0, show_default=True,
               help="Speed-up of the simulator (with --sim).")
-def up(config: str, n_workers: int, state_dir: str, redis_url: str | None,
+def up(config: RunConfig, n_workers: int, state_dir: str, redis_url: str | None,
        sglang_url: str | None, budget_port: int, use_sim: bool, sim_time_scale: float) -> None:
     """Start what is missing (Redis, budget service, writer, workers; the simulator with
     --sim) and run CONFIG to completion with progress, then print a summary. Uses REDIS_URL
@@ -69,12 +69,10 @@ def up(config: str, n_workers: int, state_dir: str, redis_url: str | None,
     a crash of the whole stack (pid files name a process by pid and start time: stale ones
     are replaced). While it feeds, a writer, budget service, simulator or worker of the
     stack that dies is started again."""
-    from foundation.config import load_config
     from foundation.engine.api import display
     from tokencap.stack.launcher import Stack
 
     _warn_renamed_env()
-    load_config(config)  # a config mistake is said first, before anything starts
     if use_sim and sglang_url:
         raise TokencapError("--sim and SGLANG_URL both given: choose the simulator or the "
                             "engine")

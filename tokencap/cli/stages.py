@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from foundation.config import DEFAULT_BUDGET_PORT
+from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.stopping import StopFlag, on_stop_signals
 from tokencap.cli.errors import Command
 from tokencap.cli.find_run import (
+    CONFIG,
     PREFIX_OPT,
     REDIS_OPT,
     RUN_OPT,
@@ -32,27 +33,27 @@ log = logging.getLogger("tokencap")
 
 
 @click.command(cls=Command)
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config", type=CONFIG)
 @REDIS_OPT
 @SGLANG_OPT
 @click.option("--progress-s", default=2.0, show_default=True,
               help="Seconds between progress lines.")
 @click.option("--dry-run", is_flag=True,
               help="Render one prompt per category, show it and exit: nothing is enqueued.")
-def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run: bool) -> None:
+def run(config: RunConfig, redis_url: str, sglang_url: str, progress_s: float,
+        dry_run: bool) -> None:
     """Run the producer for CONFIG until every category is closed or exhausted.
 
     Creates (or resumes) the run in Redis, rebuilds counters from the output files, feeds
     each open category, re-enqueues lost samples, and waits for the writer to catch up.
     Safe to stop and restart: committed samples are never fed again.
     """
-    from foundation.config import load_config
     from foundation.engine.api import parse_urls
     from foundation.redisconn import connect
     from producer.run import run_to_end
     from tokencap.reports.progress import ProgressPrinter, nothing_usable, summary_table
 
-    cfg = load_config(config)
+    cfg = config
     if dry_run:
         from tokencap.prepare.plan import preview, preview_text
 
@@ -74,7 +75,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
 
 
 @click.command("hidden-states", cls=Command)
-@click.argument("config", type=click.Path(dir_okay=False))
+@click.argument("config", type=CONFIG)
 @REDIS_OPT
 @click.option("--extract-url", envvar="TOKENCAP_EXTRACT_URL", default=None,
               help="The extraction server(s): vLLM with extract_hidden_states, comma "
@@ -86,7 +87,7 @@ def run(config: str, redis_url: str, sglang_url: str, progress_s: float, dry_run
               "the free disk, and exit: nothing is sent.")
 @click.option("--progress-s", default=2.0, show_default=True,
               help="Seconds between progress lines.")
-def hidden_states(config: str, redis_url: str, extract_url: str | None, workers: int,
+def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, workers: int,
                   plan_only: bool, progress_s: float) -> None:
     """Extract the target model's hidden states of every kept row of CONFIG's run (EAGLE-3's
     low, middle and high layers and the last one before the final norm) with a vLLM
@@ -94,27 +95,16 @@ def hidden_states(config: str, redis_url: str, extract_url: str | None, workers:
     each row's states once, in a checked file named by the row, under a byte budget per
     category (`[hidden_states]` in the config; docs/HIDDEN_STATES.md). The same command
     resumes: a row whose file is kept is not asked for again."""
-    from foundation.config import load_config
-    from foundation.redisconn import connect
-    from foundation.units import size_text
     from tokencap import extraction
     from tokencap.reports.progress import ProgressPrinter, summary_table
 
-    cfg = load_config(config)
-    spec = cfg.states()
     if plan_only:
-        plan = extraction.disk_plan(cfg)
-        click.echo("\n".join(extraction.plan_lines(spec, plan)))
-        need = extraction.check_disk(spec, plan, extraction.kept_bytes(cfg))
-        click.echo(f"  still to write: {size_text(need)}: fits the free space")
+        plan = extraction.states_plan_text(config)
+        click.echo(plan)
         return
-    urls = extraction.extract_urls(cfg, extract_url)
-    if not urls:
-        raise TokencapError("no extraction server: pass --extract-url, set "
-                            "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
     stop = StopFlag()
     with stop.catch():
-        status = extraction.run(cfg, connect(redis_url), redis_url, urls, workers,
+        status = extraction.extract_states(config, redis_url, workers, extract_url=extract_url,
                                 on_progress=ProgressPrinter(), should_stop=lambda: bool(stop),
                                 progress_s=progress_s, say=click.echo)
     click.echo(summary_table(status))

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from redis import Redis
 
-from foundation.config import DEFAULT_BUDGET_PORT, RunConfig, load_config
+from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
 from foundation.engine.api import parse_urls
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.redisconn import connect
@@ -129,7 +129,7 @@ class Stack:
         say(f"{n} worker(s) started ({len(slots) + n} in all)")
 
     # -- up ------------------------------------------------------------------------------
-    def up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
+    def up(self, cfg: RunConfig, n_workers: int, redis_url: str | None, sglang_url: str | None,
            time_scale: float, budget_port: int = DEFAULT_BUDGET_PORT) -> int:
         """Start what is missing and run `config` to the end. When it fails before anything is
         fed (a bad config, an unusable engine, another producer), what this call started
@@ -137,7 +137,7 @@ class Stack:
         self.fed = False
         before = self._read_env()
         try:
-            return self._up(config, n_workers, redis_url, sglang_url, time_scale, budget_port)
+            return self._up(cfg, n_workers, redis_url, sglang_url, time_scale, budget_port)
         except (TokencapError, KeyboardInterrupt):
             if not self.fed:
                 if self.procs.spawned:
@@ -164,9 +164,8 @@ class Stack:
                                 "(TOKENCAP_BUDGET_PORT), or --budget-port 0 for any free port")
         return port
 
-    def _up(self, config: str, n_workers: int, redis_url: str | None, sglang_url: str | None,
+    def _up(self, cfg: RunConfig, n_workers: int, redis_url: str | None, sglang_url: str | None,
             time_scale: float, budget_port: int) -> int:
-        cfg = load_config(config)
         saved = self._read_env()
         port = self._budget_port(saved, budget_port)
         token = (saved.get("TOKENCAP_TOKEN") or os.environ.get("TOKENCAP_TOKEN")
@@ -231,7 +230,7 @@ class Stack:
                 "extracted; `tokencap hidden-states CONFIG --extract-url URL` does it")
             return 0
         say(f"hidden states of {cfg.run}'s rows from {', '.join(urls)}")
-        status = extraction.run(cfg, redis, redis_url, urls, n_workers, sup=self.sup,
+        status = extraction.extract_states(cfg, redis_url, n_workers, redis=redis, sup=self.sup,
                                 on_progress=ProgressPrinter(), should_stop=lambda: bool(stopped),
                                 say=say)
         print(summary_table(status), flush=True)
