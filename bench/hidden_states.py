@@ -103,8 +103,8 @@ def run(bench: Bench) -> dict[str, Any]:
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage)) as sim:
         t0 = time.perf_counter()
-        status = stage.extract_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url, redis=redis,
-                           progress_s=1.0, say=lambda line: None)
+        status = stage.extract_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
+                                      redis=redis, progress_s=1.0, say=lambda line: None)
         stage_s = time.perf_counter() - t0
     st = status["categories"]["chat"]
     # the baseline: the same rows, as one-token prompts of a plain run on the same pipeline

@@ -64,83 +64,95 @@ class CategoryPlan(NamedTuple):
     budget: int | None  # bytes; None: none
 
 
-def extract_urls(cfg: RunConfig, given: str | None = None) -> list[str]:
+class StatesStage(NamedTuple):
+    """A config's hidden-state stage, resolved once (`of`): what every step here reads."""
+
+    cfg: RunConfig
+    spec: StatesSpec
+    bytes_per_token: int
+    budgets: dict[str, int | None]  # bytes per category; None: no budget
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> StatesStage:
+        spec = cfg.states()
+        return cls(cfg, spec, spec.bytes_per_token,
+                   {c.name: spec.budget_for(c.name) for c in cfg.category})
+
+
+def extract_urls(stage: StatesStage, given: str | None = None) -> list[str]:
     """The extraction servers: `given` (a flag), else TOKENCAP_EXTRACT_URL, else the config's
-    `hidden_states.engine_url`."""
-    return parse_urls(given or os.environ.get(EXTRACT_URL_ENV) or cfg.states().engine_url)
+    `hidden_states.engine_url` (SGLANG_URL's form: comma separated)."""
+    return parse_urls(given or os.environ.get(EXTRACT_URL_ENV) or stage.spec.engine_url)
 
 
-def row_lengths(cfg: RunConfig) -> dict[str, list[int]]:
+def row_lengths(stage: StatesStage) -> dict[str, list[int]]:
     """Per category, the length (prompt + output) of each row the stage extracts: its rows
     file's when it has one, else the training rows the stage would write. Writes nothing."""
-    spec = cfg.states()
     out = {}
-    for cat in cfg.category:
-        path = rows_file(spec.output_dir, cat.name)
+    decoder = msgspec.json.Decoder(StatesRow)
+    for name in stage.budgets:
+        path = rows_file(stage.spec.output_dir, name)
         if path.is_file():
-            decoder = msgspec.json.Decoder(StatesRow)
-            out[cat.name] = [len(decoder.decode(line).input_ids)
-                             for line in path.read_bytes().splitlines() if line.strip()]
+            out[name] = [len(decoder.decode(line).input_ids)
+                         for line in path.read_bytes().splitlines() if line.strip()]
         else:
-            out[cat.name] = [len(r.prompt_ids) + len(r.output_ids) for r in training_rows(
-                category_dir(Path(cfg.output_dir), cat.name))]
+            out[name] = [len(r.prompt_ids) + len(r.output_ids) for r in training_rows(
+                category_dir(Path(stage.cfg.output_dir), name))]
     return out
 
 
-def write_rows(cfg: RunConfig) -> dict[str, Path]:
+def write_rows(stage: StatesStage) -> dict[str, Path]:
     """Each category's rows file, written once (an existing one is the stage's source as
     it is: its line numbers are the stage's sample ids)."""
-    spec = cfg.states()
     out = {}
-    for cat in cfg.category:
-        path = rows_file(spec.output_dir, cat.name)
+    for name in stage.budgets:
+        path = rows_file(stage.spec.output_dir, name)
         if not path.is_file():
             rows = [StatesRow(r.id, list(r.prompt_ids) + list(r.output_ids)) for r in
-                    training_rows(category_dir(Path(cfg.output_dir), cat.name))]
+                    training_rows(category_dir(Path(stage.cfg.output_dir), name))]
             hsfile.write_whole(path, b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
-            log.info("%s: %d training rows to extract (%s)", cat.name, len(rows), path)
-        out[cat.name] = path
+            log.info("%s: %d training rows to extract (%s)", name, len(rows), path)
+        out[name] = path
     return out
 
 
-def plan_of(spec: StatesSpec, row_tokens: dict[str, tuple[int, int]]
+def plan_of(stage: StatesStage, row_tokens: dict[str, tuple[int, int]]
             ) -> dict[str, CategoryPlan]:
     """Per category, from its (rows, tokens of those rows): the tokens and bytes its byte
     budget takes of them."""
-    bpt = spec.bytes_per_token
+    bpt = stage.bytes_per_token
     out = {}
     for name, (rows, tokens) in row_tokens.items():
-        budget = spec.budget_for(name)
+        budget = stage.budgets.get(name)
         if budget is not None:
             tokens = min(tokens, budget // bpt)
         out[name] = CategoryPlan(rows, tokens, tokens * bpt, budget)
     return out
 
 
-def disk_plan(cfg: RunConfig) -> dict[str, CategoryPlan]:
+def disk_plan(stage: StatesStage) -> dict[str, CategoryPlan]:
     """Per category: its rows, the tokens and bytes its budget takes of them."""
-    lengths = row_lengths(cfg)
-    return plan_of(cfg.states(), {n: (len(v), sum(v)) for n, v in lengths.items()})
+    lengths = row_lengths(stage)
+    return plan_of(stage, {n: (len(v), sum(v)) for n, v in lengths.items()})
 
 
-def kept_bytes(cfg: RunConfig) -> dict[str, int]:
+def kept_bytes(stage: StatesStage) -> dict[str, int]:
     """Bytes of states files already kept, per category."""
-    spec = cfg.states()
     out = {}
-    for cat in cfg.category:
-        folder = states_dir(spec.output_dir, cat.name)
-        out[cat.name] = sum(p.stat().st_size for p in folder.glob("*.safetensors")) \
-            if folder.is_dir() else 0
+    for name in stage.budgets:
+        folder = states_dir(stage.spec.output_dir, name)
+        files = folder.glob("*.safetensors") if folder.is_dir() else ()
+        out[name] = sum(p.stat().st_size for p in files)
     return out
 
 
-def check_disk(spec: StatesSpec, plan: dict[str, CategoryPlan],
+def check_disk(stage: StatesStage, plan: dict[str, CategoryPlan],
                have: dict[str, int] | None = None) -> int:
     """The bytes still to write (what the plan needs less what is already kept, `have`);
     `DiskFull` when they exceed the output folder's free space (the folder's nearest
     existing parent's: nothing is made here)."""
     need = sum(p.bytes for p in plan.values()) - sum((have or {}).values())
-    folder = Path(spec.output_dir)
+    folder = Path(stage.spec.output_dir)
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -152,10 +164,11 @@ def check_disk(spec: StatesSpec, plan: dict[str, CategoryPlan],
     return need
 
 
-def plan_lines(spec: StatesSpec, plan: dict[str, CategoryPlan]) -> list[str]:
+def plan_lines(stage: StatesStage, plan: dict[str, CategoryPlan]) -> list[str]:
     """The plan for people: bytes per token, then per category and in all."""
+    spec = stage.spec
     lines = [f"hidden states: layers {list(spec.layers)} of {spec.num_layers}, hidden size "
-             f"{spec.hidden_size}, {spec.dtype}: {spec.bytes_per_token:,} bytes per token"]
+             f"{spec.hidden_size}, {spec.dtype}: {stage.bytes_per_token:,} bytes per token"]
     for name, p in plan.items():
         cap = "no byte budget" if p.budget is None else f"budget {size_text(p.budget)}"
         lines.append(f"  {name}: {p.rows:,} rows, {p.tokens:,} tokens -> "
@@ -165,19 +178,16 @@ def plan_lines(spec: StatesSpec, plan: dict[str, CategoryPlan]) -> list[str]:
     return lines
 
 
-def stage_config(cfg: RunConfig, sources: dict[str, Path]) -> RunConfig:
-    """The run `<run>.hs` that extracts `cfg`'s rows (module docstring)."""
-    spec = cfg.states()
-    bpt = spec.bytes_per_token
-    cats = []
-    for c in cfg.category:
-        budget = spec.budget_for(c.name)
-        cats.append(Category(
-            name=c.name, source=str(sources[c.name]), format="input_ids",
-            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
-            cap_tokens="none" if budget is None else budget // bpt, expected_tokens=1))
+def stage_config(stage: StatesStage, sources: dict[str, Path]) -> RunConfig:
+    """The run `<run>.hs` that extracts the config's rows (module docstring)."""
+    cfg, bpt = stage.cfg, stage.bytes_per_token
+    cats = [Category(name=name, source=str(sources[name]), format="input_ids",
+                     sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+                     cap_tokens="none" if budget is None else budget // bpt,
+                     expected_tokens=1)
+            for name, budget in stage.budgets.items()]
     return RunConfig(
-        run=cfg.run + STAGE_SUFFIX, output_dir=spec.output_dir, count="total",
+        run=cfg.run + STAGE_SUFFIX, output_dir=stage.spec.output_dir, count="total",
         reply_gate=False, sampling_defaults="engine", key_prefix=cfg.key_prefix,
         stage="hidden_states", hidden_states=cfg.hidden_states, cap_tokens="none",
         seed=cfg.seed, expected_tokens=1, lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s,
@@ -188,13 +198,13 @@ def stage_config(cfg: RunConfig, sources: dict[str, Path]) -> RunConfig:
         high_water=cfg.high_water, affinity=cfg.affinity, category=cats)
 
 
-def states_plan_text(cfg: RunConfig) -> str:
+def plan_summary(cfg: RunConfig) -> str:
     """`hidden-states --plan`: the plan, checked against the free disk (`DiskFull` when it
     does not fit). Writes nothing."""
-    spec = cfg.states()
-    plan = disk_plan(cfg)
-    need = check_disk(spec, plan, kept_bytes(cfg))
-    return "\n".join([*plan_lines(spec, plan),
+    stage = StatesStage.of(cfg)
+    plan = disk_plan(stage)
+    need = check_disk(stage, plan, kept_bytes(stage))
+    return "\n".join([*plan_lines(stage, plan),
                       f"  still to write: {size_text(need)}: fits the free space"])
 
 
@@ -209,32 +219,31 @@ def extract_states(cfg: RunConfig, redis_url: str, workers: int,
     stage run to its end by the stage runner, its workers and writer children of `sup`
     (default: of this process alone), stopped at the end. Run it again to resume: what was
     kept is not asked for again. Returns the stage's final status."""
-    urls = extract_urls(cfg, extract_url)
-    if not urls:
+    stage = StatesStage.of(cfg)
+    engines = extract_url or os.environ.get(EXTRACT_URL_ENV) or stage.spec.engine_url
+    if not engines:
         raise TokencapError("no extraction server: pass --extract-url, set "
                             "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
-    spec = cfg.states()
-    sources = write_rows(cfg)
-    plan = disk_plan(cfg)
-    for line in plan_lines(spec, plan):
+    plan = disk_plan(stage)  # from the rows file, else the rows it will hold
+    for line in plan_lines(stage, plan):
         say(line)
-    check_disk(spec, plan, kept_bytes(cfg))
-    scfg = stage_config(cfg, sources)
-    sup = sup or Supervisor(processes.Table(None))
-    stage = StageRun(Stage(scfg, redis_url, urls, workers, STATES_PREFIX),
-                     redis or connect(redis_url), sup, say=say)
+    check_disk(stage, plan, kept_bytes(stage))
+    scfg = stage_config(stage, write_rows(stage))
+    runner = StageRun(Stage(scfg, redis_url, engines, workers, STATES_PREFIX),
+                      redis or connect(redis_url), sup or Supervisor(processes.Table(None)),
+                      say=say)
     stopped = {"flag": False}
 
     def stop() -> bool:
         stopped["flag"] = stopped["flag"] or should_stop()
         return stopped["flag"]
 
-    status = stage.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
+    status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
     if not stopped["flag"]:
         # every row is done and the workers are stopped: no temporary is still being written
         # (one left by a worker killed mid-write, whose row was then done by another attempt)
-        removed = sum(hsfile.remove_folder_temps(states_dir(spec.output_dir, c.name))
-                      for c in cfg.category)
+        removed = sum(hsfile.remove_folder_temps(states_dir(stage.spec.output_dir, name))
+                      for name in stage.budgets)
         if removed:
             log.info("removed %d temporary file(s) left by killed workers", removed)
     return status

@@ -379,17 +379,17 @@ def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
     they would not fit)."""
     from tokencap import extraction
 
-    spec = cfg.states()
+    stage = extraction.StatesStage.of(cfg)
     tokens = {r.category: (r.samples, round(r.samples * (r.avg_output_tokens + prompt_tokens.get(
         r.category, 0.0)))) for r in rows}
-    est = extraction.plan_of(spec, tokens)
-    for line in extraction.plan_lines(spec, est):
+    est = extraction.plan_of(stage, tokens)
+    for line in extraction.plan_lines(stage, est):
         click.echo(line)
     if not prompt_tokens:
         click.echo("  (the rows' prompt tokens are not measured here: their states are "
                    "not in these figures)")
     try:
-        extraction.check_disk(spec, est)
+        extraction.check_disk(stage, est)
     except DiskFull as exc:
         if check:
             raise

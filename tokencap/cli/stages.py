@@ -99,7 +99,7 @@ def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, wo
     from tokencap.reports.progress import ProgressPrinter, summary_table
 
     if plan_only:
-        plan = extraction.states_plan_text(config)
+        plan = extraction.plan_summary(config)
         click.echo(plan)
         return
     stop = StopFlag()

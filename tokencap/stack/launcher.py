@@ -31,7 +31,6 @@ from urllib.parse import urlsplit
 from redis import Redis
 
 from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
-from foundation.engine.api import parse_urls
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.redisconn import connect
 from foundation.stopping import StopFlag
@@ -192,7 +191,7 @@ class Stack:
             self.services.budget_service(port, budget_env, first)
             self.services.tend_simulator()
 
-        gen = StageRun(Stage(cfg, rurl, parse_urls(eurl), n_workers, whose="this stack's"),
+        gen = StageRun(Stage(cfg, rurl, eurl, n_workers, whose="this stack's"),
                        redis, self.sup, keep=True, say=say, also_tend=also_tend,
                        guard=self._tending)
         with catching:
@@ -224,7 +223,7 @@ class Stack:
         run it, when no extraction server is named."""
         from tokencap import extraction
 
-        urls = extraction.extract_urls(cfg)
+        urls = extraction.extract_urls(extraction.StatesStage.of(cfg))
         if not urls:
             say("[hidden_states] has no engine_url (nor TOKENCAP_EXTRACT_URL): no states "
                 "extracted; `tokencap hidden-states CONFIG --extract-url URL` does it")

@@ -30,6 +30,7 @@ from budget_service.budget import Budget
 from budget_service.jobs import clean_workers
 from budget_service.keys import Keys
 from foundation.config import RunConfig
+from foundation.engine.api import parse_urls
 from producer.run import run_to_end
 from tokencap.stack.supervisor import Supervisor, tokencap_argv
 
@@ -39,11 +40,12 @@ TEND_EVERY_S = 2.0  # how often a stage looks for a process of its own that is g
 
 
 class Stage(NamedTuple):
-    """One stage to run: its run config, where its Redis and engines are, how many workers."""
+    """One stage to run: its run config, where its Redis and engines are (`engines`: SGLANG_URL's
+    form, comma separated), how many workers."""
 
     cfg: RunConfig
     redis_url: str
-    engine_urls: list[str]
+    engines: str
     workers: int
     names: str = ""  # the prefix of its processes' names: "" generation, "hs-" states
     whose: str = "the stage's"  # how its lines name its workers ("this stack's")
@@ -68,7 +70,7 @@ class StageRun:
         self.guard = guard or (lambda _first: contextlib.nullcontext(True))
         self.writer = f"{stage.names}writer"
         self.env = {**os.environ, "REDIS_URL": stage.redis_url,
-                    "SGLANG_URL": ",".join(stage.engine_urls), "TOKENCAP_RUN": self.cfg.run,
+                    "SGLANG_URL": stage.engines, "TOKENCAP_RUN": self.cfg.run,
                     "TOKENCAP_PREFIX": self.cfg.key_prefix}
         self.env.pop("TOKENCAP_TOKEN", None)  # the budget service's, never a worker's
         self.started = False
@@ -179,7 +181,7 @@ class StageRun:
             return should_stop()
 
         try:
-            return run_to_end(self.cfg, self.budget.redis, self.stage.engine_urls,
+            return run_to_end(self.cfg, self.budget.redis, parse_urls(self.stage.engines),
                               on_progress=on_progress, before_feed=before_feed,
                               should_stop=stop, progress_s=progress_s)
         finally:
