@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "args": vars(args), "host": platform.node(), "python": sys.version.split()[0],
         "work_dir": str(work),
     }
+    from budget_service.telemetry import RunStatus
     from testing.harness import Pipeline, RedisServer
 
     redis: RedisServer | None = None
@@ -499,11 +500,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         report["progress"] = progress  # filled as the run goes, kept if it is cut short
         p_t0 = [0.0]
 
-        def on_progress(st: dict[str, Any]) -> None:
+        def on_progress(st: RunStatus) -> None:
             g = engine_gauges(engine_url)
             row = {"t": round(time.monotonic() - p_t0[0], 1),
-                   "used": {k: v["used"] for k, v in st["categories"].items()},
-                   "state": {k: v["state"] for k, v in st["categories"].items()},
+                   "used": {k: v.used for k, v in st.categories.items()},
+                   "state": {k: v.state for k, v in st.categories.items()},
                    "running": g.get("running"), "queued": g.get("queued"),
                    "gen_tok_s": g.get("gen_throughput")}
             progress.append(row)

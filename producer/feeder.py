@@ -32,7 +32,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from redis import Redis
@@ -41,7 +41,8 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.estimator import LengthModel, admission
 from budget_service.keys import Keys
-from budget_service.ledger import CategoryState, now_ms
+from budget_service.ledger import CategoryState, now_ms, run_ended
+from budget_service.telemetry import RunStatus
 from foundation.backoff import REDIS_DOWN, Backoff
 from foundation.config import Category, RunConfig
 from producer.followups import FollowUps
@@ -120,7 +121,7 @@ class Producer:
         cfg: RunConfig,
         redis: Redis,
         renderer: Renderer | None,
-        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_progress: Callable[[RunStatus], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.redis = redis
@@ -189,22 +190,17 @@ class Producer:
         return work
 
     def finished(self) -> bool:
-        """Every category closed (what it still holds is held back by its cap: parked, or a
-        conversation's next turn) or exhausted with nothing pending, as of the last tick, and
-        every result written by the writer."""
-        status = self._last_status or self.budget.states(list(self.feeds))
-        done = all(
-            (st.state == "closed" and st.pending == st.parked)
-            or (st.state == "exhausted" and st.pending == 0)
-            for st in status.values()
-        )
-        return done and self.writer_lag() == 0
+        """The run's end (`run_ended`) as of the last tick: every category closed (what it
+        still holds is held back by its cap) or exhausted with nothing pending; and every
+        result written by the writer, as of now."""
+        states = self._last_status or self.budget.states(list(self.feeds))
+        return run_ended(states, self.writer_lag())
 
     def writer_lag(self) -> int:
         return self.budget.feeding.unwritten(self.feeds)
 
     def run(self, poll_s: float = IDLE_TICK_S, progress_s: float = 2.0,
-            should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+            should_stop: Callable[[], bool] = lambda: False) -> RunStatus:
         """Feed until the run is finished or `should_stop()`; survive Redis outages.
 
         While Redis cannot be reached nothing is fed (the budget fails closed); the loop
@@ -228,7 +224,7 @@ class Producer:
                     if self.watch is not None and self._last_status is not None:
                         self.watch.check(self._last_status)
                     if self.on_progress:
-                        self.on_progress(self.budget.telemetry.status(list(self.feeds)))
+                        self.on_progress(self.budget.telemetry.snapshot(list(self.feeds)))
                         self.log_events()
                 if work == 0:
                     if self.finished():
@@ -247,7 +243,7 @@ class Producer:
                               "answers; retrying", exc)
                 backoff.wait()
                 self.recovery.redis_was_down()
-        return self.budget.telemetry.status(list(self.feeds))
+        return self.budget.telemetry.snapshot(list(self.feeds))
 
     def log_events(self) -> None:
         """Log the event log's entries (cap changes) written since the last call, so the

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from redis import Redis
@@ -16,6 +16,7 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
+from budget_service.telemetry import RunStatus
 from foundation.config import RunConfig, with_stop_ids
 from foundation.engine.api import engine_specs
 from foundation.engine.info import EngineInfo
@@ -38,7 +39,7 @@ def build_producer(
     cfg: RunConfig,
     redis: Redis,
     context_len: int | None,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[RunStatus], None] | None = None,
     renderer: Renderer | None = None,
     engines: Sequence[EngineInfo] = (),
 ) -> Producer:
@@ -114,11 +115,11 @@ def run_to_end(
     redis: Redis,
     engine_urls: list[str],
     *,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[RunStatus], None] | None = None,
     before_feed: Callable[[Producer], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     progress_s: float = 2.0,
-) -> dict[str, Any]:
+) -> RunStatus:
     """Check the engines (`producer.preflight`: nothing is fed to an engine that is
     unreachable, too old or serves another model than the tokenizer's), take the run's lock,
     build the producer (config, tokenizer and sources checked, run created or resumed,

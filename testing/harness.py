@@ -27,6 +27,7 @@ from rq import Queue, Worker
 from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.telemetry import RunStatus, status_document
 from foundation import waiting
 from foundation.config import RunConfig
 from foundation.outputs import (
@@ -201,7 +202,7 @@ class Pipeline:
             self.writer.close()
             self.writer = None
 
-    def build(self, on_progress: Callable[[dict[str, Any]], None] | None = None,
+    def build(self, on_progress: Callable[[RunStatus], None] | None = None,
               context_length: int | None = None) -> Producer:
         self.producer = build_producer(self.cfg, self.redis,
                                        context_length or self.cfg.context_length, on_progress)
@@ -209,9 +210,11 @@ class Pipeline:
 
     def run(self, should_stop: Callable[[], bool] = lambda: False,
             progress_s: float = 3600.0) -> dict[str, Any]:
-        """The producer loop until the run is finished (or `should_stop()`)."""
+        """The producer loop until the run is finished (or `should_stop()`); returns the
+        final status as its JSON face (`status_document`), what the tests check."""
         producer = self.producer or self.build()
-        return producer.run(poll_s=self.poll_s, progress_s=progress_s, should_stop=should_stop)
+        return status_document(producer.run(poll_s=self.poll_s, progress_s=progress_s,
+                                            should_stop=should_stop))
 
     def status(self) -> dict[str, Any]:
         return self.budget.telemetry.status([c.name for c in self.cfg.category])["categories"]

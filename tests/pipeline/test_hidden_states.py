@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from budget_service.telemetry import status_document
 from consumers.extract import states_file
 from foundation import hsfile
 from foundation.errors import EngineUnusable
@@ -118,11 +119,13 @@ def extractor(tmp: Path, **faults: float) -> SimServer:
 
 def stage_run(path: Path, redis_url: str, sim: SimServer, workers: int = 2,
               should_stop=lambda: False) -> dict:
+    """The stage run to its end; its status as JSON (`tokencap status --json`'s)."""
     from foundation.config import load_config
 
     cfg = load_config(path)
-    return run_stage(cfg, connect(redis_url), redis_url, [sim.url], workers,
-                     should_stop=should_stop, progress_s=0.2, say=lambda line: None)
+    return status_document(run_stage(cfg, connect(redis_url), redis_url, [sim.url], workers,
+                                     should_stop=should_stop, progress_s=0.2,
+                                     say=lambda line: None))
 
 
 def kept_rows(tmp: Path, category: str) -> dict[str, list[int]]:

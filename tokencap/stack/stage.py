@@ -19,6 +19,7 @@ from typing import Any
 from redis import Redis
 
 from budget_service.keys import Keys
+from budget_service.telemetry import RunStatus
 from consumers import extract as states
 from foundation import hsfile
 from foundation.config import RunConfig
@@ -68,9 +69,9 @@ def plan_lines(cfg: RunConfig, plan: dict[str, stage.CategoryPlan]) -> list[str]
 
 
 def run_stage(cfg: RunConfig, redis: Redis, redis_url: str, urls: list[str], workers: int,
-              on_progress: Callable[[dict[str, Any]], None] | None = None,
+              on_progress: Callable[[RunStatus], None] | None = None,
               should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
-              say: Callable[[str], None] = print) -> dict[str, Any]:
+              say: Callable[[str], None] = print) -> RunStatus:
     """Extract every kept row's states (module docstring); returns the stage's status."""
     sources = stage.write_rows(cfg)
     plan = stage.disk_plan(cfg, sources)
