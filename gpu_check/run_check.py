@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "work_dir": str(work),
     }
     from budget_service.telemetry import RunStatus
+    from producer.loop import FeedLoop
     from testing.harness import Pipeline, RedisServer
 
     redis: RedisServer | None = None
@@ -510,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             progress.append(row)
             log.info("progress %s", row)
 
-        run.build(on_progress, _context_length(engine_url))
+        producer = run.build(_context_length(engine_url))
         run.start_writer()
         run.start_workers(args.workers)
         stop_at = t_start + args.deadline_s - 45  # leave time for the checks and the report
@@ -526,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                 return True
             return False
 
-        status = run.producer.run(poll_s=0.02, progress_s=5.0, should_stop=should_stop)
+        FeedLoop(producer, on_progress).run(poll_s=0.02, progress_s=5.0, should_stop=should_stop)
         p_wall = time.monotonic() - p_t0[0]
         stats1 = engine_json(engine_url, "/_engine/stats")["stats"]
         report["progress"] = progress

@@ -27,7 +27,7 @@ from rq import Queue, Worker
 from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.telemetry import RunStatus, status_document
+from budget_service.telemetry import status_document
 from foundation import waiting
 from foundation.config import RunConfig
 from foundation.outputs import (
@@ -41,6 +41,7 @@ from foundation.outputs import (
 from foundation.redisconn import connect
 from foundation.wire import DeadLetter, Result, turn_id
 from producer.feeder import Producer
+from producer.loop import FeedLoop
 from producer.readers.index import sample_id
 from producer.run import build_producer
 from tokencap.stack.localredis import find_redis_server, free_port
@@ -202,10 +203,9 @@ class Pipeline:
             self.writer.close()
             self.writer = None
 
-    def build(self, on_progress: Callable[[RunStatus], None] | None = None,
-              context_length: int | None = None) -> Producer:
+    def build(self, context_length: int | None = None) -> Producer:
         self.producer = build_producer(self.cfg, self.redis,
-                                       context_length or self.cfg.context_length, on_progress)
+                                       context_length or self.cfg.context_length)
         return self.producer
 
     def run(self, should_stop: Callable[[], bool] = lambda: False,
@@ -213,8 +213,8 @@ class Pipeline:
         """The producer loop until the run is finished (or `should_stop()`); returns the
         final status as its JSON face (`status_document`), what the tests check."""
         producer = self.producer or self.build()
-        return status_document(producer.run(poll_s=self.poll_s, progress_s=progress_s,
-                                            should_stop=should_stop))
+        return status_document(FeedLoop(producer).run(poll_s=self.poll_s, progress_s=progress_s,
+                                                      should_stop=should_stop))
 
     def status(self) -> dict[str, Any]:
         return self.budget.telemetry.status([c.name for c in self.cfg.category])["categories"]
