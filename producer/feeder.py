@@ -44,7 +44,6 @@ from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms, run_ended
 from foundation.config import Category, RunConfig
 from producer.followups import FollowUps
-from producer.readers.index import SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
 
@@ -94,20 +93,8 @@ class CategoryFeed:
         return self.source.cat
 
     @property
-    def index(self) -> SourceIndex:
-        return self.source.index
-
-    @property
-    def order(self) -> array:
-        return self.source.order
-
-    @property
-    def turns(self) -> bool:
-        return self.source.turns
-
-    @property
     def exhausted(self) -> bool:
-        return self.cursor >= len(self.order)
+        return self.cursor >= len(self.source.order)
 
 
 class Producer:
@@ -178,7 +165,7 @@ class Producer:
                                  st.samples)
                     elif self.budget.feeding.cursor(name) != feed.cursor:
                         self.resync(feed)
-            elif st.state == "closed" and feed.turns:
+            elif st.state == "closed" and feed.source.turns:
                 self.followups.report_cut(feed.source, st)
             work += done
         return work
@@ -235,7 +222,7 @@ class Producer:
         fed = 0
         while room > 0 and not feed.exhausted:
             start = feed.cursor
-            positions = list(feed.order[start : start + room])
+            positions = list(feed.source.order[start : start + room])
             samples, rejected = feed.source.read_many(positions)
             known = self.budget.feeding.known(name, [feed.source.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume

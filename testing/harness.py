@@ -313,8 +313,9 @@ class Pipeline:
             summary += ", " + check_conversations(name, recs, letters, held | waiting)
         feed = self.producer.feeds.get(name) if self.producer else None
         if feed is not None:
-            first = (lambda sid: turn_id(sid, 1)) if feed.turns else (lambda sid: sid)
-            fed = {first(sample_id(feed.index, feed.order[i])) for i in range(feed.cursor)}
+            source = feed.source
+            first = (lambda sid: turn_id(sid, 1)) if source.turns else (lambda sid: sid)
+            fed = {first(sample_id(source.index, source.order[i])) for i in range(feed.cursor)}
             assert fed <= set(final) | held, f"{name}: a fed sample has no terminal state"
             summary += f", {len(fed)} fed, all terminal or held"
         return summary
