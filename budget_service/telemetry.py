@@ -195,8 +195,9 @@ class TelemetryLedger(Ledger):
 
     def snapshot(self, categories: Sequence[str] | None = None,
                  by_engine: bool = False) -> RunStatus:
-        """The run's state in one round trip (every category of the stored config unless
-        `categories`); with `by_engine`, each category's prefix cache counters per engine."""
+        """The run's state in one round trip, after the stored config's (every category of
+        it unless `categories`; a hidden-state stage's bytes per token); with `by_engine`,
+        each category's prefix cache counters per engine."""
         cfg = self.load_config()  # read once: the categories, and a stage's bytes per token
         if categories is None:
             categories = [c.name for c in cfg.category] if cfg else []
