@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -216,6 +216,20 @@ class CategoryState(msgspec.Struct, frozen=True):
     # the prompt tokens shared with the turn before: what a prefix cache could have served
     # (conversations' later turns)
     reusable_tokens: int
+
+    @property
+    def ended(self) -> bool:
+        """At its end: closed, holding back only what its cap holds (parked samples: a
+        raised cap sends them), or exhausted with nothing pending."""
+        return ((self.state == "closed" and self.pending == self.parked)
+                or (self.state == "exhausted" and self.pending == 0))
+
+
+def run_ended(states: Mapping[str, CategoryState], unwritten: int) -> bool:
+    """The run's end, decided here only: every category ended (`CategoryState.ended`) and
+    nothing left for the writer (`unwritten`: results and dead letters not on disk). The
+    producer stops feeding on it; `tokencap up` exits 0 on it (`RunStatus.ended`)."""
+    return all(st.ended for st in states.values()) and unwritten == 0
 
 
 class Ledger:

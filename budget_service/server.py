@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import msgspec
 import requests
 
 from budget_service.budget import Budget
 from budget_service.ledger import cap_text, now_ms, parse_cap
-from budget_service.telemetry import render_metrics
+from budget_service.telemetry import PointCategory, PointEngine, SeriesPoint, render_metrics
 from foundation.config import DEFAULT_BUDGET_PORT
 from foundation.engine.api import engine_specs
 from foundation.engine.load import LoadReader
@@ -46,24 +47,25 @@ MAX_BODY_BYTES = 4096
 CONTENT_TYPE_METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def take_point(budget: Budget, loads: LoadReader | None = None) -> dict[str, Any]:
+def take_point(budget: Budget, loads: LoadReader | None = None) -> SeriesPoint:
     """One point of the run's time series, as the recorder appends it (`loads`: the
     recorder's reader, which remembers the engines without /v1/loads)."""
     loads = loads or LoadReader()
     snap = budget.telemetry.snapshot()
-    cats = {name: {"used": c.used, "samples": c.samples, "cap": c.cap, "state": c.state}
+    cats = {name: PointCategory(used=c.used, samples=c.samples, cap=c.cap, state=c.state)
             for name, c in snap.categories.items()}
     keyed = {s.url: s for s in engine_specs(os.environ.get("SGLANG_URL"))}
-    engines: dict[str, Any] = {}
+    engines: dict[str, PointEngine] = {}
     for url in snap.engines:
         spec = keyed.get(url) or engine_specs([url])[0]
         try:
             load, _ = loads.read(url, spec.headers(), LOAD_TIMEOUT_S)
         except requests.RequestException:
             load = None
-        engines[url] = {"running": load["running"], "queued": load["queued"]} if load else {}
-    return {"at": now_ms(), "categories": cats, "engines": engines,
-            "workers": budget.telemetry.workers(), "unwritten": snap.writer.unwritten}
+        engines[url] = PointEngine(running=load["running"], queued=load["queued"]) if load \
+            else PointEngine()
+    return SeriesPoint(at=now_ms(), categories=cats, engines=engines,
+                       workers=budget.telemetry.workers(), unwritten=snap.writer.unwritten)
 
 
 class Recorder(threading.Thread):
@@ -116,7 +118,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
                 count = query.get("count", [""])[0]
                 points = budget.telemetry.series(query.get("after", [""])[0], min(
                     int(count), SERIES_MAX_COUNT) if count.isdigit() else None)
-                self._json(200, points)
+                self._json(200, msgspec.to_builtins(points))
             elif url.path == "/metrics":
                 self._send(200, render_metrics(budget.telemetry), CONTENT_TYPE_METRICS)
             elif url.path == "/health":
@@ -142,7 +144,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             except (ValueError, KeyError, TypeError) as exc:
                 self._json(400, {"error": f"expected {{category, cap_tokens}}: {exc}"})
                 return
-            if cat not in budget.telemetry.status()["categories"]:
+            if cat not in budget.telemetry.snapshot().categories:
                 self._json(404, {"error": f"no category {cat!r}"})
                 return
             closed, old = budget.operating.set_cap(

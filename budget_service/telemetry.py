@@ -2,9 +2,11 @@
 and the points and counters recorded for them.
 
 `TelemetryLedger.snapshot` reads the typed state once (`RunStatus`: each category's
-`CategoryState`, the writer, the engines); the status document (`status_document`, what
-`tokencap status --json` and `/status` give) and the `/metrics` page (`render_metrics`) are
-both made from it here, so a field shows the same in both.
+`CategoryState`, the writer, the engines, a hidden-state stage's bytes per token): what the
+producer hands its boards (progress lines, summary, watch, report). Its one JSON face, the
+status document (`status_document`, what `tokencap status --json` and `/status` give), and
+the `/metrics` page (`render_metrics`) are both made from it here, so a field shows the same
+in both. The run's time series is typed too (`SeriesPoint`), stored and read as JSON.
 
 Metrics (every series has a `run` label; per category also `category`):
 
@@ -44,7 +46,7 @@ Metrics (every series has a `run` label; per category also `category`):
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
@@ -62,6 +64,7 @@ from budget_service.ledger import (
     Ledger,
     as_str,
     cache_by_engine,
+    run_ended,
 )
 from foundation import hsfile
 from foundation.config import RunConfig
@@ -112,9 +115,19 @@ class EngineTrouble(msgspec.Struct, frozen=True):
     since_ms: int
 
 
+class StateBytes(NamedTuple):
+    """A hidden-state stage's category in bytes of states: kept, and its cap (None:
+    uncapped)."""
+
+    used: int
+    cap: int | None
+
+
 class RunStatus(msgspec.Struct, frozen=True):
     """One read of the run's state (`TelemetryLedger.snapshot`); `cache` (per category, per
-    engine URL: samples, prompt, cached and reusable tokens) only when asked for."""
+    engine URL: samples, prompt, cached and reusable tokens) only when asked for;
+    `bytes_per_token` only for a hidden-state stage (its categories count tokens, and keep
+    that many bytes of states per token)."""
 
     run: str
     categories: dict[str, CategoryState]
@@ -122,10 +135,58 @@ class RunStatus(msgspec.Struct, frozen=True):
     engines: dict[str, EngineInfo]
     cache: dict[str, dict[str, dict[str, int]]] = {}
     trouble: dict[str, EngineTrouble] = {}
+    bytes_per_token: int | None = None
 
     @property
     def simulated(self) -> bool:
         return any(e.simulated for e in self.engines.values())
+
+    @property
+    def ended(self) -> bool:
+        """The run's end (`budget_service.ledger.run_ended`): every category ended and
+        everything written."""
+        return run_ended(self.categories, self.writer.unwritten)
+
+    def state_bytes(self, st: CategoryState) -> StateBytes | None:
+        """`st` (one of this run's categories) in bytes of states; None but for a
+        hidden-state stage."""
+        bpt = self.bytes_per_token
+        if not bpt:
+            return None
+        return StateBytes(st.used * bpt, None if st.cap is None else st.cap * bpt)
+
+
+class PointCategory(msgspec.Struct, frozen=True):
+    """A category in a point of the time series."""
+
+    used: int
+    samples: int
+    cap: int | None
+    state: str
+
+
+class PointEngine(msgspec.Struct, frozen=True):
+    """An engine's load in a point of the time series: running and queued requests (both
+    absent: the engine gave no reading)."""
+
+    running: float | None | msgspec.UnsetType = msgspec.UNSET
+    queued: float | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class SeriesPoint(msgspec.Struct, frozen=True):
+    """One point of the run's time series (`budget_service.server.take_point`): when (ms
+    since the epoch), each category's budget, each engine's load, the workers, the results
+    not yet written; `id`, its stream id, once read back (`TelemetryLedger.series`)."""
+
+    at: int
+    categories: dict[str, PointCategory]
+    engines: dict[str, PointEngine]
+    workers: int
+    unwritten: int
+    id: str | msgspec.UnsetType = msgspec.UNSET
+
+
+_POINT = msgspec.json.Decoder(SeriesPoint)
 
 
 class TelemetryLedger(Ledger):
@@ -134,10 +195,11 @@ class TelemetryLedger(Ledger):
 
     def snapshot(self, categories: Sequence[str] | None = None,
                  by_engine: bool = False) -> RunStatus:
-        """The run's state in one round trip (every category of the stored config unless
-        `categories`); with `by_engine`, each category's prefix cache counters per engine."""
+        """The run's state in one round trip, after the stored config's (every category of
+        it unless `categories`; a hidden-state stage's bytes per token); with `by_engine`,
+        each category's prefix cache counters per engine."""
+        cfg = self.load_config()  # read once: the categories, and a stage's bytes per token
         if categories is None:
-            cfg = self.load_config()
             categories = [c.name for c in cfg.category] if cfg else []
         states, (caches, holder, wstate, engines_raw, trouble_raw) = \
             self._states(categories, by_engine)
@@ -153,26 +215,13 @@ class TelemetryLedger(Ledger):
                  if by_engine else {})
         trouble = {as_str(k): msgspec.json.decode(v, type=EngineTrouble)
                    for k, v in trouble_raw.items()}
-        return RunStatus(self.keys.run, states, writer, engines, cache, trouble)
+        return RunStatus(self.keys.run, states, writer, engines, cache, trouble,
+                         _bytes_per_token(cfg))
 
     def status(self, categories: list[str] | None = None,
                by_engine: bool = False) -> dict[str, Any]:
-        """The `tokencap status --json` document (`status_document` of `snapshot`); a
-        hidden-state stage's categories also say their bytes (`bytes_used`, `bytes_cap`)."""
-        cfg = self.load_config()  # read once: the categories, and a stage's bytes per token
-        if categories is None:
-            categories = [c.name for c in cfg.category] if cfg else []
-        doc = status_document(self.snapshot(categories, by_engine))
-        bpt = _bytes_per_token(cfg)
-        if bpt:
-            for st in doc["categories"].values():
-                st["bytes_used"] = st["used"] * bpt
-                st["bytes_cap"] = None if st["cap"] is None else st["cap"] * bpt
-        return doc
-
-    def bytes_per_token(self) -> int | None:
-        """A hidden-state stage's bytes per counted token (None for generation)."""
-        return _bytes_per_token(self.load_config())
+        """The `tokencap status --json` document: `status_document` of `snapshot`."""
+        return status_document(self.snapshot(categories, by_engine))
 
     def workers(self) -> int:
         """Workers registered on the run's queues (RQ's registry)."""
@@ -181,7 +230,7 @@ class TelemetryLedger(Ledger):
             return 0
         return jobs.worker_count(self.redis, self.keys, cfg.category[0].name)
 
-    def series(self, after: str = "", count: int | None = None) -> list[dict[str, Any]]:
+    def series(self, after: str = "", count: int | None = None) -> list[SeriesPoint]:
         """The time series' points, oldest first, each with its stream `id`: those after
         the point `after` (an id), or with `count` the last ones only."""
         key = self.keys.series
@@ -189,9 +238,10 @@ class TelemetryLedger(Ledger):
             entries = cast(list[Any], self.redis.xrevrange(key, count=count))[::-1]
         else:
             entries = cast(list[Any], self.redis.xrange(key, min=f"({after}" if after else "-"))
-        return [{**msgspec.json.decode(fields[b"p"]), "id": as_str(eid)} for eid, fields in entries]
+        return [msgspec.structs.replace(_POINT.decode(fields[b"p"]), id=as_str(eid))
+                for eid, fields in entries]
 
-    def record_point(self, point: Mapping[str, Any], keep: int = SERIES_POINTS) -> None:
+    def record_point(self, point: SeriesPoint, keep: int = SERIES_POINTS) -> None:
         """Append one point of the run's time series (the budget service records them)."""
         self.scripts.series(keys=[self.keys.series], args=[keep, encode(point)])
 
@@ -228,14 +278,18 @@ def _bytes_per_token(cfg: RunConfig | None) -> int | None:
 
 
 def status_document(snap: RunStatus) -> dict[str, Any]:
-    """The status document: each category's `CategoryState` as a dict (with `engines`, its
-    prefix cache counters per engine, when the snapshot has them), the writer, the engines'
-    info, and whether an engine is a simulator."""
+    """The status document, the run's state as JSON: each category's `CategoryState` as a
+    dict (with `engines`, its prefix cache counters per engine, when the snapshot has them;
+    a hidden-state stage's with `bytes_used` and `bytes_cap`), the writer, the engines' info,
+    and whether an engine is a simulator."""
     cats: dict[str, Any] = {}
     for name, st in snap.categories.items():
         cats[name] = msgspec.structs.asdict(st)
         if name in snap.cache:
             cats[name]["engines"] = snap.cache[name]
+        size = snap.state_bytes(st)
+        if size is not None:
+            cats[name]["bytes_used"], cats[name]["bytes_cap"] = size
     return {"run": snap.run, "categories": cats,
             "writer": msgspec.structs.asdict(snap.writer),
             "engines": {url: msgspec.to_builtins(e) for url, e in snap.engines.items()},
@@ -254,7 +308,7 @@ class _Collector:
         yield from _category_metrics(snap)
         yield from _writer_metrics(snap.run, snap.writer)
         yield from _trouble_metrics(snap.run, snap.trouble)
-        yield from _bytes_metrics(snap, self.ledger.bytes_per_token())
+        yield from _bytes_metrics(snap)
         yield from _engine_metrics(snap.run, self.ledger.engine_counts(), self.ledger.workers())
 
 
@@ -337,13 +391,14 @@ def _writer_metrics(run: str, writer: WriterState) -> Iterator[Metric]:
     yield g
 
 
-def _bytes_metrics(snap: RunStatus, bpt: int | None) -> Iterator[Metric]:
+def _bytes_metrics(snap: RunStatus) -> Iterator[Metric]:
     g = GaugeMetricFamily("tokencap_hidden_state_bytes",
                           "Bytes of hidden states kept (a hidden-state stage)",
                           labels=["run", "category"])
-    if bpt:
-        for name, st in snap.categories.items():
-            g.add_metric([snap.run, name], st.used * bpt)
+    for name, st in snap.categories.items():
+        size = snap.state_bytes(st)
+        if size is not None:
+            g.add_metric([snap.run, name], size.used)
     yield g
 
 

@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         "args": vars(args), "host": platform.node(), "python": sys.version.split()[0],
         "work_dir": str(work),
     }
+    from budget_service.telemetry import RunStatus
+    from producer.loop import FeedLoop
     from testing.harness import Pipeline, RedisServer
 
     redis: RedisServer | None = None
@@ -499,17 +501,17 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         report["progress"] = progress  # filled as the run goes, kept if it is cut short
         p_t0 = [0.0]
 
-        def on_progress(st: dict[str, Any]) -> None:
+        def on_progress(st: RunStatus) -> None:
             g = engine_gauges(engine_url)
             row = {"t": round(time.monotonic() - p_t0[0], 1),
-                   "used": {k: v["used"] for k, v in st["categories"].items()},
-                   "state": {k: v["state"] for k, v in st["categories"].items()},
+                   "used": {k: v.used for k, v in st.categories.items()},
+                   "state": {k: v.state for k, v in st.categories.items()},
                    "running": g.get("running"), "queued": g.get("queued"),
                    "gen_tok_s": g.get("gen_throughput")}
             progress.append(row)
             log.info("progress %s", row)
 
-        run.build(on_progress, _context_length(engine_url))
+        producer = run.build(_context_length(engine_url))
         run.start_writer()
         run.start_workers(args.workers)
         stop_at = t_start + args.deadline_s - 45  # leave time for the checks and the report
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                 return True
             return False
 
-        status = run.producer.run(poll_s=0.02, progress_s=5.0, should_stop=should_stop)
+        FeedLoop(producer, on_progress).run(poll_s=0.02, progress_s=5.0, should_stop=should_stop)
         p_wall = time.monotonic() - p_t0[0]
         stats1 = engine_json(engine_url, "/_engine/stats")["stats"]
         report["progress"] = progress

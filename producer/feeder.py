@@ -1,4 +1,4 @@
-"""The producer loop: feed each open category, reap lost jobs, unpark, detect the end.
+"""The producer's tick: feed each open category, reap lost jobs, unpark, mark the used up.
 
 Per tick and category:
 1. reap: ledger entries whose lease expired and whose job is not in the queue are
@@ -12,7 +12,8 @@ Per tick and category:
    conversation waits for a turn and everything is written; a closed category reports the
    conversations it holds back (cut records).
 The run ends when every category is closed (holding back only what a raised cap would send)
-or exhausted, and the writer has written every result.
+or exhausted, and the writer has written every result (`Producer.finished`, on the rule of
+`budget_service.ledger.run_ended`); `producer.loop` ticks until then.
 
 The repairs (reap, a Redis restart, the end's registry cleanup) are `producer.recovery`; a
 feed Redis lost is fed again from Redis's cursor (`Producer.resync`). The category states it
@@ -31,8 +32,7 @@ import math
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from redis import Redis
@@ -41,16 +41,13 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.estimator import LengthModel, admission
 from budget_service.keys import Keys
-from budget_service.ledger import CategoryState, now_ms
-from foundation.backoff import REDIS_DOWN, Backoff
+from budget_service.ledger import CategoryState, now_ms, run_ended
 from foundation.config import Category, RunConfig
 from producer.followups import FollowUps
-from producer.readers.index import SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
 
 if TYPE_CHECKING:
-    from producer.engine_watch import EngineWatch
     from producer.render import Renderer
 
 log = logging.getLogger(__name__)
@@ -96,48 +93,28 @@ class CategoryFeed:
         return self.source.cat
 
     @property
-    def index(self) -> SourceIndex:
-        return self.source.index
-
-    @property
-    def order(self) -> array:
-        return self.source.order
-
-    @property
-    def turns(self) -> bool:
-        return self.source.turns
-
-    @property
     def exhausted(self) -> bool:
-        return self.cursor >= len(self.order)
+        return self.cursor >= len(self.source.order)
 
 
 class Producer:
-    """Feeds one run. `renderer` is None when every category is pre-tokenized."""
+    """Feeds one run, a tick at a time (`producer.loop.FeedLoop` ticks it to the run's end).
+    `renderer` is None when every category is pre-tokenized."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        redis: Redis,
-        renderer: Renderer | None,
-        on_progress: Callable[[dict[str, Any]], None] | None = None,
-    ) -> None:
+    def __init__(self, cfg: RunConfig, redis: Redis, renderer: Renderer | None) -> None:
         self.cfg = cfg
         self.redis = redis
         self.keys = Keys(cfg.key_prefix, cfg.run)
         self.budget = Budget(redis, self.keys)
-        self.on_progress = on_progress
-        # whether the engines answer, recorded for status (run_to_end sets it)
-        self.watch: EngineWatch | None = None
         self.feeds: dict[str, CategoryFeed] = {}
         self.queues = {c.name: jobs.queue(redis, self.keys, c.name) for c in cfg.category}
         self.recovery = Recovery(cfg, redis, self.budget, self.queues, self._enqueue)
         self.lease_ms = int(cfg.lease_s * 1000)
         self._workers = 0
         self._workers_at = 0.0
-        self._last_status: dict[str, CategoryState] | None = None
+        # the category states the last tick steered on
+        self.last_states: dict[str, CategoryState] | None = None
         self._unpark_mark: dict[str, tuple[int | None, ...]] = {}
-        self._events_after: dict[str, str] | None = None  # the event log read so far
         self._feedable = len(cfg.category)  # categories that can be fed, as of the last tick
         self._keys_seen: OrderedDict[str, None] = OrderedDict()  # affinity keys, last first
         self._affinity = self._shared_key if cfg.affinity else None
@@ -157,12 +134,17 @@ class Producer:
         log.warning("%s: Redis's cursor is %d, not %d (Redis lost the last feeds?); feeding "
                     "again from there", name, feed.cursor, ours)
 
-    # -- the loop ----------------------------------------------------------------------
+    def resync_all(self) -> None:
+        """Take Redis's cursor of every category (the run was created again: from 0)."""
+        for feed in self.feeds.values():
+            feed.resync(self.budget.feeding.cursor(feed.cat.name))
+
+    # -- the tick ----------------------------------------------------------------------
     def tick(self) -> int:
         """One pass over every category. Returns how much work was done (0 = idle)."""
         work = 0
         status = self.budget.states(list(self.feeds))
-        self._last_status = status
+        self.last_states = status
         self._feedable = sum(1 for name, st in status.items() if self._can_feed(name, st))
         reap = self.recovery.reap_due()
         for name, feed in self.feeds.items():
@@ -183,84 +165,20 @@ class Producer:
                                  st.samples)
                     elif self.budget.feeding.cursor(name) != feed.cursor:
                         self.resync(feed)
-            elif st.state == "closed" and feed.turns:
+            elif st.state == "closed" and feed.source.turns:
                 self.followups.report_cut(feed.source, st)
             work += done
         return work
 
     def finished(self) -> bool:
-        """Every category closed (what it still holds is held back by its cap: parked, or a
-        conversation's next turn) or exhausted with nothing pending, as of the last tick, and
-        every result written by the writer."""
-        status = self._last_status or self.budget.states(list(self.feeds))
-        done = all(
-            (st.state == "closed" and st.pending == st.parked)
-            or (st.state == "exhausted" and st.pending == 0)
-            for st in status.values()
-        )
-        return done and self.writer_lag() == 0
+        """The run's end (`run_ended`) as of the last tick: every category closed (what it
+        still holds is held back by its cap) or exhausted with nothing pending; and every
+        result written by the writer, as of now."""
+        states = self.last_states or self.budget.states(list(self.feeds))
+        return run_ended(states, self.writer_lag())
 
     def writer_lag(self) -> int:
         return self.budget.feeding.unwritten(self.feeds)
-
-    def run(self, poll_s: float = IDLE_TICK_S, progress_s: float = 2.0,
-            should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-        """Feed until the run is finished or `should_stop()`; survive Redis outages.
-
-        While Redis cannot be reached nothing is fed (the budget fails closed); the loop
-        retries with backoff and, if Redis came back without the run (restarted empty),
-        rebuilds it from the output files before feeding again.
-        """
-        last = 0.0
-        backoff = Backoff()
-        redis_down_at: float | None = None
-        while True:
-            try:
-                if should_stop():
-                    break
-                if self.recovery.ensure_run(list(self.feeds)):
-                    for feed in self.feeds.values():  # the run was created again: from 0
-                        feed.resync(self.budget.feeding.cursor(feed.cat.name))
-                work = self.tick()
-                now = time.monotonic()
-                if now - last >= progress_s:
-                    last = now
-                    if self.watch is not None and self._last_status is not None:
-                        self.watch.check(self._last_status)
-                    if self.on_progress:
-                        self.on_progress(self.budget.telemetry.status(list(self.feeds)))
-                        self.log_events()
-                if work == 0:
-                    if self.finished():
-                        self.recovery.finalize()
-                        break
-                    time.sleep(poll_s)
-                backoff.reset()
-                if redis_down_at is not None:
-                    log.warning("Redis answers again, after %.0f s",
-                                time.monotonic() - redis_down_at)
-                    redis_down_at = None
-            except REDIS_DOWN as exc:
-                if redis_down_at is None:  # one line per outage, not one per retry
-                    redis_down_at = time.monotonic()
-                    log.error("Redis unavailable (%s): nothing is fed (fail closed) until it "
-                              "answers; retrying", exc)
-                backoff.wait()
-                self.recovery.redis_was_down()
-        return self.budget.telemetry.status(list(self.feeds))
-
-    def log_events(self) -> None:
-        """Log the event log's entries (cap changes) written since the last call, so the
-        shell running the run sees a cap another shell changed (none on the first call)."""
-        events = self.budget.operating.events(list(self.feeds), self._events_after)
-        if self._events_after is not None:
-            for ev in events:
-                log.warning("%s: cap changed from %s to %s by %s (%s tokens used)",
-                            ev["category"], ev.get("old"), ev.get("new"), ev.get("by"),
-                            ev.get("used"))
-        after = dict(self._events_after or {})
-        after.update({ev["category"]: ev["id"] for ev in events})
-        self._events_after = after
 
     # -- pieces ------------------------------------------------------------------------
     def _can_feed(self, name: str, st: CategoryState) -> bool:
@@ -304,7 +222,7 @@ class Producer:
         fed = 0
         while room > 0 and not feed.exhausted:
             start = feed.cursor
-            positions = list(feed.order[start : start + room])
+            positions = list(feed.source.order[start : start + room])
             samples, rejected = feed.source.read_many(positions)
             known = self.budget.feeding.known(name, [feed.source.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume

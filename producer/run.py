@@ -1,6 +1,6 @@
 """Producer start-up and the one "run to the end": take the run's producer lease, create or
 check the run in Redis, reconcile with the output files, index the sources, feed until every
-category is done. `tokencap run` and `tokencap up` both call `run_to_end`."""
+category is done (`producer.loop`). `tokencap run` and `tokencap up` both call `run_to_end`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from redis import Redis
@@ -16,12 +16,14 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.lease import producer_lease
+from budget_service.telemetry import RunStatus
 from foundation.config import RunConfig, with_stop_ids
 from foundation.engine.api import engine_specs
 from foundation.engine.info import EngineInfo
 from foundation.errors import ConfigError, SourceError
 from producer.engine_watch import EngineWatch
 from producer.feeder import CategoryFeed, Producer
+from producer.loop import PROGRESS_S, FeedLoop
 from producer.manifest import write_manifest
 from producer.preflight import preflight
 from producer.readers.index import SourceIndex
@@ -38,7 +40,6 @@ def build_producer(
     cfg: RunConfig,
     redis: Redis,
     context_len: int | None,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
     renderer: Renderer | None = None,
     engines: Sequence[EngineInfo] = (),
 ) -> Producer:
@@ -75,7 +76,7 @@ def build_producer(
     added = reconcile(budget, out, [c.name for c in cfg.category])
     if created and any(added.values()):
         log.warning("run %s was not in Redis; rebuilt from %s: %s", cfg.run, out, added)
-    producer = Producer(cfg, redis, renderer, on_progress)
+    producer = Producer(cfg, redis, renderer)
     for cat in cfg.category:
         producer.add_feed(CategoryFeed(CategorySource(cfg, cat, indexes[cat.name], renderer,
                                                       context_len)))
@@ -114,11 +115,11 @@ def run_to_end(
     redis: Redis,
     engine_urls: list[str],
     *,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[RunStatus], None] | None = None,
     before_feed: Callable[[Producer], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
-    progress_s: float = 2.0,
-) -> dict[str, Any]:
+    progress_s: float = PROGRESS_S,
+) -> RunStatus:
     """Check the engines (`producer.preflight`: nothing is fed to an engine that is
     unreachable, too old or serves another model than the tokenizer's), take the run's lock,
     build the producer (config, tokenizer and sources checked, run created or resumed,
@@ -132,9 +133,9 @@ def run_to_end(
     try:
         known = [i.context_length for i in infos if i.context_length]
         ctx = cfg.context_length or (min(known) if known else None)
-        producer = build_producer(cfg, redis, ctx, on_progress, renderer, infos)
+        producer = build_producer(cfg, redis, ctx, renderer, infos)
         producer.budget.telemetry.record_engines(infos)
-        producer.watch = EngineWatch(producer.budget.telemetry, engine_specs(engine_urls))
+        watch = EngineWatch(producer.budget.telemetry, engine_specs(engine_urls))
         if before_feed is not None:
             before_feed(producer)
 
@@ -142,6 +143,7 @@ def run_to_end(
             lock.renew()
             return should_stop()
 
-        return producer.run(progress_s=progress_s, should_stop=stop)
+        loop = FeedLoop(producer, on_progress, watch)
+        return loop.run(progress_s=progress_s, should_stop=stop)
     finally:
         lock.release()

@@ -27,6 +27,7 @@ from rq import Queue, Worker
 from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.telemetry import status_document
 from foundation import waiting
 from foundation.config import RunConfig
 from foundation.outputs import (
@@ -40,6 +41,7 @@ from foundation.outputs import (
 from foundation.redisconn import connect
 from foundation.wire import DeadLetter, Result, turn_id
 from producer.feeder import Producer
+from producer.loop import FeedLoop
 from producer.readers.index import sample_id
 from producer.run import build_producer
 from tokencap.stack.localredis import find_redis_server, free_port
@@ -201,17 +203,18 @@ class Pipeline:
             self.writer.close()
             self.writer = None
 
-    def build(self, on_progress: Callable[[dict[str, Any]], None] | None = None,
-              context_length: int | None = None) -> Producer:
+    def build(self, context_length: int | None = None) -> Producer:
         self.producer = build_producer(self.cfg, self.redis,
-                                       context_length or self.cfg.context_length, on_progress)
+                                       context_length or self.cfg.context_length)
         return self.producer
 
     def run(self, should_stop: Callable[[], bool] = lambda: False,
             progress_s: float = 3600.0) -> dict[str, Any]:
-        """The producer loop until the run is finished (or `should_stop()`)."""
+        """The producer loop until the run is finished (or `should_stop()`); returns the
+        final status as its JSON face (`status_document`), what the tests check."""
         producer = self.producer or self.build()
-        return producer.run(poll_s=self.poll_s, progress_s=progress_s, should_stop=should_stop)
+        return status_document(FeedLoop(producer).run(poll_s=self.poll_s, progress_s=progress_s,
+                                                      should_stop=should_stop))
 
     def status(self) -> dict[str, Any]:
         return self.budget.telemetry.status([c.name for c in self.cfg.category])["categories"]
@@ -310,8 +313,9 @@ class Pipeline:
             summary += ", " + check_conversations(name, recs, letters, held | waiting)
         feed = self.producer.feeds.get(name) if self.producer else None
         if feed is not None:
-            first = (lambda sid: turn_id(sid, 1)) if feed.turns else (lambda sid: sid)
-            fed = {first(sample_id(feed.index, feed.order[i])) for i in range(feed.cursor)}
+            source = feed.source
+            first = (lambda sid: turn_id(sid, 1)) if source.turns else (lambda sid: sid)
+            fed = {first(sample_id(source.index, source.order[i])) for i in range(feed.cursor)}
             assert fed <= set(final) | held, f"{name}: a fed sample has no terminal state"
             summary += f", {len(fed)} fed, all terminal or held"
         return summary

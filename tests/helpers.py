@@ -2,6 +2,7 @@
 
 - the ledger, driven directly (`make_cfg`, `pending`, `result`, `feed`, `LEASE_MS`): a run
   of one or more categories with small caps, its samples fed one at a time and their results;
+- a run's status made by hand for a board (`category_state`, `run_status`);
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
   shell does not have;
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
@@ -20,7 +21,8 @@ from rq.job import Job
 
 from budget_service.budget import Budget
 from budget_service.jobs import JOB_FAILURE_TTL_S, JOB_FUNC, JOB_RESULT_TTL_S
-from budget_service.ledger import now_ms
+from budget_service.ledger import CategoryState, now_ms
+from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
 from foundation.wire import JobRef, Pending, Result
 
@@ -58,6 +60,21 @@ def feed(budget: Budget, sid: str, prompt: tuple[int, ...] | None = None,
                               [pending(sid, prompt or (1, 2, 3, len(sid), *map(ord, sid)))], [])
     assert ids is not None
     return len(ids)
+
+
+def category_state(**fields: object) -> CategoryState:
+    """A category's state with these fields, every other one zero (or empty, open, capped at
+    1,000)."""
+    zero: dict[str, object] = dict.fromkeys(CategoryState.__struct_fields__, 0)
+    zero.update(cap=1000, state="open", rejected_tokens={}, rejected_replies={}, reasons={})
+    return msgspec.convert({**zero, **fields}, CategoryState)
+
+
+def run_status(categories: dict[str, CategoryState], run: str = "r",
+               writer: WriterState | None = None, **fields: object) -> RunStatus:
+    """A run's status with these categories; no writer holds it and nothing waits for one
+    unless `writer` says, no engine is known unless `fields` say."""
+    return RunStatus(run, categories, writer or WriterState(None, None, 0), {}, **fields)
 
 
 # -- the stack's shell --------------------------------------------------------------------------

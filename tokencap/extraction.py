@@ -28,11 +28,12 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 from redis import Redis
 
+from budget_service.telemetry import RunStatus
 from foundation import hsfile
 from foundation.config import Category, RunConfig, SamplingParams, StatesSpec
 from foundation.engine.api import parse_urls
@@ -211,9 +212,9 @@ def plan_summary(cfg: RunConfig) -> str:
 def extract_states(cfg: RunConfig, redis_url: str, workers: int,
                    extract_url: str | None = None, redis: Redis | None = None,
                    sup: Supervisor | None = None,
-                   on_progress: Callable[[Any], None] | None = None,
+                   on_progress: Callable[[RunStatus], None] | None = None,
                    should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
-                   say: Callable[[str], None] = print) -> Any:
+                   say: Callable[[str], None] = print) -> RunStatus:
     """Extract every training row's states (module docstring) from the extraction servers
     (`extract_urls`): the rows written once, the disk checked against the plan, then the
     stage run to its end by the stage runner, its workers and writer children of `sup`

@@ -167,6 +167,7 @@ def test_an_engine_that_stops_answering_is_in_status_with_since_when_until_it_an
         tmp_path, redis_url) -> None:
     from foundation.engine.api import engine_specs
     from producer.engine_watch import EngineWatch
+    from producer.loop import FeedLoop
     from tests.faults.proxy import Proxy
 
     cfg = two_category_config(tmp_path, cap_a=400_000, cap_b=400_000)
@@ -177,10 +178,9 @@ def test_an_engine_that_stops_answering_is_in_status_with_since_when_until_it_an
         bg = None
         try:
             with started(cfg, redis_url, [url], 2) as pipe:
-                producer = pipe.build()
-                producer.watch = EngineWatch(pipe.budget.telemetry, engine_specs([url]),
-                                             stall_s=1.0)
-                bg = threading.Thread(target=producer.run, daemon=True, kwargs={
+                loop = FeedLoop(pipe.build(), watch=EngineWatch(
+                    pipe.budget.telemetry, engine_specs([url]), stall_s=1.0))
+                bg = threading.Thread(target=loop.run, daemon=True, kwargs={
                     "poll_s": 0.05, "progress_s": 0.2, "should_stop": lambda: stop["now"]})
                 bg.start()
                 telemetry = pipe.budget.telemetry

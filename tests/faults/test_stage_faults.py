@@ -114,8 +114,8 @@ def test_stage_workers_and_writer_killed_are_replaced_and_every_row_kept_once(
     # and the stage finished with every row's states kept once, each checked against its row
     spec = cfg.states()
     for c in ("a", "b"):
-        assert status["categories"][c]["state"] == "exhausted"
-        assert status["categories"][c]["samples"] == len(rows[c]) > 0
+        assert status.categories[c].state == "exhausted"
+        assert status.categories[c].samples == len(rows[c]) > 0
         results = [r for r in read_results(Path(spec.output_dir) / c)
                    if not isinstance(r, BadLine)]
         assert sorted(r.source_id for r in results) == sorted(rows[c])  # once each

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from budget_service.telemetry import status_document
 from foundation import hsfile
 from foundation.errors import EngineUnusable
 from foundation.outputs import read_dead_letters, read_results, rows_file, states_file
@@ -115,11 +116,13 @@ def extractor(tmp: Path, **faults: float) -> SimServer:
 
 def stage_run(path: Path, redis_url: str, sim: SimServer, workers: int = 2,
               should_stop=lambda: False) -> dict:
+    """The stage run to its end; its status as JSON (`tokencap status --json`'s)."""
     from foundation.config import load_config
 
     cfg = load_config(path)
-    return stage.extract_states(cfg, redis_url, workers, extract_url=sim.url,
-                     should_stop=should_stop, progress_s=0.2, say=lambda line: None)
+    return status_document(stage.extract_states(cfg, redis_url, workers, extract_url=sim.url,
+                                                should_stop=should_stop, progress_s=0.2,
+                                                say=lambda line: None))
 
 
 def kept_rows(tmp: Path, category: str) -> dict[str, list[int]]:

@@ -118,7 +118,7 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
                       say=lambda line: None)
     all_rows = {(c, row_id): ids for c, rs in rows.items() for row_id, ids in rs}
     for c in ("single", "multi"):
-        assert final["categories"][c]["samples"] == len(rows[c])
+        assert final.categories[c].samples == len(rows[c])
         results = [r for r in read_results(Path(hs.output_dir) / c)
                    if not isinstance(r, BadLine)]
         assert sorted(r.source_id for r in results) == sorted(i for i, _ in rows[c])

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import requests
 
+from budget_service.telemetry import status_document
 from foundation.engine.load import read_load
 from foundation.errors import EngineUnusable
 from producer.preflight import preflight
@@ -126,7 +127,8 @@ tokenizer = "{engine.tokenizer}"
 
 def _run(cfg: Any, redis_url: str, url: str, workers: int) -> tuple[dict[str, Any], Pipeline]:
     """`run_to_end` as `tokencap run` does it (the preflight, the engine's context length),
-    the writer and `workers` worker processes started before the first feed."""
+    the writer and `workers` worker processes started before the first feed; the status as
+    JSON (`tokencap status --json`'s)."""
     pipe = Pipeline(cfg, redis_url, [url])
 
     def start(_producer: Any) -> None:
@@ -137,7 +139,7 @@ def _run(cfg: Any, redis_url: str, url: str, workers: int) -> tuple[dict[str, An
         status = run_to_end(cfg, pipe.redis, [url], before_feed=start)
     finally:
         pipe.close()
-    return status, pipe
+    return status_document(status), pipe
 
 
 def test_the_engine_answers_the_protocol_as_the_simulator_plays_it(engine: Engine) -> None:

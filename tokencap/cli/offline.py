@@ -53,12 +53,13 @@ def _export_table(summary: dict[str, Any]) -> str:
             "bad_lines")
     heads = ("rows", "eval rows", "tokens", "loss tokens", "dropped (length)", "duplicates",
              "bad lines")
-    rows = [(name, *(st[c] for c in cols)) for name, st in summary["categories"].items()]
+    cats = summary["categories"]
+    rows = [(name, *(st[c] for c in cols)) for name, st in cats.items()]
     rows.append(("total", *(summary["total"][c] for c in cols)))
     width = max(len("category"), *(len(r[0]) for r in rows))
     lines = [f"{'category':<{width}}" + "".join(f"  {h:>16}" for h in heads)]
     lines += [f"{r[0]:<{width}}" + "".join(f"  {v:>16,}" for v in r[1:]) for r in rows]
-    for name, st in summary["categories"].items():
+    for name, st in cats.items():
         if st.get("conversations") or st.get("conversations_in_progress"):
             lines.append(f"{name}: {st['conversations']:,} conversations written "
                          f"({st['conversations_complete']:,} complete, the others cut with a "

@@ -47,11 +47,12 @@ SERIES_FOR_RATES = 30  # the series' last points a board reads (a minute at one 
 def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str, prefix: str,
            as_json: bool, watch_flag: bool, interval: float, events_flag: bool) -> None:
     """Show each category's cap, used, reserved, samples and state."""
+    from budget_service.telemetry import status_document
     from tokencap.reports.progress import summary_table
 
     budget = open_budget(redis_url, prefix, run_name)
     if events_flag:
-        events = budget.operating.events(list(budget.telemetry.status()["categories"]))
+        events = budget.operating.events(list(budget.telemetry.snapshot().categories))
         click.echo(json.dumps(events, indent=2) if as_json else "\n".join(
             _event_line(e) for e in events) or "no events")
         return
@@ -59,12 +60,12 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
         from foundation.engine.api import parse_urls
         from tokencap.reports.watch import watch
 
-        watch(budget.telemetry.status, parse_urls(sglang_url), budget.telemetry.workers,
+        watch(budget.telemetry.snapshot, parse_urls(sglang_url), budget.telemetry.workers,
               interval_s=interval,
               fetch_series=lambda: budget.telemetry.series(count=SERIES_FOR_RATES))
         return
-    st = budget.telemetry.status(by_engine=True)
-    click.echo(json.dumps(st, indent=2) if as_json else summary_table(st))
+    st = budget.telemetry.snapshot(by_engine=True)
+    click.echo(json.dumps(status_document(st), indent=2) if as_json else summary_table(st))
 
 
 def _event_line(ev: dict[str, Any]) -> str:
@@ -109,7 +110,7 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
     from budget_service.ledger import cap_text
 
     budget = open_budget(redis_url, prefix, run_name, changes="change a cap")
-    if category not in budget.telemetry.status()["categories"]:
+    if category not in budget.telemetry.snapshot().categories:
         raise UnknownCategory(budget.keys.run, category)
     who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
     closed, old = budget.operating.set_cap(category, tokens, by=f"tokencap cap set ({who})")
@@ -151,7 +152,7 @@ def retry(state_dir: str, run_name: str | None, redis_url: str, prefix: str,
     lines in failed.jsonl stay, as history. Conversation turns are not sent again (a
     turn needs the turns before it)."""
     budget = open_budget(redis_url, prefix, run_name, changes="send dead samples again")
-    known = list(budget.telemetry.status()["categories"])
+    known = list(budget.telemetry.snapshot().categories)
     for name in categories:
         if name not in known:
             raise UnknownCategory(budget.keys.run, name)

@@ -1,13 +1,15 @@
-"""Plain-text progress lines and the end-of-run summary (safe without a TTY)."""
+"""Plain-text progress lines and the end-of-run summary (safe without a TTY), of the run's
+typed status (`budget_service.telemetry.RunStatus`)."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from budget_service.ledger import cap_text
+from budget_service.telemetry import RunStatus
 from foundation.units import size_text
 from tokencap.reports.rates import tok_s
 
@@ -19,27 +21,27 @@ def since_text(since_ms: int, now_ms: int | None = None) -> str:
             f"{time.strftime('%H:%M:%S', time.localtime(since_ms / 1000))})")
 
 
-def engine_trouble_lines(status: Mapping[str, Any], now_ms: int | None = None) -> list[str]:
+def engine_trouble_lines(status: RunStatus, now_ms: int | None = None) -> list[str]:
     """The engines that do not answer (the producer's engine watch records them), each with
     why and since when: "engine URL: WHY, for N s (since HH:MM:SS)"."""
-    return [f"engine {url}: {t['why']}, {since_text(int(t['since_ms']), now_ms)}"
-            for url, t in sorted((status.get("engine_trouble") or {}).items())]
+    return [f"engine {url}: {t.why}, {since_text(t.since_ms, now_ms)}"
+            for url, t in sorted(status.trouble.items())]
 
 
-def writer_trouble_lines(status: Mapping[str, Any], now_ms: int | None = None) -> list[str]:
+def writer_trouble_lines(status: RunStatus, now_ms: int | None = None) -> list[str]:
     """The writer's trouble, with since when ([] when none)."""
-    w = status.get("writer") or {}
-    if not w.get("error"):
+    w = status.writer
+    if not w.error:
         return []
-    at = w.get("error_at_ms")
-    return [f"writer: {w['error']}" + (f", {since_text(int(at), now_ms)}" if at else "")]
+    at = w.error_at_ms
+    return [f"writer: {w.error}" + (f", {since_text(at, now_ms)}" if at else "")]
 
 
 class ProgressPrinter:
     """Prints one line per category every call, with tok/s since the previous call, and what
     holds the end back once every category is done (the writer); a line that would repeat
-    the previous one is not printed. An engine that does not answer (the status document's
-    `engine_trouble`) is in every line until it answers again, with since when."""
+    the previous one is not printed. An engine that does not answer (the status's
+    `trouble`) is in every line until it answers again, with since when."""
 
     def __init__(self, out: TextIO = sys.stdout,
                  clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
@@ -49,11 +51,10 @@ class ProgressPrinter:
         self._line = ""
         self._down: dict[str, int] = {}  # engine -> since (ms)
 
-    def _engines_line(self, status: Mapping[str, Any]) -> str:
+    def _engines_line(self, status: RunStatus) -> str:
         """What the engines' trouble adds to the line ("" when none is known)."""
         now = self.clock_ms()
-        down = {url: int(t["since_ms"])
-                for url, t in (status.get("engine_trouble") or {}).items()}
+        down = {url: t.since_ms for url, t in status.trouble.items()}
         for url, since in self._down.items():
             if url not in down:
                 self.out.write(f"[progress] engine {url} answers again, after "
@@ -61,30 +62,30 @@ class ProgressPrinter:
         self._down = down
         return "; ".join(engine_trouble_lines(status, now))
 
-    def __call__(self, status: dict[str, Any]) -> None:
+    def __call__(self, status: RunStatus) -> None:
         now = time.monotonic()
-        cats = status["categories"]
+        cats = status.categories
         parts = []
         engines = self._engines_line(status)
         for name, st in cats.items():
-            t, used = self._last.get(name, (now, st["used"]))
-            rate = tok_s(used, t, st["used"], now)
-            self._last[name] = (now, st["used"])
-            size = (f" [{size_text(st['bytes_used'])} of states"
-                    + (f" of {size_text(st['bytes_cap'])}" if st.get("bytes_cap") else "") + "]"
-                    if "bytes_used" in st else "")
-            if st["cap"] is None:
-                parts.append(f"{name} {st['used']} (uncapped){size} {rate:.0f} tok/s "
-                             f"{st['state']}")
+            t, used = self._last.get(name, (now, st.used))
+            rate = tok_s(used, t, st.used, now)
+            self._last[name] = (now, st.used)
+            b = status.state_bytes(st)
+            size = (f" [{size_text(b.used)} of states"
+                    + (f" of {size_text(b.cap)}" if b.cap else "") + "]"
+                    if b is not None else "")
+            if st.cap is None:
+                parts.append(f"{name} {st.used} (uncapped){size} {rate:.0f} tok/s {st.state}")
             else:
-                pct = 100.0 * st["used"] / st["cap"] if st["cap"] else 100.0
-                parts.append(f"{name} {st['used']}/{st['cap']} ({pct:.0f}%){size} {rate:.0f} "
-                             f"tok/s {st['state']}")
+                pct = 100.0 * st.used / st.cap if st.cap else 100.0
+                parts.append(f"{name} {st.used}/{st.cap} ({pct:.0f}%){size} {rate:.0f} "
+                             f"tok/s {st.state}")
         line = "[progress] " + " | ".join(parts)
-        writer = status.get("writer") or {}
-        unwritten = writer.get("unwritten", 0)
-        trouble = writer.get("error") or ("" if writer.get("holder") else "no writer runs")
-        if cats and all(st["state"] in ("closed", "exhausted") for st in cats.values()) \
+        writer = status.writer
+        unwritten = writer.unwritten
+        trouble = writer.error or ("" if writer.holder else "no writer runs")
+        if cats and all(st.state in ("closed", "exhausted") for st in cats.values()) \
                 and unwritten:
             line = f"[progress] waiting for the writer ({unwritten} results unwritten)"
         if unwritten and trouble:
@@ -100,12 +101,12 @@ class ProgressPrinter:
 SIMULATED_TEXT = "SIMULATED: an engine of this run is the simulator; its outputs are synthetic"
 
 
-def cache_lines(status: dict[str, Any]) -> list[str]:
-    """The prefix cache per category and engine (a status document `by_engine`): prompt
-    tokens served from cache, of all and of those shared with the turn before."""
+def cache_lines(status: RunStatus) -> list[str]:
+    """The prefix cache per category and engine (a status read `by_engine`): prompt tokens
+    served from cache, of all and of those shared with the turn before."""
     out = []
-    for name, st in status["categories"].items():
-        for url, e in (st.get("engines") or {}).items():
+    for name in status.categories:
+        for url, e in status.cache.get(name, {}).items():
             if not e["prompt_tokens"]:
                 continue
             line = (f"prefix cache {name} @ {url}: {e['cached_tokens']:,} of "
@@ -117,54 +118,53 @@ def cache_lines(status: dict[str, Any]) -> list[str]:
     return out
 
 
-def gate_lines(status: Mapping[str, Any]) -> list[str]:
+def gate_lines(status: RunStatus) -> list[str]:
     """Per category, the output tokens of its training rows beside those of the replies the
     reply gate kept out, by reason (what of the budget a trainer can use)."""
     out = []
-    for name, st in status["categories"].items():
-        rejected = st.get("rejected_tokens") or {}
-        if not rejected:
+    for name, st in status.categories.items():
+        if not st.rejected_tokens:
             continue
-        replies = st.get("rejected_replies") or {}
-        why = ", ".join(f"{reason} {n:,} ({replies.get(reason, 0):,} replies)"
-                        for reason, n in rejected.items())
-        out.append(f"{name}: {st['kept_tokens']:,} output tokens in training rows; kept out "
+        why = ", ".join(f"{reason} {n:,} ({st.rejected_replies.get(reason, 0):,} replies)"
+                        for reason, n in st.rejected_tokens.items())
+        out.append(f"{name}: {st.kept_tokens:,} output tokens in training rows; kept out "
                    f"of training: {why}")
     return out
 
 
-def nothing_usable(status: dict[str, Any], out_dir: str) -> str:
+def nothing_usable(status: RunStatus, out_dir: str) -> str:
     """Why the run made nothing in a category whose every record was rejected ("" when every
     category made something or was never fed): a run that ends so is a mistake (a wrong
     format, a field map, a too-small context), not a success."""
     lines = []
-    for name, st in status["categories"].items():
-        if st["state"] == "exhausted" and st["samples"] == 0 and st["rejected"] > 0:
+    for name, st in status.categories.items():
+        if st.state == "exhausted" and st.samples == 0 and st.rejected > 0:
             reasons = ", ".join(f"{r} {n:,}" for r, n in sorted(
-                st.get("reasons", {}).items(), key=lambda kv: -kv[1])[:3])
-            lines.append(f"{name}: every record was rejected ({st['rejected']:,}: {reasons}); "
+                st.reasons.items(), key=lambda kv: -kv[1])[:3])
+            lines.append(f"{name}: every record was rejected ({st.rejected:,}: {reasons}); "
                          f"{out_dir}/{name}/failed.jsonl says which and why, file:line each "
                          "(`tokencap plan CONFIG --check` shows the same before a run)")
     return "\n".join(lines)
 
 
-def summary_table(status: dict[str, Any]) -> str:
+def summary_table(status: RunStatus) -> str:
     cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
             "waste_tokens", "state")
-    names = list(status["categories"])
+    names = list(status.categories)
     width = max([len("category")] + [len(n) for n in names])
     head = "category".ljust(width) + "  " + "  ".join(c.rjust(10) for c in cols)
-    rows = [f"run {status['run']}", head, "-" * len(head)]
-    for n in names:
-        st = status["categories"][n]
-        cells = [cap_text(st[c]) if c == "cap" else str(st[c]) for c in cols]
+    rows = [f"run {status.run}", head, "-" * len(head)]
+    for n, st in status.categories.items():
+        cells = [cap_text(st.cap), *(str(getattr(st, c)) for c in cols[1:])]
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
     rows += gate_lines(status)
     rows += cache_lines(status)
-    rows += [f"hidden states {n}: {size_text(st['bytes_used'])}"
-             + (f" of {size_text(st['bytes_cap'])}" if st.get("bytes_cap") is not None else "")
-             for n, st in status["categories"].items() if "bytes_used" in st]
+    for n, st in status.categories.items():
+        b = status.state_bytes(st)
+        if b is not None:
+            rows.append(f"hidden states {n}: {size_text(b.used)}"
+                        + (f" of {size_text(b.cap)}" if b.cap is not None else ""))
     rows += engine_trouble_lines(status) + writer_trouble_lines(status)
-    if status.get("simulated"):
+    if status.simulated:
         rows.append(SIMULATED_TEXT)
     return "\n".join(rows)

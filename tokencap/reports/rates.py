@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from budget_service.telemetry import RunStatus, SeriesPoint
 
 RATE_WINDOW_S = 60.0
 NO_VALUE = "-"
@@ -71,19 +73,19 @@ class RateTracker:
             return CategoryRate(tok_s, None)
         return CategoryRate(tok_s, (cap - used) / tok_s)
 
-    def update(self, status: Mapping[str, Any]) -> dict[str, CategoryRate]:
-        """Observe every category of a status document now; return their rates.
+    def update(self, status: RunStatus) -> dict[str, CategoryRate]:
+        """Observe every category of a status now; return their rates.
 
-        Categories no longer in the document are forgotten.
+        Categories no longer in the status are forgotten.
         """
         now = self.clock()
-        cats = status["categories"]
+        cats = status.categories
         for gone in set(self._points) - set(cats):
             del self._points[gone]
         rates: dict[str, CategoryRate] = {}
         for name, st in cats.items():
-            self.observe(name, int(st["used"]), now)
-            rates[name] = self.rate(name, st["cap"], int(st["used"]), str(st["state"]))
+            self.observe(name, st.used, now)
+            rates[name] = self.rate(name, st.cap, st.used, st.state)
         return rates
 
 
@@ -97,14 +99,14 @@ def format_eta(eta_s: float | None) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-def series_rates(points: Sequence[Mapping[str, Any]], status: Mapping[str, Any],
+def series_rates(points: Sequence[SeriesPoint], status: RunStatus,
                  now_s: float, window_s: float = RATE_WINDOW_S) -> dict[str, CategoryRate]:
     """Rates over the last `window_s` of the run's time series (the budget service's points,
     `at` in ms) ending with `status` at `now_s`: the same from any shell, however long it
     has been watching."""
     tracker = RateTracker(window_s, clock=lambda: now_s)
     for p in points:
-        if p["at"] / 1000 < now_s:
-            for name, c in p["categories"].items():
-                tracker.observe(name, int(c["used"]), p["at"] / 1000)
+        if p.at / 1000 < now_s:
+            for name, c in p.categories.items():
+                tracker.observe(name, c.used, p.at / 1000)
     return tracker.update(status)

@@ -3,7 +3,7 @@ the PNG figures beside it.
 
 What it shows, and where each number comes from:
 
-- a summary table per category (`TelemetryLedger.status`: cap, used, samples, overshoot, state,
+- a summary table per category (`TelemetryLedger.snapshot`: cap, used, samples, overshoot, state,
   skipped/failed/rejected, the output tokens of training rows beside those the reply gate
   kept out, by reason);
 - output lengths: a histogram per category of the committed samples' `completion_tokens`
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from budget_service.budget import Budget
-from budget_service.ledger import cap_text
+from budget_service.ledger import CategoryState, cap_text
+from budget_service.telemetry import RunStatus, SeriesPoint
 from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
 from tokencap.reports.rates import tok_s
 
@@ -114,10 +115,9 @@ class _Freq:
         return coverage(self.counts)
 
 
-def _kept_out(c: dict[str, Any]) -> str:
+def _kept_out(c: CategoryState) -> str:
     """The output tokens the reply gate kept out of training, by reason ("none")."""
-    out = c.get("rejected_tokens") or {}
-    return ", ".join(f"{reason} {n:,}" for reason, n in out.items()) or "none"
+    return ", ".join(f"{reason} {n:,}" for reason, n in c.rejected_tokens.items()) or "none"
 
 
 def _png(fig: Any) -> bytes:
@@ -129,14 +129,14 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
-             max_new: dict[str, int], series: list[dict[str, Any]]) -> dict[str, bytes]:
+def _figures(status: RunStatus, data: dict[str, dict[str, Any]],
+             max_new: dict[str, int], series: list[SeriesPoint]) -> dict[str, bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(status["categories"])
+    names = list(status.categories)
     out: dict[str, bytes] = {}
     cols = min(3, len(names)) or 1
     rows = (len(names) + cols - 1) // cols or 1
@@ -169,10 +169,10 @@ def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
     out["finish"] = _png(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3))
-    used = [status["categories"][n]["used"] for n in names]
+    used = [status.categories[n].used for n in names]
     ax.bar(names, used, color="#2e9d5b", label="used")
     capped = [(i, c) for i, n in enumerate(names)
-              if (c := status["categories"][n]["cap"]) is not None]
+              if (c := status.categories[n].cap) is not None]
     for k, (i, cap) in enumerate(capped):
         ax.hlines(cap, i - 0.4, i + 0.4, colors="#b54708", label="cap" if k == 0 else "_cap")
     ax.set_ylabel("tokens")
@@ -180,18 +180,17 @@ def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
     ax.legend(fontsize=8)
     out["budget"] = _png(fig)
 
-    t0 = series[0]["at"] if series else 0
-    times = [(p["at"] - t0) / 1000 for p in series]
+    t0 = series[0].at if series else 0
+    times = [(p.at - t0) / 1000 for p in series]
     fig, ax = plt.subplots(figsize=(7, 3))
     if len(series) >= 2:
-        total = [sum(c["used"] for c in p["categories"].values()) for p in series]
-        rate = [tok_s(total[i - 1], series[i - 1]["at"] / 1000, total[i], series[i]["at"] / 1000)
+        total = [sum(c.used for c in p.categories.values()) for p in series]
+        rate = [tok_s(total[i - 1], series[i - 1].at / 1000, total[i], series[i].at / 1000)
                 for i in range(1, len(series))]
         ax.plot(times[1:], rate, color="#2f6fdf", label="tok/s counted")
         ax.set_ylim(bottom=0)
         ax2 = ax.twinx()
-        batch = [sum((e.get("running") or 0) for e in p.get("engines", {}).values())
-                 for p in series]
+        batch = [sum(e.running or 0 for e in p.engines.values()) for p in series]
         ax2.plot(times, batch, color="#b54708", label="running requests", alpha=0.7)
         ax2.set_ylim(bottom=0)
         ax2.set_ylabel("running requests")
@@ -207,11 +206,11 @@ def _figures(status: dict[str, Any], data: dict[str, dict[str, Any]],
 
     fig, ax = plt.subplots(figsize=(7, 3))
     for name in names:
-        pts = [(t, p["categories"][name]) for t, p in zip(times, series, strict=True)
-               if name in p["categories"]]
-        capped = [(t, c["used"] / c["cap"] * 100) for t, c in pts if c.get("cap")]
-        if capped:
-            ax.plot([t for t, _ in capped], [v for _, v in capped], label=name)
+        pts = [(t, p.categories[name]) for t, p in zip(times, series, strict=True)
+               if name in p.categories]
+        of_cap = [(t, c.used / c.cap * 100) for t, c in pts if c.cap]
+        if of_cap:
+            ax.plot([t for t, _ in of_cap], [v for _, v in of_cap], label=name)
     ax.axhline(100, color="#667085", linestyle=":")
     ax.set_xlabel("seconds")
     ax.set_ylabel("used / cap (%)")
@@ -245,9 +244,9 @@ def _esc(v: Any) -> str:
 def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
     """Write `<dest>/<run>-report.html` and `<dest>/<run>-<figure>.png`; return the HTML
     file's path."""
-    status = budget.telemetry.status()
+    status = budget.telemetry.snapshot()
     cfg = budget.load_config()
-    names = list(status["categories"])
+    names = list(status.categories)
     max_new = {c.name: c.sampling.max_new_tokens for c in cfg.category} if cfg else {}
     max_new = {n: max_new.get(n, 0) for n in names}
     data = _collect(budget, out_dir, names)
@@ -255,22 +254,22 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
     events = budget.operating.events(names)
     pngs = _figures(status, data, max_new, series)
     dest.mkdir(parents=True, exist_ok=True)
-    run = status["run"]
+    run = status.run
     for key, png in pngs.items():
         (dest / f"{run}-{key}.png").write_bytes(png)
 
     rows = "".join(
-        f'<tr data-category="{_esc(n)}" data-samples="{c["samples"]}" data-used="{c["used"]}">'
-        f"<td>{_esc(n)}</td><td>{_esc(cap_text(c['cap']))}</td><td>{c['used']:,}</td>"
-        f"<td>{c['samples']:,}</td><td>{c['overshoot']:,}</td><td>{_esc(c['state'])}</td>"
-        f"<td>{c['skipped']}/{c['failed']}/{c['rejected']}</td>"
-        f"<td>{c.get('kept_tokens', 0):,}</td><td>{_esc(_kept_out(c))}</td></tr>"
-        for n, c in status["categories"].items())
+        f'<tr data-category="{_esc(n)}" data-samples="{c.samples}" data-used="{c.used}">'
+        f"<td>{_esc(n)}</td><td>{_esc(cap_text(c.cap))}</td><td>{c.used:,}</td>"
+        f"<td>{c.samples:,}</td><td>{c.overshoot:,}</td><td>{_esc(c.state)}</td>"
+        f"<td>{c.skipped}/{c.failed}/{c.rejected}</td>"
+        f"<td>{c.kept_tokens:,}</td><td>{_esc(_kept_out(c))}</td></tr>"
+        for n, c in status.categories.items())
     attrs = {
         "lengths": " ".join(f'data-rows-{_esc(n)}="{len(data[n]["lengths"])}"' for n in names),
         "finish": " ".join(f'data-{_esc(k)}-{_esc(n)}="{v}"' for n in names
                            for k, v in data[n]["finish"].items()),
-        "budget": " ".join(f'data-used-{_esc(n)}="{status["categories"][n]["used"]}"'
+        "budget": " ".join(f'data-used-{_esc(n)}="{status.categories[n].used}"'
                            for n in names),
         "throughput": f'data-points="{len(series)}"',
         "tail": f'data-points="{len(series)}"',
@@ -287,9 +286,10 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         f"<td>{_esc(e['category'])}</td><td>{_esc(e.get('old'))} → {_esc(e.get('new'))}</td>"
         f"<td>{_esc(e.get('by'))}</td></tr>" for e in events) or \
         '<tr><td colspan="4">no cap change</td></tr>'
-    engines = "".join(f"<li>{_esc(u)}: {_esc(e.get('model'))} ({_esc(e.get('api'))} "
-                      f"{_esc(e.get('version'))})</li>"
-                      for u, e in status.get("engines", {}).items()) or "<li>none recorded</li>"
+    # what an engine did not say (model, version: "") shows as None
+    engines = "".join(f"<li>{_esc(u)}: {_esc(e.model or None)} ({_esc(e.api)} "
+                      f"{_esc(e.version or None)})</li>"
+                      for u, e in status.engines.items()) or "<li>none recorded</li>"
     def share(n: int, d: int) -> str:
         return f"{100 * n / d:.1f}%" if d else "–"
 
@@ -316,7 +316,7 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         + "".join(f"<td>{pct(v)}</td>" for v in f.coverage().values()) + "</tr>"
         for n, f in freqs.items())
     simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
-                 "outputs are synthetic.</p>") if status.get("simulated") else ""
+                 "outputs are synthetic.</p>") if status.simulated else ""
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

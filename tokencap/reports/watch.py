@@ -1,6 +1,6 @@
 """`tokencap status --watch`: a live board of every category's budget and the engines' load.
 
-Each refresh reads the status document (`TelemetryLedger.status()`), the number of workers,
+Each refresh reads the run's typed status (`TelemetryLedger.snapshot()`), the number of workers,
 and each engine's load (`foundation.engine.load.LoadReader`: SGLang's `/v1/loads`, else the
 Prometheus `/metrics` page of SGLang or vLLM). On a terminal the board is redrawn in place
 with `rich.live.Live`; otherwise (a pipe, a log file) plain lines without escape codes are
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from budget_service.ledger import CategoryState
+from budget_service.telemetry import RunStatus, SeriesPoint
 from foundation.engine.api import engine_spec
 from foundation.engine.load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
@@ -92,15 +94,15 @@ def _pct(used: int, cap: int) -> float:
     return 100.0 * used / cap if cap else 100.0
 
 
-def _used_of(st: Mapping[str, Any], exact: bool) -> str:
+def _used_of(st: CategoryState, exact: bool) -> str:
     """``used/cap (pct%)``, or ``used (uncapped)``."""
-    used, cap = int(st["used"]), st["cap"]
+    used, cap = st.used, st.cap
     num = (lambda n: str(n)) if exact else _si
     if cap is None:
         return f"{num(used)} (uncapped)"
     sep = "/" if exact else " / "
-    pct = f"{_pct(used, int(cap)):.1f}" if exact else f"{_pct(used, int(cap)):.0f}"
-    return f"{num(used)}{sep}{num(int(cap))} ({pct}%)"
+    pct = f"{_pct(used, cap):.1f}" if exact else f"{_pct(used, cap):.0f}"
+    return f"{num(used)}{sep}{num(cap)} ({pct}%)"
 
 
 def _engine_text(e: EngineLoad) -> str:
@@ -121,41 +123,41 @@ def _no_rate() -> CategoryRate:
     return CategoryRate(0.0, None)
 
 
-def plain_lines(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
+def plain_lines(status: RunStatus, rates: Mapping[str, CategoryRate],
                 engines: list[EngineLoad], workers: int) -> list[str]:
     """The board as plain text: one line per category, then one line for engines and workers.
 
     Numbers are exact (no k/M suffixes) so a log can be grepped and parsed.
     """
     lines = []
-    for name, st in status["categories"].items():
+    for name, st in status.categories.items():
         r = rates.get(name) or _no_rate()
         lines.append(
             f"{name} used={_used_of(st, exact=True)} "
-            f"samples={st['samples']} tok_s={r.tok_s:.1f} eta={format_eta(r.eta_s)} "
-            f"state={st['state']} skipped={st['skipped']} failed={st['failed']} "
-            f"rejected={st['rejected']} overshoot={st['overshoot']} "
-            f"kept_tokens={st.get('kept_tokens', 0)} "
-            f"kept_out_tokens={sum((st.get('rejected_tokens') or {}).values())}"
+            f"samples={st.samples} tok_s={r.tok_s:.1f} eta={format_eta(r.eta_s)} "
+            f"state={st.state} skipped={st.skipped} failed={st.failed} "
+            f"rejected={st.rejected} overshoot={st.overshoot} "
+            f"kept_tokens={st.kept_tokens} "
+            f"kept_out_tokens={sum(st.rejected_tokens.values())}"
         )
     engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
     lines.append(f"engines: {engine_part}; workers={workers}")
     lines += engine_trouble_lines(status)
     lines.append(writer_text(status))
-    if status.get("simulated"):
+    if status.simulated:
         lines.append(SIMULATED_TEXT)
     return lines
 
 
-def writer_text(status: Mapping[str, Any]) -> str:
+def writer_text(status: RunStatus) -> str:
     """The writer line: who holds the run's writer lease, results not yet on disk, trouble."""
-    w = status.get("writer") or {}
-    who = w.get("holder") or "NONE (nothing reaches the disk)"
-    text = f"writer: {who}; unwritten={w.get('unwritten', 0)}"
-    if not w.get("error"):
+    w = status.writer
+    who = w.holder or "NONE (nothing reaches the disk)"
+    text = f"writer: {who}; unwritten={w.unwritten}"
+    if not w.error:
         return text
-    since = w.get("error_at_ms")
-    return text + f"; error: {w['error']}" + (f", {since_text(int(since))}" if since else "")
+    since = w.error_at_ms
+    return text + f"; error: {w.error}" + (f", {since_text(since)}" if since else "")
 
 
 _STATE_STYLE = {"open": "green", "exhausted": "yellow", "closed": "bold"}
@@ -174,7 +176,7 @@ LEVELS: tuple[tuple[frozenset[str], int], ...] = (
 )
 
 
-def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
+def render_board(status: RunStatus, rates: Mapping[str, CategoryRate],
                  engines: list[EngineLoad], workers: int, width: int = 120) -> Group:
     """The board for a terminal of `width` columns: a table with one row per category (the
     richest of `LEVELS` that fits), then a footer with engines, workers and the writer."""
@@ -186,9 +188,9 @@ def render_board(status: Mapping[str, Any], rates: Mapping[str, CategoryRate],
     return Group(table, _footer(status, engines, workers))
 
 
-def _table(status: Mapping[str, Any], rates: Mapping[str, CategoryRate], shown: frozenset[str],
+def _table(status: RunStatus, rates: Mapping[str, CategoryRate], shown: frozenset[str],
            bar_width: int) -> Table:
-    table = Table(title=f"tokencap run {status['run']}", title_justify="left", expand=False)
+    table = Table(title=f"tokencap run {status.run}", title_justify="left", expand=False)
     table.add_column("category", no_wrap=True)
     table.add_column("budget", no_wrap=True)
     table.add_column("used / cap", justify="right", no_wrap=True)
@@ -201,32 +203,32 @@ def _table(status: Mapping[str, Any], rates: Mapping[str, CategoryRate], shown: 
         table.add_column("skip/fail/rej", justify="right", no_wrap=True)
     if "overshoot" in shown:
         table.add_column("overshoot", justify="right", no_wrap=True)
-    for name, st in status["categories"].items():
+    for name, st in status.categories.items():
         r = rates.get(name) or _no_rate()
-        cap, used = st["cap"], int(st["used"])
-        over = int(st["overshoot"])
+        cap, used = st.cap, st.used
+        over = st.overshoot
         if cap is None:  # uncapped: the bar shows only whether it still grows
-            bar = ProgressBar(total=None if st["state"] == "open" else 1, completed=1,
+            bar = ProgressBar(total=None if st.state == "open" else 1, completed=1,
                               width=bar_width, complete_style="cyan")
         else:
-            bar = ProgressBar(total=max(int(cap), 1),
-                              completed=min(used, int(cap)) if cap else 1,
+            bar = ProgressBar(total=max(cap, 1),
+                              completed=min(used, cap) if cap else 1,
                               width=bar_width, complete_style="cyan",
                               finished_style="red" if over else "green")
         cells: list[Any] = [name, bar, _used_of(st, exact=False)]
         if "samples" in shown:
-            cells.append(_si(int(st["samples"])))
+            cells.append(_si(st.samples))
         cells += [f"{r.tok_s:,.0f}", format_eta(r.eta_s),
-                  Text(str(st["state"]), style=_STATE_STYLE.get(str(st["state"]), ""))]
+                  Text(st.state, style=_STATE_STYLE.get(st.state, ""))]
         if "skip/fail/rej" in shown:
-            cells.append(f"{st['skipped']}/{st['failed']}/{st['rejected']}")
+            cells.append(f"{st.skipped}/{st.failed}/{st.rejected}")
         if "overshoot" in shown:
             cells.append(Text(_si(over), style="red" if over else ""))
         table.add_row(*cells)
     return table
 
 
-def _footer(status: Mapping[str, Any], engines: list[EngineLoad], workers: int) -> Text:
+def _footer(status: RunStatus, engines: list[EngineLoad], workers: int) -> Text:
     footer = Text()
     for e in engines:
         footer.append("engine ")
@@ -242,18 +244,18 @@ def _footer(status: Mapping[str, Any], engines: list[EngineLoad], workers: int) 
     footer.append(f"workers: {workers}\n")
     for line in gate_lines(status):  # what of the budget a trainer can use
         footer.append(line + "\n")
-    w = status.get("writer") or {}
-    footer.append(writer_text(status), style="bold red" if w.get("error") or (
-        w.get("unwritten") and not w.get("holder")) else "")
-    if status.get("simulated"):
+    w = status.writer
+    footer.append(writer_text(status), style="bold red" if w.error or (
+        w.unwritten and not w.holder) else "")
+    if status.simulated:
         footer.append("\n" + SIMULATED_TEXT, style="bold yellow")
     return footer
 
 
-def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
+def watch(fetch_status: Callable[[], RunStatus], engine_urls: list[str],
           count_workers: Callable[[], int], *, interval_s: float = 2.0,
           console: Console | None = None, iterations: int | None = None,
-          fetch_series: Callable[[], list[dict]] | None = None) -> None:
+          fetch_series: Callable[[], Sequence[SeriesPoint]] | None = None) -> None:
     """Show the board every `interval_s` until Ctrl-C (or after `iterations` boards).
 
     Rates come from the run's time series (`fetch_series`: the budget service records it)
@@ -272,7 +274,7 @@ def watch(fetch_status: Callable[[], dict], engine_urls: list[str],
     engine_timeout_s = min(ENGINE_TIMEOUT_S, max(interval_s, 0.1))
     loads = LoadReader()
 
-    def frame() -> tuple[dict, dict[str, CategoryRate], list[EngineLoad], int]:
+    def frame() -> tuple[RunStatus, dict[str, CategoryRate], list[EngineLoad], int]:
         status = fetch_status()
         points = fetch_series() if fetch_series else []
         rates = series_rates(points, status, time.time()) if points else \

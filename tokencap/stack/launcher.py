@@ -213,8 +213,7 @@ class Stack:
                 code = self._hidden_states(cfg, redis, rurl, n_workers, stopped)
                 if code:
                     return code
-        states = {st["state"] for st in status["categories"].values()}
-        return 0 if states <= {"closed", "exhausted"} else 1
+        return 0 if status.ended else 1
 
     def _hidden_states(self, cfg: RunConfig, redis: Redis, redis_url: str, n_workers: int,
                        stopped: StopFlag) -> int:

@@ -22,13 +22,14 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from redis import Redis
 
 from budget_service.budget import Budget
 from budget_service.jobs import clean_workers
 from budget_service.keys import Keys
+from budget_service.telemetry import RunStatus
 from foundation.config import RunConfig
 from foundation.engine.api import parse_urls
 from producer.run import run_to_end
@@ -163,9 +164,9 @@ class StageRun:
         self.sup.stop([self.writer, *self.slots()])
 
     # -- the run -------------------------------------------------------------------------
-    def run(self, *, on_progress: Callable[[Any], None] | None = None,
+    def run(self, *, on_progress: Callable[[RunStatus], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
-            before_start: Callable[[], None] | None = None) -> Any:
+            before_start: Callable[[], None] | None = None) -> RunStatus:
         """Run the stage to its end (or until `should_stop()`); returns its final status.
         `before_start` runs once the run is created, before its processes start (the stack
         takes over Ctrl-C there)."""

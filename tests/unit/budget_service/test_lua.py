@@ -756,9 +756,9 @@ def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budge
     for _ in range(3):
         budget.telemetry.record_point(take_point(budget))
     points = budget.telemetry.series()
-    assert len(points) == 3 and points[0]["categories"]["code"]["used"] == 0
-    assert points[0]["at"] <= points[-1]["at"] and points[-1]["workers"] == 0
-    assert budget.telemetry.series(points[0]["id"]) == points[1:]
+    assert len(points) == 3 and points[0].categories["code"].used == 0
+    assert points[0].at <= points[-1].at and points[-1].workers == 0
+    assert budget.telemetry.series(points[0].id) == points[1:]
     assert budget.telemetry.series(count=1) == points[-1:]
     # bounded: the last `keep` stay, and at most one stream node (100 entries) more
     point = take_point(budget)

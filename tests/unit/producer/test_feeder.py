@@ -79,19 +79,6 @@ def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url, prompts: int
         == prompts
 
 
-def test_the_producer_logs_a_cap_another_shell_changed(tmp_path, redis_url, caplog) -> None:
-    pipe = Pipeline(two_category_config(tmp_path), redis_url, ["http://127.0.0.1:9"])
-    producer = pipe.build()
-    pipe.budget.operating.set_cap("a", 4000, by="before the start")
-    producer.log_events()  # what was there before it started is not news
-    assert "cap changed" not in caplog.text
-    pipe.budget.operating.set_cap("b", 9000, by="tokencap cap set (ann)")
-    producer.log_events()
-    producer.log_events()  # each change once
-    assert caplog.text.count("cap changed") == 1
-    assert "b: cap changed from 12000 to 9000 by tokencap cap set (ann)" in caplog.text
-
-
 def test_a_prompt_gets_an_affinity_key_once_another_prompt_had_its_first_tokens(
         tmp_path, redis_url) -> None:
     pipe = Pipeline(two_category_config(tmp_path), redis_url, ["http://127.0.0.1:9"])

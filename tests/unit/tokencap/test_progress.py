@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import io
 
+from budget_service.telemetry import EngineTrouble, RunStatus, WriterState
+from tests.helpers import category_state, run_status
 from tokencap.reports.progress import ProgressPrinter
 
 
 def status(state: str, used: int, unwritten: int, holder: str | None = "h:1:x",
-           error: str | None = None) -> dict:
-    return {"run": "r",
-            "categories": {"a": {"used": used, "cap": 100, "state": state}},
-            "writer": {"holder": holder, "error": error, "unwritten": unwritten}}
+           error: str | None = None) -> RunStatus:
+    return run_status({"a": category_state(used=used, cap=100, state=state)},
+                      writer=WriterState(holder, error, unwritten))
 
 
 def test_progress_says_it_waits_for_the_writer_and_never_repeats_a_line() -> None:
@@ -33,17 +34,15 @@ def test_progress_says_it_waits_for_the_writer_and_never_repeats_a_line() -> Non
     ]
 
 
-def flight(used: int, trouble: dict | None = None) -> dict:
-    return {"run": "r", "categories": {"a": {"used": used, "cap": 1000, "state": "open",
-                                             "in_flight": 4}},
-            "writer": {"holder": "h", "error": None, "unwritten": 0},
-            "engine_trouble": trouble or {}}
+def flight(used: int, trouble: dict[str, EngineTrouble] | None = None) -> RunStatus:
+    return run_status({"a": category_state(used=used, cap=1000, in_flight=4)},
+                      writer=WriterState("h", None, 0), trouble=trouble or {})
 
 
 def test_an_engine_away_is_said_in_every_line_with_since_when_until_it_answers() -> None:
     clock = {"ms": 1_700_000_000_000}
     since = clock["ms"] - 3_000
-    away = {"http://gpu:30000": {"why": "connection refused", "since_ms": since}}
+    away = {"http://gpu:30000": EngineTrouble("connection refused", since)}
     out = io.StringIO()
     p = ProgressPrinter(out, clock_ms=lambda: clock["ms"])
     p(flight(100))

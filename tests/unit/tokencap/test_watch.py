@@ -19,10 +19,12 @@ from rich.console import Console
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.ledger import CategoryState
+from budget_service.telemetry import PointCategory, RunStatus, SeriesPoint, WriterState
 from foundation.engine.load import parse_metrics as parse_sglang_metrics
 from sglang_sim.testing import SimServer, free_port
 from tests.conftest import ROOT
-from tests.helpers import LEASE_MS, feed, make_cfg, result
+from tests.helpers import LEASE_MS, category_state, feed, make_cfg, result, run_status
 from tokencap.reports.progress import summary_table
 from tokencap.reports.rates import CategoryRate, RateTracker, format_eta, series_rates, tok_s
 from tokencap.reports.watch import (
@@ -44,13 +46,15 @@ def refused_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-def cat(used: int, cap: int = 1000, state: str = "open", **extra: object) -> dict:
-    st = {"cap": cap, "used": used, "reserved": 0, "samples": used // 10, "skipped": 0,
-          "failed": 0, "rejected": 0, "waste_tokens": 0, "overshoot": max(0, used - cap),
-          "state": state, "pending": 0, "in_flight": 0, "parked": 0, "duplicate_prompts": 0,
-          "reasons": {}}
-    st.update(extra)
-    return st
+def cat(used: int, cap: int | None = 1000, state: str = "open",
+        **extra: object) -> CategoryState:
+    over = 0 if cap is None else max(0, used - cap)
+    return category_state(**{"cap": cap, "used": used, "samples": used // 10,
+                             "overshoot": over, "state": state, **extra})
+
+
+def doc(categories: dict[str, CategoryState], run: str = "t") -> RunStatus:
+    return run_status(categories, run)
 
 
 # --- parsing SGLang's /metrics ------------------------------------------------------------
@@ -175,34 +179,34 @@ class FakeClock:
 def test_rate_tracker_uses_the_last_minute() -> None:
     clock = FakeClock()
     tracker = RateTracker(window_s=60.0, clock=clock)
-    doc = {"run": "t", "categories": {"code": cat(0, cap=10_000)}}
 
-    assert tracker.update(doc)["code"] == CategoryRate(0.0, None)  # one point: no rate yet
-    clock.now, doc["categories"]["code"]["used"] = 10.0, 1_000
-    assert tracker.update(doc)["code"] == CategoryRate(100.0, 90.0)  # 9,000 left at 100 tok/s
+    def at(used: int) -> RunStatus:
+        return doc({"code": cat(used, cap=10_000)})
+
+    assert tracker.update(at(0))["code"] == CategoryRate(0.0, None)  # one point: no rate yet
+    clock.now = 10.0
+    assert tracker.update(at(1_000))["code"] == CategoryRate(100.0, 90.0)  # 9,000 left at 100/s
     # 70 s in: the point at t=0 left the window; from t=10 (1,000) to t=70 (7,000).
-    clock.now, doc["categories"]["code"]["used"] = 70.0, 7_000
-    rate = tracker.update(doc)["code"]
+    clock.now = 70.0
+    rate = tracker.update(at(7_000))["code"]
     assert rate.tok_s == pytest.approx(100.0) and rate.eta_s == pytest.approx(30.0)
     # Nothing new for a full minute: the rate falls to 0 and the ETA is unknown.
     clock.now = 131.0
-    tracker.update(doc)
+    tracker.update(at(7_000))
     clock.now = 140.0
-    assert tracker.update(doc)["code"] == CategoryRate(0.0, None)
+    assert tracker.update(at(7_000))["code"] == CategoryRate(0.0, None)
 
 
 def test_rate_tracker_eta_none_when_closed_and_history_restarts_on_decrease() -> None:
     clock = FakeClock()
     tracker = RateTracker(clock=clock)
-    tracker.update({"run": "t", "categories": {"a": cat(0), "b": cat(500)}})
+    tracker.update(doc({"a": cat(0), "b": cat(500)}))
     clock.now = 2.0
-    rates = tracker.update({"run": "t", "categories": {"a": cat(100, state="closed"),
-                                                       "b": cat(400)}})
+    rates = tracker.update(doc({"a": cat(100, state="closed"), "b": cat(400)}))
     assert rates["a"] == CategoryRate(50.0, None)  # closed: no ETA even with a rate
     assert rates["b"] == CategoryRate(0.0, None)  # used went down: history restarted
     clock.now = 4.0
-    assert tracker.update({"run": "t", "categories": {"b": cat(600)}})["b"] == \
-        CategoryRate(100.0, 4.0)
+    assert tracker.update(doc({"b": cat(600)}))["b"] == CategoryRate(100.0, 4.0)
     assert tracker.tok_s("a") == 0.0  # a category that left the document is forgotten
 
 
@@ -228,12 +232,12 @@ def test_plain_output_without_a_tty(redis, monkeypatch: pytest.MonkeyPatch) -> N
     budget.feeding.init_run(make_cfg(cap=1000, cats=("code", "math")))
     committed = []
 
-    def fetch_status() -> dict:
+    def fetch_status() -> RunStatus:
         sid = f"s{len(committed)}"
         feed(budget, sid)
         budget.samples.admit("code", sid, 100, LEASE_MS)
         committed.append(budget.samples.commit(result(sid, 40), 0, 0.0))
-        return budget.telemetry.status()
+        return budget.telemetry.snapshot()
 
     buf = io.StringIO()
     down = refused_url()
@@ -255,8 +259,8 @@ def test_plain_output_without_a_tty(redis, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_board_shows_every_category_and_a_down_engine() -> None:
-    status = {"run": "demo", "categories": {"code": cat(4_123_456, cap=10_000_000),
-                                            "math": cat(1_200, state="closed")}}
+    status = doc({"code": cat(4_123_456, cap=10_000_000),
+                  "math": cat(1_200, state="closed")}, "demo")
     rates = {"code": CategoryRate(4115.2, 1428.0), "math": CategoryRate(0.0, None)}
     engines = [EngineLoad("http://a:30000", True, 12, 3, 0.45, 1234.0),
                EngineLoad("http://b:30000", False, error="ConnectTimeout")]
@@ -272,10 +276,10 @@ def test_board_shows_every_category_and_a_down_engine() -> None:
 
 @pytest.mark.parametrize("width", [80, 90, 100, 120, 160])
 def test_the_board_fits_the_terminal_dropping_the_least_needed_columns(width: int) -> None:
-    status = {"run": "demo", "categories": {
+    status = doc({
         "math_proofs": cat(12_345_678, cap=20_000_000, samples=98_765, skipped=12, failed=3),
         "chat": cat(15_068, cap=15_000, state="closed", overshoot=68),
-        "instruct": cat(9_999_999, cap=10_000_000)}}
+        "instruct": cat(9_999_999, cap=10_000_000)}, "demo")
     rates = {"math_proofs": CategoryRate(12_345.6, 3_600.0 * 12),
              "chat": CategoryRate(0.0, None), "instruct": CategoryRate(1.0, 1.0)}
     buf = io.StringIO()
@@ -297,9 +301,10 @@ def test_board_rates_come_from_the_runs_time_series_from_the_first_board() -> No
 
     # the budget service recorded a point every 5 s: 100 tok/s for the last two minutes
     now = 1_800_000_000.0
-    points = [{"at": int((now - 120 + 5 * k) * 1000),
-               "categories": {"code": {"used": 500 * k}}} for k in range(24)]
-    status = {"categories": {"code": cat(12_000, cap=42_000)}}
+    points = [SeriesPoint(at=int((now - 120 + 5 * k) * 1000),
+                          categories={"code": PointCategory(500 * k, 50 * k, 42_000, "open")},
+                          engines={}, workers=1, unwritten=0) for k in range(24)]
+    status = doc({"code": cat(12_000, cap=42_000)})
     rates = series_rates(points, status, now)  # a board started this very moment
     assert rates["code"].tok_s == pytest.approx(100.0, rel=0.05)
     assert rates["code"].eta_s == pytest.approx(300.0, rel=0.05)
@@ -308,14 +313,14 @@ def test_board_rates_come_from_the_runs_time_series_from_the_first_board() -> No
 
 CHILD = """
 import itertools, sys
+from tests.helpers import category_state, run_status
 from tokencap.reports.watch import watch
 calls = itertools.count()
 
 def status():
     n = next(calls)
-    cat = lambda used: {"cap": 1000, "used": used, "samples": n, "skipped": 0, "failed": 0,
-                        "rejected": 0, "overshoot": 0, "state": "open"}
-    return {"run": "pty", "categories": {"code": cat(100 * n), "math": cat(7 * n)}}
+    cat = lambda used: category_state(cap=1000, used=used, samples=n)
+    return run_status({"code": cat(100 * n), "math": cat(7 * n)}, "pty")
 
 watch(status, [sys.argv[1]], lambda: 3, interval_s=0.01, iterations=3)
 """
@@ -415,11 +420,11 @@ def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     calls = []
 
-    def fetch_status() -> dict:
+    def fetch_status() -> RunStatus:
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return {"run": "t", "categories": {"code": cat(10)}}
+        return doc({"code": cat(10)})
 
     buf = io.StringIO()
     watch(fetch_status, [], lambda: 0, interval_s=0.0, console=Console(file=buf))
@@ -433,9 +438,8 @@ def test_ctrl_c_ends_the_watch_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_uncapped_category_shows_as_uncapped_not_a_number() -> None:
-    status = {"run": "r", "categories": {"all": cat(123_456, overshoot=0)},
-              "writer": {"holder": "h", "error": None, "unwritten": 0}}
-    status["categories"]["all"]["cap"] = None
+    status = run_status({"all": cat(123_456, cap=None)}, "r",
+                        writer=WriterState("h", None, 0))
     lines = plain_lines(status, {}, [], 1)
     assert lines[0].startswith("all used=123456 (uncapped) ")
     board = Console(width=160, record=True, color_system=None)
