@@ -60,7 +60,7 @@ def _turn(r: dict[str, Any]) -> str:
 def false_positives() -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from producer.replies import ReplyParser
+    from producer.reply_parser import ReplyParser
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER), local_files_only=True)
     markers = ReplyParser(tok, str(tok.chat_template)).markers()

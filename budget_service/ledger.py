@@ -28,7 +28,9 @@ from redis.commands.core import Script
 
 from budget_service.keys import CategoryKeys, Keys
 from budget_service.scripts import Scripts
-from foundation.config import RunConfig, config_from_json
+
+# the cap of an uncapped category, in the config and in Redis (lua/_lib.lua)
+from foundation.config import UNCAPPED, RunConfig, config_from_json
 from foundation.gate import GateReason
 from foundation.wire import (
     DeadLetter,
@@ -51,7 +53,6 @@ STATE_FIELDS = (
     "reusable", "kept", *(f"gated:{r}" for r in GATE_REASONS),
     *(f"gated_n:{r}" for r in GATE_REASONS),
 )  # fmt: skip
-UNCAPPED = "none"  # the cap of an uncapped category, in Redis (lua/_lib.lua)
 STREAM_PAGE = 512  # entries read per XRANGE call
 
 

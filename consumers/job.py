@@ -39,8 +39,8 @@ IDLE_WAKE_S = 2.0  # the heartbeat thread's wake-up while no sample is in flight
 class RunContext:
     """What a worker process caches for one run."""
 
-    def __init__(self, budget: SampleLedger, cfg: RunConfig, engines: list[str]) -> None:
-        self.budget = budget
+    def __init__(self, ledger: SampleLedger, cfg: RunConfig, engines: list[str]) -> None:
+        self.ledger = ledger
         self.cfg = cfg
         self.client = EngineClient(
             engines,
@@ -58,8 +58,8 @@ class RunContext:
         hit = self._models.get(cat.name)
         now = time.monotonic()
         if hit is None or now - hit[0] > MODEL_REFRESH_S:
-            keys = self.budget.keys.cat(cat.name)
-            pipe = self.budget.redis.pipeline(transaction=False)
+            keys = self.ledger.keys.cat(cat.name)
+            pipe = self.ledger.redis.pipeline(transaction=False)
             pipe.hgetall(keys.hist)
             pipe.hget(keys.state, "rate")
             raw, rate = pipe.execute()
@@ -85,11 +85,11 @@ class Context:
     def run(self, run: str) -> RunContext:
         key = (self.prefix, run)
         if key not in self._runs:
-            budget = SampleLedger(self.redis, Keys(self.prefix, run))
-            cfg = budget.load_config()
+            ledger = SampleLedger(self.redis, Keys(self.prefix, run))
+            cfg = ledger.load_config()
             if cfg is None:
                 raise RunNotFound(f"run {run!r} not found in Redis (prefix {self.prefix!r})")
-            self._runs[key] = RunContext(budget, cfg, self.engines)
+            self._runs[key] = RunContext(ledger, cfg, self.engines)
         return self._runs[key]
 
 
@@ -109,7 +109,7 @@ def flush_stats() -> None:
         return
     for rc in _ctx._runs.values():
         try:
-            rc.client.stats.flush(rc.budget, force=True)
+            rc.client.stats.flush(rc.ledger, force=True)
         except Exception as exc:  # exiting anyway: the counters are best effort
             log.warning("could not flush engine counters: %s", exc)
 
@@ -173,19 +173,19 @@ class _Heartbeat:
         model, rate = beat.rc.model(beat.cat)
         progressed = (time.monotonic() - beat.t0 + beat.rc.beat_s) * rate
         est, var = model.moments(progressed)
-        beat.rc.budget.heartbeat(beat.cat.name, beat.sample_id, est + beat.extra,
+        beat.rc.ledger.heartbeat(beat.cat.name, beat.sample_id, est + beat.extra,
                                  beat.rc.cfg.lease_ms, var)
 
 
 _heartbeat = _Heartbeat()
 
 
-def admit(budget: SampleLedger, cfg: RunConfig, cat: Category, model: LengthModel,
+def admit(ledger: SampleLedger, cfg: RunConfig, cat: Category, model: LengthModel,
           job: JobRef) -> tuple[str, Pending | None]:
     """Admission of the job's sample: the ask the producer's unpark makes too
     (`estimator.admission`), plus the prompt tokens the sample counts."""
     ask = admission(cfg, cat, model)
-    return budget.admit(cat.name, job.sample_id, ask.estimate, cfg.lease_ms,
+    return ledger.admit(cat.name, job.sample_id, ask.estimate, cfg.lease_ms,
                         ask.max_add, ask.variance, ask.sigmas, job.seq, ask.max_unwritten,
                         counted_prompt(cfg, job.prompt_tokens))
 
@@ -196,10 +196,10 @@ def process(ref: dict[str, Any]) -> str:
     job = msgspec.convert(ref, JobRef)
     rc = _context().run(job.run)
     cat = rc.cfg.by_name(job.category)
-    budget = rc.budget
+    ledger = rc.ledger
     extra = counted_prompt(rc.cfg, job.prompt_tokens)
     model, rate = rc.model(cat)
-    status, pending = admit(budget, rc.cfg, cat, model, job)
+    status, pending = admit(ledger, rc.cfg, cat, model, job)
     if status != "ok":
         log.debug("%s/%s not sent: %s", cat.name, job.sample_id, status)
         return status
@@ -215,7 +215,7 @@ def process(ref: dict[str, Any]) -> str:
         return _failed(rc, cat, pending, exc)
     finally:
         _heartbeat.track(None)
-        rc.client.stats.flush(budget)
+        rc.client.stats.flush(ledger)
     return _commit(rc, cat, pending, gen, sent_at_ms)
 
 
@@ -236,8 +236,8 @@ def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms:
         return _failed(rc, cat, p, exc)
     finally:
         _heartbeat.track(None)
-        rc.client.stats.flush(rc.budget)
-    status, used = rc.budget.commit(extract.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
+        rc.client.stats.flush(rc.ledger)
+    status, used = rc.ledger.commit(extract.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
                                     0, 0.0)
     log.debug("%s/%s %s: states of %d tokens, used %d", cat.name, p.sample_id, status,
               len(p.prompt_ids), used)
@@ -250,7 +250,7 @@ def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
         outcome = Outcome.DEAD if exc.retryable else Outcome.REJECTED
         log.warning("%s/%s %s after %d attempt(s): %s", cat.name, p.sample_id, outcome,
                     failures, exc)
-        rc.budget.fail(DeadLetter(
+        rc.ledger.fail(DeadLetter(
             id=p.sample_id, category=cat.name, outcome=outcome, reason=exc.kind.value,
             message=str(exc), where=p.where, attempts=failures,
             conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
@@ -259,7 +259,7 @@ def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
     log.info("%s/%s attempt %d failed (%s), will retry: %s", cat.name, p.sample_id, failures,
              exc.kind.value, exc)
     retry_at = now_ms() + int(RETRY_DELAY_S * 1000 * failures)
-    rc.budget.release(cat.name, msgspec.structs.replace(p, failures=failures), retry_at)
+    rc.ledger.release(cat.name, msgspec.structs.replace(p, failures=failures), retry_at)
     return "released"
 
 
@@ -303,6 +303,6 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_
         tool_args_match=p.tool_args_match, made_by=rc.cfg.made_by,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
-    status, used = rc.budget.commit(result, waste, rate)
+    status, used = rc.ledger.commit(result, waste, rate)
     log.debug("%s/%s %s: %d tokens, used %d", cat.name, p.sample_id, status, counted, used)
     return "committed" if status == "ok" else status

@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -71,7 +71,7 @@ REASONING_PARSERS = ("auto", "none", "deepseek-r1", "deepseek-v3", "glm45", "gpt
 TOOL_CALL_PARSERS = ("auto", "none", "deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45",
                      "glm47", "gpt-oss", "kimi_k2", "llama3", "qwen", "qwen25", "qwen3_coder")
 # `cap_tokens = "none"`: the category takes its whole source
-UNCAPPED = "none"
+UNCAPPED: Final = "none"
 # what SGLang (`ModelConfig.get_default_sampling_params`, --sampling-defaults model) and vLLM
 # take from a model's generation_config.json as sampling defaults
 MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -530,7 +530,7 @@ def generation_eos_ids(cfg: RunConfig) -> set[int]:
 
 def with_stop_ids(cfg: RunConfig, end_of_turn: set[int]) -> RunConfig:
     """`cfg` with each category's `stop_token_ids` set to the model's end-of-turn ids (its
-    tokenizer's eos, its generation config's, its family's: `producer.replies`), sent
+    tokenizer's eos, its generation config's, its family's: `producer.reply_parser`), sent
     explicitly as the other sampling params are, unless the category sets its own or the
     config leaves defaults to the engine (`sampling_defaults = "engine"`)."""
     if cfg.sampling_defaults == "engine" or not end_of_turn:

@@ -19,7 +19,7 @@ already written. The reasons, in the order they are tried:
 
 The gate reads token ids only (a worker has no tokenizer): the producer gives each category
 its `ReplyMarkers`, the ids of the model family's reasoning and tool-call markers, its
-end-of-turn ids and the ids that decode to whitespace (`producer.replies`). Without markers
+end-of-turn ids and the ids that decode to whitespace (`producer.reply_parser`). Without markers
 (token-id prompts and no tokenizer) only ``loop``, ``length`` and a reply of no token at all
 (``empty``) are told.
 """

@@ -109,7 +109,7 @@ class Producer:
         self.feeds: dict[str, CategoryFeed] = {}
         self.queues = {c.name: jobs.queue(redis, self.keys, c.name) for c in cfg.category}
         self.recovery = Recovery(cfg, redis, self.budget, self.queues, self._enqueue)
-        self.lease_ms = int(cfg.lease_s * 1000)
+        self.lease_ms = cfg.lease_ms
         self._workers = 0
         self._workers_at = 0.0
         # the category states the last tick steered on

@@ -30,7 +30,7 @@ from foundation.wire import DeadLetter, Outcome, split_turn_id
 from producer.formats.records import Rejected
 from producer.readers.index import Sample
 from producer.replay import Replay
-from producer.replies import Unparsed
+from producer.reply_parser import Unparsed
 from producer.source import CategorySource, NextTurn
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class FollowUps:
         self.renderer = renderer
         self.enqueue = enqueue
         self.affinity = affinity
-        self.lease_ms = int(cfg.lease_s * 1000)
+        self.lease_ms = cfg.lease_ms
         self.replay = Replay(cfg, renderer)
         self._cut_marks: dict[str, tuple[int, int]] = {}  # `report_cut`: what was reported
 

@@ -204,6 +204,6 @@ def end_of_turn_ids(cfg: RunConfig, renderer: Renderer | None) -> set[int]:
     """The ids a generation of the tokenizer's model ends on: the tokenizer's eos token, the
     generation config's `eos_token_id`, and the family's own (gpt-oss's <|call|>, Llama's
     <|eom_id|>): `ReplyParser.end_of_turn_ids`."""
-    from producer.replies import reply_parser
+    from producer.reply_parser import reply_parser
 
     return set(reply_parser(cfg, renderer).end_of_turn_ids)

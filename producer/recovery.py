@@ -50,7 +50,7 @@ class Recovery:
         self.keys: Keys = budget.keys
         self.queues = queues
         self.enqueue = enqueue
-        self.lease_ms = int(cfg.lease_s * 1000)
+        self.lease_ms = cfg.lease_ms
         self.reap_every_s = min(REAP_EVERY_S, cfg.lease_s / 4)
         self.reaped_at = float("-inf")
         self._run_id: str | None = None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from foundation.config import Category, RunConfig
 from producer.formats.conversation import Conversation
-from producer.replies import ReplyParser, Unparsed, reply_parser
+from producer.reply_parser import ReplyParser, Unparsed, reply_parser
 from producer.source import template_kwargs
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from producer.manifest import write_manifest
 from producer.preflight import preflight
 from producer.readers.index import SourceIndex
 from producer.reconcile import reconcile
-from producer.replies import reply_parser
+from producer.reply_parser import reply_parser
 from producer.source import CategorySource
 
 if TYPE_CHECKING:

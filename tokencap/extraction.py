@@ -35,7 +35,7 @@ from redis import Redis
 
 from budget_service.telemetry import RunStatus
 from foundation import hsfile
-from foundation.config import Category, RunConfig, SamplingParams, StatesSpec
+from foundation.config import UNCAPPED, Category, RunConfig, SamplingParams, StatesSpec
 from foundation.engine.api import parse_urls
 from foundation.errors import DiskFull, TokencapError
 from foundation.outputs import (
@@ -184,13 +184,13 @@ def stage_config(stage: StatesStage, sources: dict[str, Path]) -> RunConfig:
     cfg, bpt = stage.cfg, stage.bytes_per_token
     cats = [Category(name=name, source=str(sources[name]), format="input_ids",
                      sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
-                     cap_tokens="none" if budget is None else budget // bpt,
+                     cap_tokens=UNCAPPED if budget is None else budget // bpt,
                      expected_tokens=1)
             for name, budget in stage.budgets.items()]
     return RunConfig(
         run=cfg.run + STAGE_SUFFIX, output_dir=stage.spec.output_dir, count="total",
         reply_gate=False, sampling_defaults="engine", key_prefix=cfg.key_prefix,
-        stage="hidden_states", hidden_states=cfg.hidden_states, cap_tokens="none",
+        stage="hidden_states", hidden_states=cfg.hidden_states, cap_tokens=UNCAPPED,
         seed=cfg.seed, expected_tokens=1, lease_s=cfg.lease_s, heartbeat_s=cfg.heartbeat_s,
         max_attempts=cfg.max_attempts, lock_ttl_s=cfg.lock_ttl_s,
         connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,

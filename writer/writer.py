@@ -46,7 +46,7 @@ class Writer:
                  consumer: str = "writer-1", lease_ttl_s: float = 15.0) -> None:
         self.redis = redis
         self.keys = keys
-        self.budget = WritingLedger(redis, keys)
+        self.ledger = WritingLedger(redis, keys)
         self.out_dir = out_dir
         self.consumer = consumer
         self.categories = categories
@@ -65,12 +65,12 @@ class Writer:
         """Read the files (cutting torn tails), and mark in Redis what they hold."""
         self.sinks = {c: CategorySink(self.out_dir, c) for c in self.categories}
         for c, sink in self.sinks.items():
-            missing = sink.unmarked(self.budget)
+            missing = sink.unmarked(self.ledger)
             if not missing:
                 continue
             # still in the streams: a writer stopped between its fsync and its acknowledge
             # (they are acknowledged when read again); else Redis lost their marks
-            unacked = self.budget.unacknowledged(c) & missing.keys()
+            unacked = self.ledger.unacknowledged(c) & missing.keys()
             if unacked:
                 log.warning("%s: %d results on disk were not acknowledged (the writer before "
                             "stopped between its fsync and its acknowledge): marked written, "
@@ -79,10 +79,10 @@ class Writer:
                 log.warning("%s: %d samples on disk had no written mark in Redis and are no "
                             "longer in its streams (Redis lost their marks): marked written",
                             c, len(missing) - len(unacked))
-            self.budget.mark_written(c, missing)
+            self.ledger.mark_written(c, missing)
 
     def _read(self, start: str, block_ms: int | None) -> list[StreamEntries]:
-        return self.budget.read_batch(self.consumer, list(self.streams), start, READ_COUNT,
+        return self.ledger.read_batch(self.consumer, list(self.streams), start, READ_COUNT,
                                       block_ms)
 
     def drain_once(self, block_ms: int | None = BLOCK_MS, pending: bool = False) -> int:
@@ -100,13 +100,13 @@ class Writer:
             sink = self.sinks[category]
             records = [(fields[b"r"], sink.decode(fields[b"r"], dead))
                        for _, fields in entries if fields]
-            marked = self.budget.written(category, [rec.id for _, rec in records])
+            marked = self.ledger.written(category, [rec.id for _, rec in records])
             written, correction, marks, events = sink.write(records, marked)
             n += written
             if correction:
                 log.warning("%s: a sample already on disk was generated again (Redis lost its "
                             "commit); used corrected by %+d tokens", category, correction)
-            self.budget.acknowledge(category, dead, ids, marks, correction, events)
+            self.ledger.acknowledge(category, dead, ids, marks, correction, events)
         self.written += n
         return n
 
@@ -120,12 +120,12 @@ class Writer:
 
     def lag(self) -> int:
         """Entries not yet written and acked, over all streams."""
-        return self.budget.unwritten(self.categories)
+        return self.ledger.unwritten(self.categories)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (after Redis lost them)."""
         for category in self.categories:
-            self.budget.ensure_groups(category)
+            self.ledger.ensure_groups(category)
 
     def _report(self, message: str | None) -> None:
         if message == self.error:
@@ -136,7 +136,7 @@ class Writer:
             log.error("%s; retrying (admission pauses once %s)", message,
                       "max_unwritten results wait")
         self.error = message
-        self.budget.set_writer_error(message)
+        self.ledger.set_writer_error(message)
 
     def run(self) -> None:
         """Hold the run's writer lease and the output folder, then drain until stopped;

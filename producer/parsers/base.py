@@ -3,7 +3,7 @@ the two interfaces, and the `<think>`-tag reasoning split most families use.
 
 A reasoning parser splits a decoded turn into (reasoning, the rest); a tool-call parser
 splits the rest into (content, calls). Both work on the text decoded with special tokens
-kept and the final end-of-turn token cut (`producer.replies`), and follow SGLang 0.5.23's
+kept and the final end-of-turn token cut (`producer.reply_parser`), and follow SGLang 0.5.23's
 parser of the same name (python/sglang/srt/parser/reasoning_parser.py,
 python/sglang/srt/function_call/*_detector.py) except where a module docstring says why not.
 The one rule common to all of them where SGLang differs: markup that starts a tool call but

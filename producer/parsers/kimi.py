@@ -9,7 +9,7 @@ dropped. The name comes from the call id (``functions.NAME:IDX`` or ``NAME:IDX``
 counter (``0``) names the one tool offered, or the tool whose parameters the arguments fit
 best. The model's own IDX is not kept: the call gets the id SGLang's server gives it,
 ``functions.NAME:N`` with N counted over every call of the conversation so far
-(`producer.replies`).
+(`producer.reply_parser`).
 
 Where SGLang 0.5.23 differs: its non-greedy match lets a call with broken JSON swallow the
 next call, and it skips a call whose id names no function; here either raises `Unparsed`.

@@ -25,7 +25,7 @@ import pytest
 
 from producer.readers.index import SourceIndex, read_sample
 from producer.render import Renderer
-from producer.replies import ReplyParser, reply_parser
+from producer.reply_parser import ReplyParser, reply_parser
 from producer.run import load_renderer
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer

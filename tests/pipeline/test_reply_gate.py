@@ -14,7 +14,7 @@ import pytest
 
 from foundation.gate import check
 from producer.render import Renderer
-from producer.replies import reply_parser
+from producer.reply_parser import reply_parser
 from sglang_sim.config import FaultConfig, LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import started

@@ -13,7 +13,7 @@ import pytest
 
 from producer.formats.turns import to_conversation
 from producer.render import Renderer
-from producer.replies import reply_parser
+from producer.reply_parser import reply_parser
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import started

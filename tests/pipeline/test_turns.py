@@ -22,7 +22,7 @@ from foundation.outputs import category_dir
 from foundation.wire import Result, split_turn_id, turn_id
 from producer.readers.index import SourceIndex, read_sample, sample_id
 from producer.render import Renderer
-from producer.replies import ReplyParser
+from producer.reply_parser import ReplyParser
 from producer.run import load_renderer
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer

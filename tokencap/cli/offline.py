@@ -15,9 +15,15 @@ from typing import TYPE_CHECKING, Any
 import click
 import msgspec
 
+from foundation.config import DEFAULT_CAP_TOKENS
 from foundation.errors import DiskFull, SourceError, TokencapError
 from tokencap.cli.errors import Command
-from tokencap.export.exporter import FORMATS, MAX_BAD_REPORTED
+from tokencap.export.exporter import (
+    DEFAULT_DRAFT_VOCAB,
+    DEFAULT_SEED,
+    FORMATS,
+    MAX_BAD_REPORTED,
+)
 
 if TYPE_CHECKING:
     from foundation.config import RunConfig
@@ -134,7 +140,7 @@ def _export_table(summary: dict[str, Any]) -> str:
               help="Put this share of the conversations (every turn of one on one side) in "
               "eval files beside the train files (<name>.eval.<ext>), chosen by a hash of "
               "the conversation id and --seed: the same after a resumed run or a rerun.")
-@click.option("--seed", type=int, default=42, show_default=True, help="The split's seed.")
+@click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="The split's seed.")
 @click.option("--max-length", type=click.IntRange(min=1), default=None,
               help="Token formats: rows longer than this many tokens are cut to it "
               "(--over-length truncate, as SpecForge's max_length and speculators' "
@@ -144,7 +150,8 @@ def _export_table(summary: dict[str, Any]) -> str:
               show_default=True, help="What --max-length does to a longer row.")
 @click.option("--min-loss-tokens", type=click.IntRange(min=0), default=1, show_default=True,
               help="Token formats: leave out rows with fewer loss tokens (after the limit).")
-@click.option("--draft-vocab-size", type=click.IntRange(min=0), default=32000,
+@click.option("--draft-vocab-size", type=click.IntRange(min=0),
+              default=DEFAULT_DRAFT_VOCAB,
               show_default=True,
               help="Write the draft vocabulary for an EAGLE-3 draft of this size: token "
               "frequencies (token_freq.npy / .pt) and the d2t/t2d mapping (d2t-N.npy, "
@@ -405,7 +412,7 @@ def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
 @click.option("--out", "dest", default="run.toml", show_default=True,
               type=click.Path(dir_okay=False), help="The config file to write.")
 @click.option("--run", "run_name", default="run", show_default=True, help="The run's name.")
-@click.option("--cap", "cap", type=click.IntRange(min=1), default=10_000_000,
+@click.option("--cap", "cap", type=click.IntRange(min=1), default=DEFAULT_CAP_TOKENS,
               show_default=True, help="Output tokens per category.")
 @click.option("--force", is_flag=True, help="Replace the config file if it exists.")
 def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, cap: int,
@@ -488,7 +495,7 @@ def audit_cmd(rows: tuple[str, ...], tokenizer: str | None, config_path: str | N
     them ({"id", "conversations": [{role, content}, ...]} JSONL). Prints counts per reason
     with examples (file:line); exits 1 when any reply or row is flagged.
     """
-    from producer.replies import ReplyParser, reply_parser
+    from producer.reply_parser import ReplyParser, reply_parser
     from tokencap.prepare.audit import audit
 
     cfg = _load(config_path) if config_path else None

@@ -155,7 +155,7 @@ class ConversationSink(JsonlSink):
     messages up to the last turn written (system, user turns, tool results as given) with
     every assistant turn the model's own: its output decoded into the assistant message that
     entered the next turn's prompt (``content``, and ``reasoning_content`` and ``tool_calls``
-    where they were split, `producer.replies`). ``complete`` is true when every turn was
+    where they were split, `producer.reply_parser`). ``complete`` is true when every turn was
     generated; else ``stopped`` says why it ended: ``rejected:<reason>`` or ``dead:<reason>``
     (a turn that failed, e.g. ``rejected:prompt_too_long`` for a conversation cut by the
     context length) or ``cap`` (its category closed before the next turn was sent). A

@@ -105,6 +105,7 @@ FILE_NAMES = {
 }
 EXPORT_MANIFEST = "export-manifest.json"
 DEFAULT_SEED = 42  # SpecForge's
+DEFAULT_DRAFT_VOCAB = 32_000  # the draft vocabulary most EAGLE-3 drafters use
 NO_LIMITS = Limits()
 MAX_BAD_REPORTED = 20  # bad lines listed per category; the rest are only counted
 
@@ -289,7 +290,7 @@ class Vocab(NamedTuple):
     """The draft vocabulary to write (`tokencap.export.vocab`)."""
 
     target_size: int  # the target model's vocabulary (t2d's length)
-    draft_size: int = 32_000  # the common choice (vocab.DEFAULT_DRAFT_VOCAB)
+    draft_size: int = DEFAULT_DRAFT_VOCAB
     origin: str = ""  # where target_size came from, for the manifest
 
 

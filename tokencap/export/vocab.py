@@ -34,7 +34,6 @@ import numpy as np
 
 from foundation.errors import TokencapError
 
-DEFAULT_DRAFT_VOCAB = 32_000
 COVERAGE_SIZES = (16_384, 32_768, 65_536)
 TORCH_HINT = ("the .pt files need torch: pip install 'tokencap[train]' (or torch), then "
               "export again; the .npy files hold the same numbers")

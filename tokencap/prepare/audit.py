@@ -34,7 +34,7 @@ from foundation.outputs import PART_GLOB, REJECTED_FILE
 from foundation.wire import Result
 from producer.formats.records import Rejected
 from producer.formats.turns import to_conversation
-from producer.replies import ReplyParser, Unparsed
+from producer.reply_parser import ReplyParser, Unparsed
 
 EXAMPLES = 3  # examples shown per reason
 SNIPPET_CHARS = 120

@@ -15,9 +15,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from foundation.config import DEFAULT_CAP_TOKENS
 from foundation.errors import SourceError
 
-DEFAULT_CAP = 10_000_000
 DEFAULT_MAX_NEW = 4096
 LOOKED_AT = 20  # first records read to tell a file's format
 CHAT_FORMATS = {"messages", "sharegpt"}
@@ -96,7 +96,7 @@ def _sampling(tokenizer: Path) -> tuple[str, str]:
 
 
 def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
-                 cap: int = DEFAULT_CAP, force: bool = False) -> dict[str, Any]:
+                 cap: int = DEFAULT_CAP_TOKENS, force: bool = False) -> dict[str, Any]:
     """Write the config to `dest`; returns what it found per file (`Found`'s fields, `bad`
     the records it could not read). A file of which not one record reads is left out of the
     config (a comment says why); none readable: `SourceError`, nothing written."""

@@ -349,7 +349,7 @@ def preview(
     parsers = ""
     if renderer is not None:  # the stop ids and reply parsers the run would use
         from foundation.config import with_stop_ids
-        from producer.replies import reply_parser
+        from producer.reply_parser import reply_parser
 
         replies = reply_parser(cfg, renderer)
         cfg = with_stop_ids(cfg, set(replies.end_of_turn_ids))

@@ -47,10 +47,10 @@ def answers(url: str) -> bool:
 
 def sim_family(cfg: RunConfig) -> tuple[str, ...]:
     """The simulator's arguments to answer in the grammar of the run's model family: the
-    parsers the run reads its replies with (`producer.replies`) name it."""
+    parsers the run reads its replies with (`producer.reply_parser`) name it."""
     if not cfg.tokenizer:
         return ()
-    from producer.replies import reply_parser
+    from producer.reply_parser import reply_parser
     from producer.run import load_renderer
 
     replies = reply_parser(cfg, load_renderer(cfg))

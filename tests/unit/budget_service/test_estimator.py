@@ -64,7 +64,7 @@ def test_a_beat_reserves_for_the_progress_at_the_next_beat() -> None:
     sent: list[tuple[int, int]] = []
     budget = SimpleNamespace(heartbeat=lambda cat, sid, est, lease_ms, var: sent.append(
         (est, var)))
-    rc = SimpleNamespace(model=lambda cat: (model, 20.0), beat_s=5.0, budget=budget,
+    rc = SimpleNamespace(model=lambda cat: (model, 20.0), beat_s=5.0, ledger=budget,
                          cfg=SimpleNamespace(lease_ms=15_000))
     cat = SimpleNamespace(name="c")
     # 1 s in at 20 tok/s: 20 tokens now, 120 by the next beat (5 s later)

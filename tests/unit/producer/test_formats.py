@@ -1,7 +1,7 @@
 """Conversations and agent traces as the producer reads them (`producer/formats/turns.py`:
 `to_conversation`, `to_prompt`; `producer/formats/conversation.py`: `Conversation.prompt`,
 `replay_notes`): generation points, roles and role maps, tool calls and their results.
-How a generated turn becomes the next prompt's assistant message: test_replies.py."""
+How a generated turn becomes the next prompt's assistant message: test_reply_parser.py."""
 
 from __future__ import annotations
 

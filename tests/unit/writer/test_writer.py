@@ -41,7 +41,7 @@ def test_a_writer_killed_between_fsync_and_acknowledge_is_not_reported_as_redis_
     _committed(budget, ["a", "b"])
     # Given a writer that appended and fsynced both results, then died before acknowledging
     first = Writer(redis, budget.keys, ["code"], tmp_path)
-    first.budget.acknowledge = lambda *a, **k: (_ for _ in ()).throw(Killed())  # type: ignore
+    first.ledger.acknowledge = lambda *a, **k: (_ for _ in ()).throw(Killed())  # type: ignore
     with pytest.raises(Killed):
         first.drain_once(block_ms=None)
     first.close()

@@ -1,4 +1,4 @@
-"""How a generated turn becomes the next prompt's assistant message (`producer/replies.py`:
+"""How a generated turn becomes the next prompt's assistant message (`producer/reply_parser.py`:
 `ReplyParser`): the parsers the template picks, reasoning and tool calls split out, call ids
 the same every time, and a reply that does not parse refused naming its turn."""
 
@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from producer.render import Renderer
-from producer.replies import ReplyParser, Unparsed
+from producer.reply_parser import ReplyParser, Unparsed
 from tests.conftest import QWEN
 
 QWEN3 = QWEN.parent / "qwen3"
