@@ -87,7 +87,7 @@ def run(bench: Bench) -> dict[str, Any]:
     from foundation.outputs import rows_file
     from sglang_sim.testing import SimServer
     from testing.harness import started
-    from tokencap import extraction as stage
+    from tokencap.stack.stage import run_hidden_states
 
     work = bench.sub(NAME)
     gen = work / "gen"
@@ -103,7 +103,7 @@ def run(bench: Bench) -> dict[str, Any]:
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage)) as sim:
         t0 = time.perf_counter()
-        status = stage.extract_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
+        status = run_hidden_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
                                       redis=redis, progress_s=1.0, say=lambda line: None)
         stage_s = time.perf_counter() - t0
     st = status.categories["chat"]

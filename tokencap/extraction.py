@@ -1,8 +1,8 @@
 """The hidden-state stage: the target's hidden states of every training row of a finished
 generation run, extracted once per row by a vLLM server (`extract_hidden_states`), checked,
 kept in a file named by the row, under a byte budget per category. Its home: what the stage
-is (its rows, its run, its disk plan and the lines that say it), and `run`, which runs it
-to its end through the one stage runner (`tokencap/stack/stage.py`).
+is (its rows, its run, its disk plan and the lines that say it, `plan_summary` for
+`--plan`); the one stage runner runs it (`tokencap/stack/stage.py`: `run_hidden_states`).
 
 - Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`
   (`foundation.outputs.rows_file`): one `StatesRow` (`id`: the training row, `input_ids`:
@@ -26,18 +26,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
-from redis import Redis
 
-from budget_service.telemetry import RunStatus
 from foundation import hsfile
 from foundation.config import UNCAPPED, Category, RunConfig, SamplingParams, StatesSpec
 from foundation.engine.api import parse_urls
-from foundation.errors import DiskFull, TokencapError
+from foundation.errors import DiskFull
 from foundation.outputs import (
     StatesRow,
     category_dir,
@@ -45,11 +42,7 @@ from foundation.outputs import (
     states_dir,
     training_rows,
 )
-from foundation.redisconn import connect
 from foundation.units import size_text
-from tokencap.stack import processes
-from tokencap.stack.stage import Stage, StageRun
-from tokencap.stack.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +73,15 @@ class StatesStage(NamedTuple):
                    {c.name: spec.budget_for(c.name) for c in cfg.category})
 
 
+def extract_url(stage: StatesStage, given: str | None = None) -> str:
+    """The extraction servers in SGLANG_URL's form (comma separated): `given` (a flag), else
+    TOKENCAP_EXTRACT_URL, else the config's `hidden_states.engine_url` ("": none named)."""
+    return given or os.environ.get(EXTRACT_URL_ENV) or stage.spec.engine_url or ""
+
+
 def extract_urls(stage: StatesStage, given: str | None = None) -> list[str]:
-    """The extraction servers: `given` (a flag), else TOKENCAP_EXTRACT_URL, else the config's
-    `hidden_states.engine_url` (SGLANG_URL's form: comma separated)."""
-    return parse_urls(given or os.environ.get(EXTRACT_URL_ENV) or stage.spec.engine_url)
+    """`extract_url`, one URL each."""
+    return parse_urls(extract_url(stage, given))
 
 
 def row_lengths(stage: StatesStage) -> dict[str, list[int]]:
@@ -207,44 +205,3 @@ def plan_summary(cfg: RunConfig) -> str:
     need = check_disk(stage, plan, kept_bytes(stage))
     return "\n".join([*plan_lines(stage, plan),
                       f"  still to write: {size_text(need)}: fits the free space"])
-
-
-def extract_states(cfg: RunConfig, redis_url: str, workers: int,
-                   extract_url: str | None = None, redis: Redis | None = None,
-                   sup: Supervisor | None = None,
-                   on_progress: Callable[[RunStatus], None] | None = None,
-                   should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
-                   say: Callable[[str], None] = print) -> RunStatus:
-    """Extract every training row's states (module docstring) from the extraction servers
-    (`extract_urls`): the rows written once, the disk checked against the plan, then the
-    stage run to its end by the stage runner, its workers and writer children of `sup`
-    (default: of this process alone), stopped at the end. Run it again to resume: what was
-    kept is not asked for again. Returns the stage's final status."""
-    stage = StatesStage.of(cfg)
-    engines = extract_url or os.environ.get(EXTRACT_URL_ENV) or stage.spec.engine_url
-    if not engines:
-        raise TokencapError("no extraction server: pass --extract-url, set "
-                            "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
-    plan = disk_plan(stage)  # from the rows file, else the rows it will hold
-    for line in plan_lines(stage, plan):
-        say(line)
-    check_disk(stage, plan, kept_bytes(stage))
-    scfg = stage_config(stage, write_rows(stage))
-    runner = StageRun(Stage(scfg, redis_url, engines, workers, STATES_PREFIX),
-                      redis or connect(redis_url), sup or Supervisor(processes.Table(None)),
-                      say=say)
-    stopped = {"flag": False}
-
-    def stop() -> bool:
-        stopped["flag"] = stopped["flag"] or should_stop()
-        return stopped["flag"]
-
-    status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
-    if not stopped["flag"]:
-        # every row is done and the workers are stopped: no temporary is still being written
-        # (one left by a worker killed mid-write, whose row was then done by another attempt)
-        removed = sum(hsfile.remove_folder_temps(states_dir(stage.spec.output_dir, name))
-                      for name in stage.budgets)
-        if removed:
-            log.info("removed %d temporary file(s) left by killed workers", removed)
-    return status

@@ -22,6 +22,7 @@ from tests.faults.common import FAULT_KNOBS, ids_source
 from tests.helpers import training_row_ids
 from tokencap import extraction
 from tokencap.stack import processes
+from tokencap.stack.stage import run_hidden_states
 from tokencap.stack.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
@@ -100,7 +101,7 @@ def test_stage_workers_and_writer_killed_are_replaced_and_every_row_kept_once(
     with SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage), stall_s=STALL_S) as ex:
-        status = extraction.extract_states(cfg, redis_url, WORKERS, extract_url=ex.url,
+        status = run_hidden_states(cfg, redis_url, WORKERS, extract_url=ex.url,
                                 sup=sup, should_stop=kill_at_points, progress_s=0.2,
                                 say=lambda line: None)
 

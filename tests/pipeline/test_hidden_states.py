@@ -28,7 +28,7 @@ from testing.harness import started
 from tests.conftest import write_config
 from tests.faults.common import FAULT_KNOBS, ids_source
 from tests.helpers import training_row_ids, worker_processes
-from tokencap import extraction as stage
+from tokencap.stack.stage import run_hidden_states
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def stage_run(path: Path, redis_url: str, sim: SimServer, workers: int = 2,
     from foundation.config import load_config
 
     cfg = load_config(path)
-    return status_document(stage.extract_states(cfg, redis_url, workers, extract_url=sim.url,
+    return status_document(run_hidden_states(cfg, redis_url, workers, extract_url=sim.url,
                                                 should_stop=should_stop, progress_s=0.2,
                                                 say=lambda line: None))
 

@@ -26,7 +26,7 @@ from foundation.outputs import BadLine, read_results, states_file
 from testing.harness import started
 from tests.conftest import DATASETS, ROOT
 from tests.helpers import training_row_ids, worker_processes
-from tokencap import extraction as stage
+from tokencap.stack.stage import run_hidden_states
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.trainers]
 
@@ -112,9 +112,9 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
             return True
         return False
 
-    stage.extract_states(cfg, redis_url, 2, extract_url=url, should_stop=kill_some,
+    run_hidden_states(cfg, redis_url, 2, extract_url=url, should_stop=kill_some,
               progress_s=0.2, say=lambda line: None)
-    final = stage.extract_states(cfg, redis_url, 2, extract_url=url, progress_s=0.2,
+    final = run_hidden_states(cfg, redis_url, 2, extract_url=url, progress_s=0.2,
                       say=lambda line: None)
     all_rows = {(c, row_id): ids for c, rs in rows.items() for row_id, ids in rs}
     for c in ("single", "multi"):

@@ -97,6 +97,7 @@ def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, wo
     resumes: a row whose file is kept is not asked for again."""
     from tokencap import extraction
     from tokencap.reports.progress import ProgressPrinter, summary_table
+    from tokencap.stack.stage import run_hidden_states
 
     if plan_only:
         plan = extraction.plan_summary(config)
@@ -104,7 +105,7 @@ def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, wo
         return
     stop = StopFlag()
     with stop.catch():
-        status = extraction.extract_states(config, redis_url, workers, extract_url=extract_url,
+        status = run_hidden_states(config, redis_url, workers, extract_url=extract_url,
                                 on_progress=ProgressPrinter(), should_stop=lambda: bool(stop),
                                 progress_s=progress_s, say=click.echo)
     click.echo(summary_table(status))

@@ -34,12 +34,13 @@ from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
 from foundation.errors import SIGNALLED, SourceError, TokencapError
 from foundation.redisconn import connect
 from foundation.stopping import StopFlag
+from tokencap import extraction
 from tokencap.reports.progress import ProgressPrinter, nothing_usable, summary_table
 from tokencap.stack import processes
 from tokencap.stack.localredis import free_port, free_port_of, port_free
 from tokencap.stack.runfile import RUN_FILE, run_file, stop_hint
 from tokencap.stack.services import PROGRAMS, START_TIMEOUT_S, Services, sim_family
-from tokencap.stack.stage import Stage, StageRun
+from tokencap.stack.stage import Stage, StageRun, run_hidden_states
 from tokencap.stack.supervisor import Supervisor, tokencap_argv
 
 log = logging.getLogger(__name__)
@@ -220,15 +221,13 @@ class Stack:
         """The config's hidden-state stage, once generation has ended (its own workers and
         writer, as many workers as the stack's, stopped at its end): skipped, saying how to
         run it, when no extraction server is named."""
-        from tokencap import extraction
-
         urls = extraction.extract_urls(extraction.StatesStage.of(cfg))
         if not urls:
             say("[hidden_states] has no engine_url (nor TOKENCAP_EXTRACT_URL): no states "
                 "extracted; `tokencap hidden-states CONFIG --extract-url URL` does it")
             return 0
         say(f"hidden states of {cfg.run}'s rows from {', '.join(urls)}")
-        status = extraction.extract_states(cfg, redis_url, n_workers, redis=redis, sup=self.sup,
+        status = run_hidden_states(cfg, redis_url, n_workers, redis=redis, sup=self.sup,
                                 on_progress=ProgressPrinter(), should_stop=lambda: bool(stopped),
                                 say=say)
         print(summary_table(status), flush=True)

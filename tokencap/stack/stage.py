@@ -32,7 +32,13 @@ from budget_service.keys import Keys
 from budget_service.telemetry import RunStatus
 from foundation.config import RunConfig
 from foundation.engine.api import parse_urls
+from foundation.errors import TokencapError
+from foundation.hsfile import remove_folder_temps
+from foundation.outputs import states_dir
+from foundation.redisconn import connect
 from producer.run import run_to_end
+from tokencap import extraction
+from tokencap.stack import processes
 from tokencap.stack.supervisor import Supervisor, tokencap_argv
 
 log = logging.getLogger(__name__)
@@ -188,3 +194,45 @@ class StageRun:
         finally:
             if not self.keep and self.started:
                 self.stop()
+
+
+def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
+                   extract_url: str | None = None, redis: Redis | None = None,
+                   sup: Supervisor | None = None,
+                   on_progress: Callable[[RunStatus], None] | None = None,
+                   should_stop: Callable[[], bool] = lambda: False, progress_s: float = 2.0,
+                   say: Callable[[str], None] = print) -> RunStatus:
+    """The hidden-state stage of `cfg` (`tokencap/extraction.py` defines it) run to its end
+    against its extraction servers (`extract_url`, else TOKENCAP_EXTRACT_URL, else the
+    config's): the rows written once, the disk checked against the plan, then the stage's
+    producer here, its workers and writer children of `sup` (default: of this process
+    alone), stopped at the end. Run it again to resume: what was kept is not asked for again.
+    Returns the stage's final status."""
+    stage = extraction.StatesStage.of(cfg)
+    engines = extraction.extract_url(stage, extract_url)
+    if not engines:
+        raise TokencapError("no extraction server: pass --extract-url, set "
+                            "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
+    plan = extraction.disk_plan(stage)  # from the rows file, else the rows it will hold
+    for line in extraction.plan_lines(stage, plan):
+        say(line)
+    extraction.check_disk(stage, plan, extraction.kept_bytes(stage))
+    scfg = extraction.stage_config(stage, extraction.write_rows(stage))
+    runner = StageRun(Stage(scfg, redis_url, engines, workers, extraction.STATES_PREFIX),
+                      redis or connect(redis_url), sup or Supervisor(processes.Table(None)),
+                      say=say)
+    stopped = {"flag": False}
+
+    def stop() -> bool:
+        stopped["flag"] = stopped["flag"] or should_stop()
+        return stopped["flag"]
+
+    status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
+    if not stopped["flag"]:
+        # every row is done and the workers are stopped: no temporary is still being written
+        # (one left by a worker killed mid-write, whose row was then done by another attempt)
+        removed = sum(remove_folder_temps(states_dir(stage.spec.output_dir, name))
+                      for name in stage.budgets)
+        if removed:
+            log.info("removed %d temporary file(s) left by killed workers", removed)
+    return status
