@@ -89,7 +89,7 @@ class Listener:
                 self.send_response(200)
                 self.end_headers()
 
-            do_GET = do_POST = _hit  # noqa: N815
+            do_GET = do_POST = _hit
 
             def log_message(self, *args: object) -> None:
                 pass

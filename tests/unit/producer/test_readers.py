@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundation.errors import SourceError
-from producer.readers import index as readers
 from producer.formats.records import FORMATS, Rejected, detect_format
 from producer.formats.turns import to_prompt
+from producer.readers import index as readers
 from producer.readers import scan as readers_scan
 from producer.readers.index import SourceIndex, read_sample, sample_id, shuffled_order
 from tests.conftest import DATASETS
