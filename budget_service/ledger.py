@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 from redis import Redis
+from redis.client import Pipeline
 from redis.commands.core import Script
 
 from budget_service.keys import CategoryKeys, Keys
@@ -321,23 +322,27 @@ class Ledger:
         raw = self.redis.hgetall(self._ck(category).hist)
         return {int(k): int(v) for k, v in raw.items()}
 
-    def entries(self, category: str, sample_ids: Sequence[str]) -> list[Entry]:
-        """What the ledger holds for each of `sample_ids`, in one round trip."""
+    def _per_sample(self, sample_ids: Sequence[str],
+                    *reads: Callable[[Pipeline, str], object]) -> list[list[Any]]:
+        """For each of `sample_ids`, what each of `reads` (a command on one sample, queued on
+        a pipeline) answers; all in one round trip."""
         if not sample_ids:
             return []
-        ck = self._ck(category)
         pipe = self.redis.pipeline(transaction=False)
         for sid in sample_ids:
-            pipe.hget(ck.pending, sid)
-            pipe.hget(ck.seq, sid)
-            pipe.hexists(ck.reserved, sid)
+            for read in reads:
+                read(pipe, sid)
         raw = pipe.execute()
-        out = []
-        for i in range(0, len(raw), 3):
-            payload, seq, in_flight = raw[i : i + 3]
-            pending = msgspec.json.decode(payload, type=Pending) if payload else None
-            out.append(Entry(pending, int(seq or 0), bool(in_flight)))
-        return out
+        return [raw[i : i + len(reads)] for i in range(0, len(raw), len(reads))]
+
+    def entries(self, category: str, sample_ids: Sequence[str]) -> list[Entry]:
+        """What the ledger holds for each of `sample_ids`, in one round trip."""
+        ck = self._ck(category)
+        answers = self._per_sample(sample_ids, lambda p, s: p.hget(ck.pending, s),
+                                   lambda p, s: p.hget(ck.seq, s),
+                                   lambda p, s: p.hexists(ck.reserved, s))
+        return [Entry(msgspec.json.decode(payload, type=Pending) if payload else None,
+                      int(seq or 0), bool(in_flight)) for payload, seq, in_flight in answers]
 
     def entry(self, category: str, sample_id: str) -> Entry:
         return self.entries(category, [sample_id])[0]
