@@ -9,8 +9,8 @@ every change one Lua call (`budget_service/lua/`):
 - `budget_service.telemetry.TelemetryLedger`: status, `/metrics`, the live page.
 `budget_service.budget.Budget` holds all five for code that plays several roles (the
 producer, the launcher, the CLI, tests); workers and the writer hold their role's alone.
-Each role reads what every role may read (`Ledger`: the typed category states, the state
-hash, the length histogram, a sample's entry). The ledger's value encodings are
+Each role reads what every role may read (`Ledger`: the typed category states, the length
+histogram, samples' entries). The ledger's value encodings are
 `budget_service.codec`.
 """
 
@@ -166,7 +166,7 @@ def prompt_digest(prompt_ids: Sequence[int]) -> str:
 
 
 class Entry(NamedTuple):
-    """What the ledger holds for one open sample (`Ledger.entry`)."""
+    """What the ledger holds for one open sample (`Ledger.entries`)."""
 
     pending: Pending | None
     seq: int
@@ -243,17 +243,6 @@ class Ledger:
 
     def has_run(self) -> bool:
         return bool(self.redis.exists(self.keys.meta))
-
-    def state(self, category: str) -> dict[str, int | float | None]:
-        """The state hash as numbers (`cap` None when uncapped)."""
-        vals = self.redis.hmget(self._ck(category).state, STATE_FIELDS)
-        out: dict[str, int | float | None] = {}
-        for f, v in zip(STATE_FIELDS, vals, strict=True):
-            if f == "cap":
-                out[f] = cap_value(v)
-            else:
-                out[f] = float(v) if f == "rate" and v else int(v or 0)
-        return out
 
     def states(self, categories: Sequence[str]) -> dict[str, CategoryState]:
         """Each category's state, typed (what the producer steers on), in one round trip."""
@@ -343,9 +332,6 @@ class Ledger:
                                    lambda p, s: p.hexists(ck.reserved, s))
         return [Entry(msgspec.json.decode(payload, type=Pending) if payload else None,
                       int(seq or 0), bool(in_flight)) for payload, seq, in_flight in answers]
-
-    def entry(self, category: str, sample_id: str) -> Entry:
-        return self.entries(category, [sample_id])[0]
 
     def retried(self, category: str) -> set[str]:
         """Samples sent again by `retry` (their dead letters on disk are history)."""

@@ -152,9 +152,3 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             self._json(200, {"category": cat, "old_cap": old, "cap": cap, "closed": closed})
 
     return ThreadingHTTPServer((host, port), Handler)
-
-
-def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
-    t = threading.Thread(target=server.serve_forever, daemon=True, name="budget-http")
-    t.start()
-    return t
