@@ -6,15 +6,16 @@ place."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
-from datetime import UTC, datetime
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
 from rq.command import send_shutdown_command
+from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker
 
 from budget_service import jobs
@@ -152,7 +153,7 @@ def test_a_stop_sent_as_soon_as_the_worker_listens_ends_it_before_its_first_job(
             f"jobs.queue(r, keys, 'early').enqueue_call(func='os.getcwd')\n"
             f"w = make_worker(r, keys, ['early'], name='early', worker_class=Told)\n"
             f"run_worker(w, burst=True)\n"
-            f"print(bool(w._shutdown_requested_date), len(jobs.queue(r, keys, 'early')))\n")
+            f"print(w.stop_asked, len(jobs.queue(r, keys, 'early')))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -186,9 +187,9 @@ def test_a_worker_told_to_shut_down_on_rq_s_command_channel_does(redis, redis_ur
 @pytest.mark.parametrize("noted_by", ["ours while starting", "RQ's when idle"])
 def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
         redis, monkeypatch, noted_by) -> None:
-    """A stop noted (by our handler during the bootstrap, or RQ's idle one, which records
-    only the date), then Redis gone: the supervisor returns instead of starting another
-    worker."""
+    """A stop noted (by our handler during the bootstrap, or RQ's idle one, which ends the
+    loop by raising StopRequested), then Redis gone: the supervisor returns instead of
+    starting another worker."""
     made: list[TokencapWorker] = []
 
     class StoppedThenLost(TokencapWorker):
@@ -196,7 +197,11 @@ def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
             if noted_by == "ours while starting":
                 self._stop_at_start(15, None)  # what a SIGTERM here runs
             else:
-                self._shutdown_requested_date = datetime.now(UTC)
+                handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+                with pytest.raises(StopRequested):
+                    self.request_stop(signal.SIGTERM, None)  # RQ's handler, the worker idle
+                for sig, handler in handlers.items():  # RQ put its cold-stop handler in
+                    signal.signal(sig, handler)
             raise RedisConnectionError("Redis went away")
 
     def make(*args, **kwargs):  # the first worker only: another one would run its burst
@@ -207,3 +212,38 @@ def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
     monkeypatch.setattr(worker_mod, "make_worker", make)
     assert worker_mod.supervise(lambda: redis, KEYS, ["lost"], burst=True) == 0
     assert len(made) == 1
+
+
+def test_a_worker_told_to_stop_mid_job_ends_after_it_and_is_not_started_again(
+        redis, redis_url) -> None:
+    """A SIGTERM while a job runs reaches RQ's handler, which only notes it (the job is
+    finished first): the worker ends after that job, and its supervisor returns instead of
+    starting another one (which would take the next job, and run on)."""
+    code = (f"import os, signal\n"
+            f"from redis import Redis\n"
+            f"from rq.worker import WorkerStatus\n"
+            f"from budget_service import jobs\n"
+            f"from budget_service.keys import Keys\n"
+            f"from consumers import worker as worker_mod\n"
+            f"made = []\n"
+            f"class Busy(worker_mod.TokencapWorker):\n"
+            f"    def execute_job(self, job, queue):  # the stop comes with a job in hand\n"
+            f"        self.set_state(WorkerStatus.BUSY)\n"
+            f"        os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"        self.set_state(WorkerStatus.IDLE)\n"
+            f"make = worker_mod.make_worker\n"
+            f"def made_busy(*args, **kwargs):\n"
+            f"    made.append(make(*args, **kwargs, worker_class=Busy))\n"
+            f"    return made[-1]\n"
+            f"worker_mod.make_worker = made_busy\n"
+            f"r, keys = Redis.from_url({redis_url!r}), Keys('tokencap', 'busy')\n"
+            f"q = jobs.queue(r, keys, 'busy')\n"
+            f"for _ in range(2):\n"
+            f"    q.enqueue_call(func='os.getcwd')\n"
+            f"code = worker_mod.supervise(lambda: r, keys, ['busy'], name='busy')\n"
+            f"print(code, len(made), made[0].stop_asked, len(q))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.split() == ["0", "1", "True", "1"]  # one job taken, the other left
