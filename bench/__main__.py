@@ -24,7 +24,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from bench import (  # noqa: E402
+from bench import (
     adaptive,
     affinity,
     cap,
@@ -38,7 +38,7 @@ from bench import (  # noqa: E402
     tail,
     tokenize,
 )
-from testing.harness import ROOT  # noqa: E402
+from testing.harness import ROOT
 
 SCENARIOS: dict[str, Callable[[context.Bench], dict[str, Any]]] = {
     "saturation": saturation.run,

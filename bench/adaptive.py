@@ -45,10 +45,7 @@ def measure(bench: Bench, sim: Sim, sources: dict, workers: int,
                                                       sources, **top))
     pipe = Pipeline(cfg, bench.redis.url, sim.url, d / "workers.log")
     try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(workers)
-        sim.wait_idle()
+        pipe.start(workers, sim)
         a, b, wall, samples, _ = measure_window(pipe, sim.stats, WARMUP_S, WINDOW_S,
                                                 sample=lambda: sim.stats()["queued"],
                                                 sample_s=SAMPLE_S)

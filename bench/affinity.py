@@ -109,11 +109,7 @@ def _started(bench: Bench, cfg: Any, sims: list[Sim], d: Any) -> Pipeline:
     """The pipeline on `sims`, its writer and WORKERS workers started, the engines idle."""
     pipe = Pipeline(cfg, bench.redis.url, [s.url for s in sims], d / "workers.log")
     try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(WORKERS)
-        for s in sims:
-            s.wait_idle()
+        pipe.start(WORKERS, *sims)
     except BaseException:
         pipe.close()
         raise

@@ -126,11 +126,8 @@ def run_pipeline(bench: Bench, sim: Sim, mix: list[Cat], *, sequential: bool) ->
     counter = _Count()
     logging.getLogger("producer").addHandler(counter)
     try:
-        producer = pipe.build()
+        producer = pipe.start(N, sim)
         calls = _Calls(producer)
-        pipe.start_writer()
-        pipe.start_workers(N)
-        sim.wait_idle()
         sim.reset()
         sampler = Sampler(lambda: (sim.stats(), pipe.status()), TIMELINE_S)
         t0 = time.monotonic()

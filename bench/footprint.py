@@ -49,9 +49,7 @@ def consumers(bench: Bench) -> dict[str, Any]:
         pipe = Pipeline(cfg, bench.redis.url, sim.url, d / "workers.log")
         stop = threading.Event()
         try:
-            pipe.build()
-            pipe.start_writer()
-            pipe.start_workers(2)
+            pipe.start(2)
             time.sleep(1.0)
             idle = [mem_mb(p.pid) for p in pipe.workers]
             thread = threading.Thread(target=pipe.run, kwargs={"should_stop": stop.is_set},

@@ -12,6 +12,8 @@ from typing import Any
 import psutil
 from redis import Redis
 
+from bench.sim import Sim
+from producer.feeder import Producer
 from testing.harness import STOP_TIMEOUT_S
 from testing.harness import Pipeline as HarnessPipeline
 
@@ -58,6 +60,16 @@ class Pipeline(HarnessPipeline):
 
     def start_workers(self, n: int, wait: bool = True) -> Any:
         return super().start_workers(n, wait=wait)
+
+    def start(self, workers: int, *idle: Sim) -> Producer:
+        """Where a measurement starts: the producer built, the writer and `workers` workers
+        started, and each simulator of `idle` with nothing left running. The producer."""
+        producer = self.build()
+        self.start_writer()
+        self.start_workers(workers)
+        for sim in idle:
+            sim.wait_idle()
+        return producer
 
 
 class Sampler(threading.Thread):

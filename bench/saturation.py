@@ -64,10 +64,7 @@ def pipeline(bench: Bench, sim: Sim, sources: dict, n: int) -> dict[str, Any]:
         f"sat{n}", d / "out", CATS, sources, seed=SEED, context_length=32768))
     pipe = Pipeline(cfg, bench.redis.url, sim.url, d / "workers.log")
     try:
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(n)
-        sim.wait_idle()
+        pipe.start(n, sim)
         a, b, wall, _samples, mems = measure_window(
             pipe, lambda: _snapshot(sim), WARMUP_S, WINDOW_S,
             at_end=lambda: [mem_mb(p.pid) for p in pipe.workers])

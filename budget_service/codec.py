@@ -69,10 +69,6 @@ def read_final(value: str | bytes) -> Final:
     return Final(kind, 0, text[2:])
 
 
-def is_committed(value: str | bytes) -> bool:
-    return read_final(value).kind is FinalKind.COMMITTED
-
-
 def is_dead(value: str | bytes, reason: str = "") -> bool:
     """A dead letter's final value (for `reason`, or any)."""
     f = read_final(value)

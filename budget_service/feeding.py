@@ -226,13 +226,8 @@ class FeedingLedger(Ledger):
 
     def known(self, category: str, sample_ids: Sequence[str]) -> list[bool]:
         """For each id: is the sample final or pending already?"""
-        if not sample_ids:
-            return []
         ck = self._ck(category)
-        pipe = self.redis.pipeline(transaction=False)
-        for sid in sample_ids:
-            pipe.hexists(ck.final, sid)
-            pipe.hexists(ck.pending, sid)
-        flags = pipe.execute()
-        return [bool(flags[2 * i] or flags[2 * i + 1]) for i in range(len(sample_ids))]
+        return [bool(final or pending) for final, pending in self._per_sample(
+            sample_ids, lambda p, s: p.hexists(ck.final, s),
+            lambda p, s: p.hexists(ck.pending, s))]
 

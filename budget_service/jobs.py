@@ -146,6 +146,10 @@ def refusal(job: Job) -> str | None:
         msgspec.convert(args[0], JobRef)
     except msgspec.ValidationError as exc:
         return f"arguments: not a JobRef: {exc}"
+    # RQ's private fields, read on purpose (and rq pinned below 3.1 in pyproject.toml): the
+    # public `Job.success_callback` (failure, stopped likewise) imports the function the job
+    # names, which a refusal must never do, and `Job.dependency_ids` reads the dependencies'
+    # Redis set, not the dependencies the job's own hash asks for
     checks = (
         ("on_success callback", job._success_callback_name),
         ("on_failure callback", job._failure_callback_name),

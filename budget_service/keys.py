@@ -83,7 +83,6 @@ RQ queue names: `P.<category>` (so `rq info` shows one queue per category, under
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from typing import NamedTuple
 
 from foundation.config import DEFAULT_KEY_PREFIX
@@ -168,9 +167,6 @@ class Keys:
 
     def queue_name(self, category: str) -> str:
         return f"{self.base}.{category}"
-
-    def queue_names(self, categories: Iterable[str]) -> list[str]:
-        return [self.queue_name(c) for c in categories]
 
     def job_id(self, category: str, sample_id: str, seq: int) -> str:
         """Deterministic RQ job id from (run, category, sample, feed sequence number).

@@ -9,8 +9,8 @@ every change one Lua call (`budget_service/lua/`):
 - `budget_service.telemetry.TelemetryLedger`: status, `/metrics`, the live page.
 `budget_service.budget.Budget` holds all five for code that plays several roles (the
 producer, the launcher, the CLI, tests); workers and the writer hold their role's alone.
-Each role reads what every role may read (`Ledger`: the typed category states, the state
-hash, the length histogram, a sample's entry). The ledger's value encodings are
+Each role reads what every role may read (`Ledger`: the typed category states, the length
+histogram, samples' entries). The ledger's value encodings are
 `budget_service.codec`.
 """
 
@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 from redis import Redis
+from redis.client import Pipeline
 from redis.commands.core import Script
 
 from budget_service.keys import CategoryKeys, Keys
@@ -166,7 +167,7 @@ def prompt_digest(prompt_ids: Sequence[int]) -> str:
 
 
 class Entry(NamedTuple):
-    """What the ledger holds for one open sample (`Ledger.entry`)."""
+    """What the ledger holds for one open sample (`Ledger.entries`)."""
 
     pending: Pending | None
     seq: int
@@ -258,17 +259,6 @@ class Ledger:
     def has_run(self) -> bool:
         return bool(self.redis.exists(self.keys.meta))
 
-    def state(self, category: str) -> dict[str, int | float | None]:
-        """The state hash as numbers (`cap` None when uncapped)."""
-        vals = self.redis.hmget(self._ck(category).state, STATE_FIELDS)
-        out: dict[str, int | float | None] = {}
-        for f, v in zip(STATE_FIELDS, vals, strict=True):
-            if f == "cap":
-                out[f] = cap_value(v)
-            else:
-                out[f] = float(v) if f == "rate" and v else int(v or 0)
-        return out
-
     def states(self, categories: Sequence[str]) -> dict[str, CategoryState]:
         """Each category's state, typed (what the producer steers on), in one round trip."""
         return self._states(categories, by_engine=False, run=False)[0]
@@ -336,26 +326,27 @@ class Ledger:
         raw = self.redis.hgetall(self._ck(category).hist)
         return {int(k): int(v) for k, v in raw.items()}
 
-    def entries(self, category: str, sample_ids: Sequence[str]) -> list[Entry]:
-        """What the ledger holds for each of `sample_ids`, in one round trip."""
+    def _per_sample(self, sample_ids: Sequence[str],
+                    *reads: Callable[[Pipeline, str], object]) -> list[list[Any]]:
+        """For each of `sample_ids`, what each of `reads` (a command on one sample, queued on
+        a pipeline) answers; all in one round trip."""
         if not sample_ids:
             return []
-        ck = self._ck(category)
         pipe = self.redis.pipeline(transaction=False)
         for sid in sample_ids:
-            pipe.hget(ck.pending, sid)
-            pipe.hget(ck.seq, sid)
-            pipe.hexists(ck.reserved, sid)
+            for read in reads:
+                read(pipe, sid)
         raw = pipe.execute()
-        out = []
-        for i in range(0, len(raw), 3):
-            payload, seq, in_flight = raw[i : i + 3]
-            pending = msgspec.json.decode(payload, type=Pending) if payload else None
-            out.append(Entry(pending, int(seq or 0), bool(in_flight)))
-        return out
+        return [raw[i : i + len(reads)] for i in range(0, len(raw), len(reads))]
 
-    def entry(self, category: str, sample_id: str) -> Entry:
-        return self.entries(category, [sample_id])[0]
+    def entries(self, category: str, sample_ids: Sequence[str]) -> list[Entry]:
+        """What the ledger holds for each of `sample_ids`, in one round trip."""
+        ck = self._ck(category)
+        answers = self._per_sample(sample_ids, lambda p, s: p.hget(ck.pending, s),
+                                   lambda p, s: p.hget(ck.seq, s),
+                                   lambda p, s: p.hexists(ck.reserved, s))
+        return [Entry(msgspec.json.decode(payload, type=Pending) if payload else None,
+                      int(seq or 0), bool(in_flight)) for payload, seq, in_flight in answers]
 
     def retried(self, category: str) -> set[str]:
         """Samples sent again by `retry` (their dead letters on disk are history)."""

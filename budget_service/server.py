@@ -107,7 +107,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
         def _json(self, code: int, obj: Any) -> None:
             self._send(code, json.dumps(obj).encode())
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             if url.path == "/":
                 self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
@@ -126,7 +126,7 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             else:
                 self._json(404, {"error": f"no route {self.path}"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if self.path != "/cap":
                 self._json(404, {"error": f"no route {self.path}"})
                 return
@@ -154,9 +154,3 @@ def make_server(budget: Budget, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             self._json(200, {"category": cat, "old_cap": old, "cap": cap, "closed": closed})
 
     return ThreadingHTTPServer((host, port), Handler)
-
-
-def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
-    t = threading.Thread(target=server.serve_forever, daemon=True, name="budget-http")
-    t.start()
-    return t

@@ -86,10 +86,6 @@ class WritingLedger(Ledger):
         raw = self.redis.get(self.keys.writer_lock)
         return None if raw is None else as_str(raw)
 
-    def final_marks(self, category: str) -> dict[str, str]:
-        raw = self.redis.hgetall(self._ck(category).final)
-        return {as_str(k): as_str(v) for k, v in raw.items()}
-
     def read_batch(self, consumer: str, streams: Sequence[str], start: str, count: int,
                    block_ms: int | None) -> list[StreamEntries]:
         """One XREADGROUP of the writer's group over `streams`: new entries (`start` ">",

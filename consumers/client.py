@@ -51,17 +51,12 @@ from foundation.errors import EngineUnusable, TokencapError
 
 __all__ = [
     "BadRequest", "EngineClient", "EngineError", "EngineTimeout", "Generation",
-    "InvalidResponse", "Overloaded", "ServerError", "Unreachable", "parse_reply",
+    "InvalidResponse", "Overloaded", "ServerError", "Unreachable",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 CATEGORY_HEADER = "X-Tokencap-Category"
-
-
-def parse_reply(body: bytes, n_prompt: int, engine: str, latency_s: float) -> Generation:
-    """A SGLang `/generate` reply, validated (`foundation.engine.api.parse`)."""
-    return parse("sglang", body, n_prompt, engine, latency_s)
 
 
 class EngineClient:

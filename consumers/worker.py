@@ -14,6 +14,13 @@ the thread, which RQ's 60 s poll leaves asleep after the unsubscribe, so that ev
 end (SIGTERM, a burst worker out of work) took up to 60 s. Ours ends on the unsubscribe's
 reply, whatever the redis-py version.
 
+A stop is noted by the worker itself (`stop_asked`), through RQ's public methods: its SIGINT
+and SIGTERM handler (`request_stop`) and the check at the top of each turn of its work loop
+(`check_for_suspension`, which may end the loop with `StopRequested`). That
+`BaseWorker.work` installs `request_stop` only after `bootstrap` and calls
+`check_for_suspension` first in each turn is RQ 3.0's work loop, not a documented promise:
+pyproject.toml keeps rq below 3.1, and tests/unit/consumers/test_worker.py checks both.
+
 `SimpleWorker` keeps one process (and one HTTP keep-alive session) across jobs. It beats its
 RQ key only between jobs; a thread beats it during one (`_JobBeats`), so that the key of a
 worker killed at any moment expires `jobs.WORKER_TTL_S` after its last beat and `up`,
@@ -30,13 +37,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
 from redis.client import PubSub
 from redis.exceptions import RedisError
 from rq import Queue
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.worker import DequeueStrategy, SimpleWorker
 
@@ -83,6 +90,9 @@ class TokencapWorker(SimpleWorker):
     """Runs a job only if `jobs.refusal` finds nothing in it; refuses the rest whole."""
 
     keys: Keys  # the run's keys (set by make_worker): refusals are recorded under them
+    # a stop (SIGINT, SIGTERM, RQ's shutdown command) reached the worker: RQ keeps its own
+    # record of one in private attributes only, so the worker keeps this one
+    stop_asked = False
     _beat_sent_at = float("-inf")
     _commands: _Commands | None = None
 
@@ -120,10 +130,24 @@ class TokencapWorker(SimpleWorker):
             raise
 
     def _stop_at_start(self, signum: int, frame: Any) -> None:
-        """A stop asked for during the bootstrap: the work loop's first turn ends it."""
+        """A stop asked for during the bootstrap: the work loop's first turn ends it
+        (`check_for_suspension`)."""
         log.info("worker %s: stop asked for while starting (signal %d)", self.name, signum)
-        self._shutdown_requested_date = datetime.now(UTC)
-        self._stop_requested = True
+        self.stop_asked = True
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        """RQ's handler of SIGINT and SIGTERM once the work loop runs (a warm stop: the job
+        in hand is finished first), the stop noted in `stop_asked` first."""
+        self.stop_asked = True
+        super().request_stop(signum, frame)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        """RQ's check at the top of each turn of the work loop. A stop noted during the
+        bootstrap ends the loop here, as RQ ends a suspended burst worker: `StopRequested`,
+        which the loop takes for a stop (and then tears the worker down)."""
+        if self.stop_asked:
+            raise StopRequested
+        super().check_for_suspension(burst)
 
     def subscribe(self) -> None:
         """Listen to RQ's command channel (shutdown, stop a job) in `_Commands`."""
@@ -268,12 +292,6 @@ def run_worker(worker: TokencapWorker, *, burst: bool = False) -> bool:
     ))
 
 
-def _asked_to_stop(worker: TokencapWorker) -> bool:
-    """A stop (SIGTERM/SIGINT, RQ's shutdown command) reached `worker`: RQ records one in
-    both the idle and the busy case only through the date; `_stop_at_start` sets it too."""
-    return bool(worker._stop_requested or worker._shutdown_requested_date)
-
-
 def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
               name: str | None = None, *, burst: bool = False) -> int:
     """Run a worker and start it again whenever it quits on its own (Redis lost mid-job,
@@ -292,12 +310,12 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
                 log.warning("worker runs again (after: %s)", said)
                 said = ""
             run_worker(worker, burst=burst)
-            if burst or _asked_to_stop(worker):
+            if burst or worker.stop_asked:
                 return 0
             log.error("worker %s quit unexpectedly; starting it again in %.1f s", worker.name,
                       backoff.delay_s)
         except (RedisError, TokencapError) as exc:
-            if worker is not None and _asked_to_stop(worker):
+            if worker is not None and worker.stop_asked:
                 return 0  # asked to stop, then Redis went away (while starting or ending)
             trouble = f"{type(exc).__name__}: {exc}"
             if trouble != said:

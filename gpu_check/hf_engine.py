@@ -312,7 +312,7 @@ class Engine:
 
     def open_reply_log(self) -> None:
         if self.args.reply_log:
-            self.reply_log = open(self.args.reply_log, "a", encoding="utf-8")  # noqa: SIM115
+            self.reply_log = open(self.args.reply_log, "a", encoding="utf-8")
 
     def throughput(self) -> float:
         """Delivered tokens per second over the last THROUGHPUT_WINDOW_S."""
@@ -461,7 +461,7 @@ async def generate(request: web.Request) -> web.Response:
     await app[QUEUE].put(req)
     try:
         await req.fut
-    except Exception as exc:  # noqa: BLE001 - a failed batch answers 500
+    except Exception as exc:  # a failed batch answers 500
         with eng.lock:
             eng.counters.errors += 1
         return _json({"object": "error", "message": f"{type(exc).__name__}: {exc}",
@@ -499,7 +499,7 @@ async def batcher(app: web.Application) -> None:
         state["running"] = state["last_batch"] = len(batch)
         try:
             await loop.run_in_executor(pool, eng.generate_batch, batch)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("batch of %d failed", len(batch))
             for r in batch:
                 if r.fut and not r.fut.done():

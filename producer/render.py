@@ -267,7 +267,7 @@ def _load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                             trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ...
+    except Exception as exc:  # transformers raises OSError, ValueError, ...
         # the whole message on one line (transformers puts the useful part on the next ones)
         reason = " ".join(str(exc).split())[:400] or type(exc).__name__
         if "trust_remote_code" in str(exc) and not trust_remote_code:

@@ -45,7 +45,7 @@ from producer.parsers.registry import (
 if TYPE_CHECKING:
     from producer.render import Renderer
 
-__all__ = ["ReplyParser", "Unparsed", "reply_parser", "tool_names"]
+__all__ = ["ReplyParser", "Unparsed", "reply_parser"]
 
 
 class ReplyParser:
@@ -185,13 +185,3 @@ def blank_ids(tokenizer: Any) -> list[int]:
         texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
         _BLANK[key] = [i for i, text in enumerate(texts) if text and not text.strip()]
     return _BLANK[key]
-
-
-def tool_names(tools: list[dict]) -> set[str]:
-    """The function names among tool schemas (OpenAI shape)."""
-    names = set()
-    for tool in tools:
-        fn = tool.get("function", tool)
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            names.add(fn["name"])
-    return names

@@ -3,6 +3,9 @@ whole pipeline — real Redis, real worker processes (`python -m tokencap.cli wo
 producer and writer in this process — against whatever engine URL it is given (the SGLang
 simulator, or gpu_check's engine). Only the engine is ever simulated.
 
+The ledger as it stands, read raw for checks: `ledger_state` (a category's state hash),
+`ledger_entry`, `final_marks`.
+
 `Pipeline.check_category` asserts what the project promises at the end of a run: every fed
 sample ends in exactly one terminal state, `used` is the sum of what the files hold, no id is
 written twice, nothing is left pending, reserved, in flight or in an RQ registry.
@@ -27,6 +30,7 @@ from rq import Queue, Worker
 from budget_service import codec
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from budget_service.ledger import STATE_FIELDS, Entry, Ledger, as_str, cap_value
 from budget_service.telemetry import status_document
 from foundation import waiting
 from foundation.config import RunConfig
@@ -60,6 +64,30 @@ def wait_until(cond: Callable[[], T], timeout_s: float = 30.0, what: str = "cond
     """Poll `cond` until it returns something true (returned), or fail after the deadline
     with an AssertionError naming `what` (`foundation.waiting.wait_until`)."""
     return waiting.wait_until(cond, timeout_s, what, interval_s, AssertionError)
+
+
+# -- the ledger as it stands, for checks (the product reads it through `Ledger.states`) ------
+def ledger_state(ledger: Ledger, category: str) -> dict[str, int | float | None]:
+    """A category's state hash as numbers (`cap` None when uncapped)."""
+    vals = ledger.redis.hmget(ledger.keys.cat(category).state, STATE_FIELDS)
+    out: dict[str, int | float | None] = {}
+    for f, v in zip(STATE_FIELDS, vals, strict=True):
+        if f == "cap":
+            out[f] = cap_value(v)
+        else:
+            out[f] = float(v) if f == "rate" and v else int(v or 0)
+    return out
+
+
+def ledger_entry(ledger: Ledger, category: str, sample_id: str) -> Entry:
+    """What the ledger holds for one sample (`Ledger.entries`)."""
+    return ledger.entries(category, [sample_id])[0]
+
+
+def final_marks(ledger: Ledger, category: str) -> dict[str, str]:
+    """Sample id -> its final mark (`budget_service.codec`), every final sample of a category."""
+    raw = ledger.redis.hgetall(ledger.keys.cat(category).final)
+    return {as_str(k): as_str(v) for k, v in raw.items()}
 
 
 class RedisServer:
@@ -293,8 +321,9 @@ class Pipeline:
         assert st["reserved"] == 0 and st["in_flight"] == 0, \
             f"{name}: reserved {st['reserved']} in_flight {st['in_flight']}"
         assert not waiting or st["state"] == "closed", f"{name}: turns still waiting {waiting}"
-        final = self.budget.writing.final_marks(name)
-        committed = {k for k, v in final.items() if codec.is_committed(v)}
+        final = final_marks(self.budget, name)
+        committed = {k for k, v in final.items()
+                     if codec.read_final(v).kind is codec.FinalKind.COMMITTED}
         assert committed == set(ids), f"{name}: Redis and files disagree on committed ids"
         letters = self.dead(name)
         # the dead letter of a sample sent again (`tokencap retry`) and committed is history

@@ -1,8 +1,11 @@
 """Helpers several test modules share; no test module imports another one.
 
 - the ledger, driven directly (`make_cfg`, `pending`, `result`, `feed`, `LEASE_MS`): a run
-  of one or more categories with small caps, its samples fed one at a time and their results;
+  of one or more categories with small caps, its samples fed one at a time and their results
+  (what it holds, read raw: `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
+- a record's first prompt (`to_prompt`), and the budget service's HTTP face served from a
+  thread (`serve_in_thread`);
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
   shell does not have;
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
@@ -12,8 +15,9 @@
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from rq import Queue
@@ -25,6 +29,7 @@ from budget_service.ledger import CategoryState, now_ms
 from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
 from foundation.wire import JobRef, Pending, Result
+from producer.formats.turns import to_conversation
 
 # -- the ledger ---------------------------------------------------------------------------------
 
@@ -77,6 +82,16 @@ def run_status(categories: dict[str, CategoryState], run: str = "r",
     return RunStatus(run, categories, writer or WriterState(None, None, 0), {}, **fields)
 
 
+# -- a record's prompt --------------------------------------------------------------------------
+
+def to_prompt(record: dict, fmt: str, turns: str = "first", **options: Any
+              ) -> list[dict] | list[int]:
+    """The messages of a record's first prompt (its `Conversation`'s first turn), or its token
+    ids (format input_ids); `options` as `to_conversation` takes them."""
+    conv = to_conversation(record, fmt, turns, **options)
+    return conv if isinstance(conv, list) else conv.prompt()
+
+
 # -- the stack's shell --------------------------------------------------------------------------
 
 STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKENCAP_PREFIX",
@@ -107,7 +122,7 @@ class Listener:
                 self.send_response(200)
                 self.end_headers()
 
-            do_GET = do_POST = _hit  # noqa: N815
+            do_GET = do_POST = _hit
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -119,6 +134,14 @@ class Listener:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
+    """Serve the budget service's HTTP face (`budget_service.server.make_server`) from a
+    daemon thread, as `tokencap budget` serves it from its main one."""
+    t = threading.Thread(target=server.serve_forever, daemon=True, name="budget-http")
+    t.start()
+    return t
 
 
 def worker_processes() -> list[int]:

@@ -118,10 +118,6 @@ class Writer:
                 return total
             total += self.drain_once(pending=True)
 
-    def lag(self) -> int:
-        """Entries not yet written and acked, over all streams."""
-        return self.ledger.unwritten(self.categories)
-
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (after Redis lost them)."""
         for category in self.categories:

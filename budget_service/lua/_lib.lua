@@ -46,6 +46,20 @@ local function forget(s)
   redis.call('HDEL', K.extra, s)
 end
 
+-- unseen(s): s is neither final nor pending: a sample (or a conversation's turn) the ledger
+-- has not fed yet, or has forgotten.
+local function unseen(s)
+  return redis.call('HEXISTS', K.final, s) == 0 and redis.call('HEXISTS', K.pending, s) == 0
+end
+
+-- pend(s, json, deadline): feed s: pending with its payload (Pending JSON) and leased until
+-- deadline (ms), when the reaper enqueues it again unless a worker took it (feed.lua,
+-- feed_follow.lua).
+local function pend(s, json, deadline)
+  redis.call('HSET', K.pending, s, json)
+  redis.call('ZADD', K.leases, deadline, s)
+end
+
 -- hold(s, now): the category is closed: s is not sent, and not final either. It waits parked
 -- (its payload kept, its reservation dropped) until a raised cap reopens the category.
 local function hold(s, now)
@@ -64,6 +78,16 @@ local function reject(s, reason, json)
   if reason == 'duplicate_prompt' then redis.call('HINCRBY', K.state, 'dup_prompts', 1) end
   redis.call('XADD', K.dead, '*', 'r', json)
   return true
+end
+
+-- reject_each(i, only): the records rejected while reading or rendering, ARGV[i ..] in
+-- groups of 3 (sample id, reason, dead-letter JSON): each one `reject`ed, or with `only`, each
+-- one for which only(sample id) is true (feed.lua, feed_follow.lua).
+local function reject_each(i, only)
+  while i <= #ARGV do
+    if not only or only(ARGV[i]) then reject(ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
+    i = i + 3
+  end
 end
 
 -- count_reply(reason, tokens): a committed reply's output tokens, in a training row (reason
@@ -153,8 +177,7 @@ local function turn_events(i)
     if ARGV[i] == 'next' then
       local nxt = ARGV[i + 3]
       redis.call('HSET', K.history, ARGV[i + 1], ARGV[i + 2])
-      if redis.call('HEXISTS', K.final, nxt) == 0
-          and redis.call('HEXISTS', K.pending, nxt) == 0 then
+      if unseen(nxt) then
         redis.call('ZADD', K.follow, 'NX', ARGV[i + 4], nxt)
         if ARGV[i + 5] ~= '' then redis.call('HSET', K.engine_of, nxt, ARGV[i + 5]) end
       end

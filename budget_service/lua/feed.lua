@@ -15,22 +15,18 @@ local out = {'ok'}
 local i = 5
 for _ = 1, tonumber(ARGV[4]) do
   local s, digest = ARGV[i], ARGV[i + 1]
-  if redis.call('HEXISTS', K.final, s) == 0 and redis.call('HEXISTS', K.pending, s) == 0 then
+  if unseen(s) then
     local first = redis.call('HGET', K.prompts, digest)
     if first and first ~= s then
       reject(s, 'duplicate_prompt', ARGV[i + 3])
     else
       if not first then redis.call('HSET', K.prompts, digest, s) end
-      redis.call('HSET', K.pending, s, ARGV[i + 2])
-      redis.call('ZADD', K.leases, ARGV[3], s)
+      pend(s, ARGV[i + 2], ARGV[3])
       out[#out + 1] = s
     end
   end
   i = i + 4
 end
-while i <= #ARGV do
-  reject(ARGV[i], ARGV[i + 1], ARGV[i + 2])
-  i = i + 3
-end
+reject_each(i)
 redis.call('HSET', K.state, 'cursor', ARGV[2])
 return out

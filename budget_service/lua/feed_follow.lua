@@ -7,25 +7,20 @@
 -- leaves `follow` in the same call: a producer that dies before its enqueue leaves a pending
 -- turn the reaper enqueues, and a turn is never fed twice.
 -- Returns the ids fed now.
+-- unfollow(s): take s out of `follow`; false if it did not wait there.
+local function unfollow(s)
+  return redis.call('ZREM', K.follow, s) == 1
+end
+
 local out = {}
 local i = 3
 for _ = 1, tonumber(ARGV[2]) do
   local s = ARGV[i]
-  if redis.call('ZSCORE', K.follow, s) then
-    redis.call('ZREM', K.follow, s)
-    if redis.call('HEXISTS', K.final, s) == 0 and redis.call('HEXISTS', K.pending, s) == 0 then
-      redis.call('HSET', K.pending, s, ARGV[i + 1])
-      redis.call('ZADD', K.leases, ARGV[1], s)
-      out[#out + 1] = s
-    end
+  if unfollow(s) and unseen(s) then
+    pend(s, ARGV[i + 1], ARGV[1])
+    out[#out + 1] = s
   end
   i = i + 2
 end
-while i <= #ARGV do
-  if redis.call('ZSCORE', K.follow, ARGV[i]) then
-    redis.call('ZREM', K.follow, ARGV[i])
-    reject(ARGV[i], ARGV[i + 1], ARGV[i + 2])
-  end
-  i = i + 3
-end
+reject_each(i, unfollow)
 return out

@@ -1,9 +1,9 @@
 """Normalise one dataset record into a chat prompt (or a pre-tokenized prompt): the formats,
-`Rejected`, and the checks of a record's fields and turns. `to_prompt` and `to_conversation`
-(the turn policies) are `producer/formats/turns.py`; `Conversation` (a record normalised, and
+`Rejected`, and the checks of a record's fields and turns. `to_conversation` (the turn
+policies) is `producer/formats/turns.py`; `Conversation` (a record normalised, and
 the prompt of each of its turns) is `producer/formats/conversation.py`.
 
-A record is one decoded JSON object (or Parquet row). `to_prompt` turns it into the
+A record is one decoded JSON object (or Parquet row). `to_conversation` turns it into the
 messages a chat template renders, ending with the user turn the model must answer:
 original assistant answers are never the last message. Records that cannot be turned
 into a prompt raise `Rejected` with a short snake_case reason code and the field at fault,

@@ -1,5 +1,5 @@
-"""From one dataset record to its prompt (`to_prompt`) or its `Conversation`
-(`to_conversation`): the record's turns read in its format (or its `field_map`), kept by the
+"""From one dataset record to its `Conversation` (`to_conversation`), whose first turn is
+the record's prompt: the record's turns read in its format (or its `field_map`), kept by the
 turn policy ("first", "last", "all") and made chat messages. The formats and the checks of
 each field are `producer/formats/records.py`."""
 
@@ -23,24 +23,7 @@ from producer.formats.records import (
     typed_field,
 )
 
-__all__ = ["to_conversation", "to_prompt"]
-
-
-def to_prompt(
-    record: dict,
-    fmt: str,
-    turns: str = "first",
-    system_prompt: str | None = None,
-    field_map: dict[str, str] | None = None,
-    role_map: dict[str, str] | None = None,
-) -> list[dict] | list[int]:
-    """The messages of the record's (first) prompt, or its token ids (format input_ids).
-
-    The messages of `to_conversation`'s first turn; see there. Tools, if any, are in the
-    conversation only.
-    """
-    conv = to_conversation(record, fmt, turns, system_prompt, field_map, role_map)
-    return conv if isinstance(conv, list) else conv.prompt()
+__all__ = ["to_conversation"]
 
 
 def to_conversation(

@@ -14,6 +14,7 @@ instead of being dropped or handed back as content.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from foundation.errors import TokencapError
@@ -100,6 +101,27 @@ def json_object(text: str, parser: str, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise Unparsed(parser, f"{what}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def section_calls(text: str, parser: str, begin: str, end: str, call_begin: str,
+                  call_end: str, call: Callable[[str, int], Call]) -> tuple[str, list[Call]]:
+    """A turn whose calls stand in one section (DeepSeek V3 / V3.1, Kimi-K2): (the text
+    before the section, `call(body, k)` for the body of each call k = 1, 2, ... between
+    `call_begin` and `call_end`). The section runs from `begin` to `end` or the text's end;
+    what follows it is dropped. `Unparsed`: a call begun outside a section, one not
+    terminated, or a section without a call."""
+    at = text.find(begin)
+    if at < 0:
+        raise Unparsed(parser, f"{call_begin} outside a {begin} section")
+    section = text[at + len(begin):].split(end, 1)[0]
+    calls = []
+    for k, chunk in enumerate(section.split(call_begin)[1:], 1):
+        if call_end not in chunk:
+            raise Unparsed(parser, f"call {k} is not terminated ({call_end})")
+        calls.append(call(chunk.split(call_end, 1)[0], k))
+    if not calls:
+        raise Unparsed(parser, "a tool-call section without a call")
+    return text[:at], calls
 
 
 def name_and_arguments(obj: dict[str, Any], parser: str, what: str) -> Call:

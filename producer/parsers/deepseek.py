@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 
-from producer.parsers.base import Call, ToolCallParser, Unparsed, json_object
+from producer.parsers.base import Call, ToolCallParser, Unparsed, json_object, section_calls
 
 CALLS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
 CALLS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
@@ -45,48 +45,40 @@ class _Sectioned(ToolCallParser):
     def split(self, text: str, tools: list[dict] | None) -> tuple[str, list[Call]]:
         if not self.has_call(text):
             return text, []
-        at = text.find(CALLS_BEGIN)
-        if at < 0:
-            raise Unparsed(self.name, f"{CALL_BEGIN} outside a {CALLS_BEGIN} section")
-        content, section = text[:at].strip(), text[at + len(CALLS_BEGIN):]
-        section = section.split(CALLS_END, 1)[0]
-        calls = []
-        for k, chunk in enumerate(section.split(CALL_BEGIN)[1:], 1):
-            if CALL_END not in chunk:
-                raise Unparsed(self.name, f"call {k} is not terminated ({CALL_END})")
-            calls.append(self._call(chunk.split(CALL_END, 1)[0], k))
-        if not calls:
-            raise Unparsed(self.name, "a tool-call section without a call")
-        return content, calls
+        content, calls = section_calls(text, self.name, CALLS_BEGIN, CALLS_END, CALL_BEGIN,
+                                       CALL_END, self._call)
+        return content.strip(), calls
 
     def _call(self, body: str, k: int) -> Call:
+        """Call k: what stands before SEP and after it (`_name_and_arguments`)."""
+        if SEP not in body:
+            raise Unparsed(self.name, f"call {k} has no {SEP}")
+        before, after = body.split(SEP, 1)
+        name, raw = self._name_and_arguments(before, after, k)
+        return Call(name, json_object(raw, self.name, f"call {k} arguments"), raw)
+
+    def _name_and_arguments(self, before: str, after: str, k: int) -> tuple[str, str]:
+        """(the function's name, its arguments' JSON) of call k, split at SEP."""
         raise NotImplementedError
 
 
 class DeepSeekV3(_Sectioned):
     name = "deepseekv3"
 
-    def _call(self, body: str, k: int) -> Call:
-        if SEP not in body:
-            raise Unparsed(self.name, f"call {k} has no {SEP}")
-        _kind, rest = body.split(SEP, 1)
-        m = _FENCED.match(rest)
+    def _name_and_arguments(self, before: str, after: str, k: int) -> tuple[str, str]:
+        m = _FENCED.match(after)  # `before` is the call's kind ("function")
         if m is None or not m["name"].strip():
             raise Unparsed(self.name, f"call {k} is not NAME\\n```json\\n...\\n```")
-        raw = m["args"]
-        return Call(m["name"].strip(), json_object(raw, self.name, f"call {k} arguments"), raw)
+        return m["name"].strip(), m["args"]
 
 
 class DeepSeekV31(_Sectioned):
     name = "deepseekv31"
 
-    def _call(self, body: str, k: int) -> Call:
-        if SEP not in body:
-            raise Unparsed(self.name, f"call {k} has no {SEP}")
-        name, raw = body.split(SEP, 1)
-        if not name.strip():
+    def _name_and_arguments(self, before: str, after: str, k: int) -> tuple[str, str]:
+        if not before.strip():
             raise Unparsed(self.name, f"call {k} has no function name")
-        return Call(name.strip(), json_object(raw, self.name, f"call {k} arguments"), raw)
+        return before.strip(), after
 
 
 class DeepSeekV32(ToolCallParser):

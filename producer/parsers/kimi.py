@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import re
 
-from producer.parsers.base import Call, ToolCallParser, Unparsed, json_object, schema_types
+from producer.parsers.base import (
+    Call,
+    ToolCallParser,
+    Unparsed,
+    json_object,
+    schema_types,
+    section_calls,
+)
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -37,24 +44,16 @@ class KimiK2(ToolCallParser):
     def split(self, text: str, tools: list[dict] | None) -> tuple[str, list[Call]]:
         if not self.has_call(text):
             return text, []
-        at = text.find(SECTION_BEGIN)
-        if at < 0:
-            raise Unparsed(self.name, f"{CALL_BEGIN} outside a {SECTION_BEGIN} section")
-        content, section = text[:at], text[at + len(SECTION_BEGIN):]
-        section = section.split(SECTION_END, 1)[0]
-        calls: list[Call] = []
-        for k, chunk in enumerate(section.split(CALL_BEGIN)[1:], 1):
-            if CALL_END not in chunk:
-                raise Unparsed(self.name, f"call {k} is not terminated ({CALL_END})")
-            body = chunk.split(CALL_END, 1)[0]
+
+        def call(body: str, k: int) -> Call:
             if ARGUMENT_BEGIN not in body:
                 raise Unparsed(self.name, f"call {k} has no {ARGUMENT_BEGIN}")
             call_id, raw = (part.strip() for part in body.split(ARGUMENT_BEGIN, 1))
             args = json_object(raw, self.name, f"call {k} arguments")
-            calls.append(Call(self._name(call_id, args, tools, k), args, raw))
-        if not calls:
-            raise Unparsed(self.name, "a tool-call section without a call")
-        return content, calls
+            return Call(self._name(call_id, args, tools, k), args, raw)
+
+        return section_calls(text, self.name, SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END,
+                             call)
 
     def _name(self, call_id: str, args: dict, tools: list[dict] | None, k: int) -> str:
         m = _ID.match(call_id)

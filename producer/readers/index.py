@@ -218,7 +218,7 @@ class SourceIndex:
         if handle is None:
             if len(self._handles) >= MAX_OPEN_FILES:
                 self._handles.pop(next(iter(self._handles))).close()
-            handle = open(self._segments[file_no].path, "rb")  # noqa: SIM115 - kept open
+            handle = open(self._segments[file_no].path, "rb")  # kept open
             self._handles[file_no] = handle
         return handle
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rq import Queue
 
-from testing.harness import Pipeline
+from testing.harness import Pipeline, ledger_state
 from tests.conftest import write_config
 
 PROMPTS = 200
@@ -68,7 +68,7 @@ def worker_killer(pipe: Pipeline, kills: list[int], most: int, every_tokens: int
     last = {"used": 0}
 
     def chaos() -> bool:
-        used = sum(int(pipe.budget.state(c)["used"] or 0) for c in names)
+        used = sum(int(ledger_state(pipe.budget, c)["used"] or 0) for c in names)
         if len(kills) < most and used - last["used"] >= every_tokens:
             busy = pipe.busy_worker_pids()
             if busy:

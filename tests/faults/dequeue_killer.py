@@ -15,7 +15,7 @@ from foundation.redisconn import connect
 
 
 class DiesAfterDequeue(TokencapWorker):
-    def execute_job(self, job, queue) -> None:  # noqa: ANN001
+    def execute_job(self, job, queue) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -18,7 +18,7 @@ import pytest
 from foundation.config import RunConfig
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
-from testing.harness import Pipeline, RedisServer, started, wait_until
+from testing.harness import Pipeline, RedisServer, ledger_state, started, wait_until
 from tests.conftest import DATASETS, QWEN, ROOT, write_config
 from tests.faults.common import FAULT_KNOBS, Background, worker_killer
 
@@ -69,7 +69,7 @@ def sim():
 
 
 def used_total(pipe: Pipeline) -> int:
-    return sum(int(pipe.budget.state(c)["used"] or 0) for c in ("agent", "chat"))
+    return sum(int(ledger_state(pipe.budget, c)["used"] or 0) for c in ("agent", "chat"))
 
 
 def later_turns(pipe: Pipeline) -> int:

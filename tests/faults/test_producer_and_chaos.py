@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sglang_sim.testing import SimServer
-from testing.harness import Pipeline, RedisServer, started, wait_until
+from testing.harness import Pipeline, RedisServer, ledger_state, started, wait_until
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 from tests.faults.proxy import Proxy
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def used_total(pipe: Pipeline) -> int:
-    return sum(pipe.budget.state(c)["used"] for c in ("a", "b"))
+    return sum(ledger_state(pipe.budget, c)["used"] for c in ("a", "b"))
 
 
 def test_producer_sigkill_and_restart(tmp_path, redis_url) -> None:

@@ -27,7 +27,7 @@ from foundation.config import RunConfig
 from foundation.wire import Pending
 from producer.run import build_producer
 from sglang_sim.testing import SimServer
-from testing.harness import Pipeline, wait_until
+from testing.harness import Pipeline, ledger_entry, wait_until
 from tests.conftest import write_config
 from writer.writer import Writer
 
@@ -105,7 +105,7 @@ def take_jobs(pipe: Pipeline, category: str, sids: list[str]) -> None:
     """The jobs of `sids` leave the queue, as if a worker dequeued them."""
     q = Queue(pipe.keys.queue_name(category), connection=pipe.redis)
     for sid in sids:
-        seq = pipe.budget.entry(category, sid).seq
+        seq = ledger_entry(pipe.budget, category, sid).seq
         q.remove(pipe.keys.job_id(category, sid, seq))
 
 

@@ -13,7 +13,14 @@ from redis import Redis
 
 from foundation.redisconn import parse_sentinel_url
 from sglang_sim.testing import SimServer
-from testing.harness import RedisServer, find_redis_server, free_port, started, wait_until
+from testing.harness import (
+    RedisServer,
+    find_redis_server,
+    free_port,
+    ledger_state,
+    started,
+    wait_until,
+)
 from tests.faults.common import Background, two_category_config
 
 pytestmark = pytest.mark.slow
@@ -88,8 +95,8 @@ def test_the_master_killed_mid_run_the_replica_takes_over_and_the_run_finishes(
         cfg = two_category_config(tmp_path, cap_a=16000, cap_b=10000)
         with SimServer(time_scale=60.0) as sim, started(cfg, url, [sim.url], 4) as pipe:
             bg = Background(pipe).start()
-            wait_until(lambda: sum(pipe.budget.state(c)["used"] for c in ("a", "b")) >= 6000,
-                       timeout_s=60, what="progress")
+            wait_until(lambda: sum(ledger_state(pipe.budget, c)["used"] for c in ("a", "b"))
+                       >= 6000, timeout_s=60, what="progress")
             master.kill()  # the host is gone: what the replica has not got is lost
             wait_until(lambda: sentinel.master_port() == replica.port, timeout_s=60,
                        what="Sentinel to promote the replica")

@@ -14,7 +14,7 @@ from budget_service.keys import Keys
 from foundation.errors import RedisRefused
 from foundation.redisconn import connect
 from sglang_sim.testing import SimServer
-from testing.harness import Pipeline, RedisServer, started, wait_until
+from testing.harness import Pipeline, RedisServer, ledger_state, started, wait_until
 from tests.conftest import ROOT
 from tests.faults.common import Background, two_category_config
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def used_total(pipe: Pipeline) -> int:
-    return sum(pipe.budget.state(c)["used"] for c in ("a", "b"))
+    return sum(ledger_state(pipe.budget, c)["used"] for c in ("a", "b"))
 
 
 @pytest.mark.parametrize("lose_data", [False, True], ids=["aof-restart", "restart-empty"])

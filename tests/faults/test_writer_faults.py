@@ -17,7 +17,7 @@ import pytest
 
 from foundation.config import RunConfig
 from sglang_sim.testing import SimServer
-from testing.harness import Pipeline, wait_until
+from testing.harness import Pipeline, ledger_state, wait_until
 from tests.conftest import ROOT, write_config
 from tests.faults.common import Background, two_category_config
 
@@ -38,7 +38,7 @@ def unwritten(pipe: Pipeline) -> int:
 
 
 def used_total(pipe: Pipeline) -> int:
-    return sum(int(pipe.budget.state(c.name)["used"]) for c in pipe.cfg.category)
+    return sum(int(ledger_state(pipe.budget, c.name)["used"]) for c in pipe.cfg.category)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from budget_service.telemetry import render_metrics
 from sglang_sim.testing import SimServer, free_port, start_sim_subprocess
-from testing.harness import Pipeline, started, wait_until
+from testing.harness import Pipeline, ledger_state, started, wait_until
 from tests.conftest import write_config
 from tests.faults.common import Background, two_category_config
 
@@ -106,18 +106,18 @@ def test_two_engines_one_killed_midway_and_back(tmp_path, redis_url) -> None:
             pipe.start_writer()
             pipe.start_workers(6)
             bg = Background(pipe).start()
-            wait_until(lambda: pipe.budget.state("a")["used"] >= 3000, what="progress")
+            wait_until(lambda: ledger_state(pipe.budget, "a")["used"] >= 3000, what="progress")
             proc_a.kill()  # engine A dies with requests in flight
             proc_a.wait()
-            used_at_kill = pipe.budget.state("a")["used"]
-            wait_until(lambda: pipe.budget.state("a")["used"] >= used_at_kill + 3000,
+            used_at_kill = ledger_state(pipe.budget, "a")["used"]
+            wait_until(lambda: ledger_state(pipe.budget, "a")["used"] >= used_at_kill + 3000,
                        timeout_s=60, what="progress on engine B alone")
             proc_a, _ = start_sim_subprocess(args, port=port)  # A comes back
             wait_until(lambda: requests.get(f"{url_a}/_sim/stats", timeout=5)
                        .json()["finished_total"] >= 3, timeout_s=60,
                        what="engine A to receive work again")
             for c in ("a", "b"):  # end the run now
-                pipe.budget.operating.set_cap(c, int(pipe.budget.state(c)["used"]))
+                pipe.budget.operating.set_cap(c, int(ledger_state(pipe.budget, c)["used"]))
             status = bg.join(120)
         finally:
             pipe.close()

@@ -83,10 +83,10 @@ class _Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(r.content)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's names
+    def do_GET(self) -> None:
         self._forward("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._forward("POST")
 
     def log_message(self, *_args: Any) -> None:

@@ -26,7 +26,7 @@ from producer.reply_parser import ReplyParser
 from producer.run import load_renderer
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
-from testing.harness import RedisServer, started
+from testing.harness import RedisServer, final_marks, started
 from tests.conftest import DATASETS, QWEN, write_config
 from tokencap.export.conversations import SourceMessages
 from tokencap.export.exporter import export
@@ -317,7 +317,7 @@ def test_a_raised_cap_sends_what_the_closed_category_held(tmp_path, redis_url, s
         for name in ("chat", "qa"):
             st = status["categories"][name]
             assert st["state"] == "closed" and st["skipped"] > 0, (name, st)
-        assert pipe.budget.writing.final_marks("qa").keys().isdisjoint(held["qa"])
+        assert final_marks(pipe.budget, "qa").keys().isdisjoint(held["qa"])
         cut = [d for d in pipe.dead("chat") if d.outcome == "cut"]
         assert cut and all(d.reason == "cap" and d.turn >= 2 for d in cut)  # why they stopped
         assert all(d.where and d.turns_total >= d.turn for d in cut)

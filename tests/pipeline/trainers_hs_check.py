@@ -203,7 +203,7 @@ def check_mappings(layout: Path, draft: int, target_vocab: int, out: dict) -> No
     ok = True
     try:
         validate_vocab_mapping_consistency(m["t2d"], m["d2t"])
-    except Exception as e:  # noqa: BLE001 - reported, not raised
+    except Exception as e:  # reported, not raised
         ok = False
         out["specforge_vocab_mapping_error"] = str(e)[:200]
     out.update({
@@ -362,7 +362,7 @@ def _target_with_index(target: Path, work: Path) -> Path:
     weight_map = {}
     for f in sorted(target.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            weight_map.update({k: f.name for k in st.keys()})  # noqa: SIM118
+            weight_map.update({k: f.name for k in st.keys()})
     (linked / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     return linked
@@ -378,13 +378,13 @@ def child_specforge(layout: Path, target: Path, work: Path) -> dict:
     from specforge.training.model_loading import resolve_draft_config
 
     losses: list[float] = []
-    log = assembly._logger  # noqa: SLF001
+    log = assembly._logger
 
     def grab(metrics, step):
         losses.append(float(metrics["loss"]))
         log(metrics, step)
 
-    assembly._logger = grab  # noqa: SLF001
+    assembly._logger = grab
     folder = layout / SPECFORGE
     linked = _target_with_index(target, work)
     tied = bool(_target_config(target).get("tie_word_embeddings", False))
@@ -460,7 +460,7 @@ def main() -> int:
     for name, phase in phases:
         try:
             phase()
-        except Exception as e:  # noqa: BLE001 - reported in the JSON, the rest still runs
+        except Exception as e:  # reported in the JSON, the rest still runs
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
     for kind in ("speculators", "specforge"):
         got = run_child(kind, layout, target)

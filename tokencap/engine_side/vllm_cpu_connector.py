@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # type: ignore[import-not-found]  # noqa: E501
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # type: ignore[import-not-found]
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
 )

@@ -21,6 +21,7 @@ from budget_service.scripts import CATEGORY_SCRIPTS, LUA_DIR, OTHER_SCRIPTS
 from foundation.engine.info import EngineInfo
 from foundation.errors import RunMismatch
 from foundation.wire import DeadLetter, Pending, Result, encode
+from testing.harness import final_marks, ledger_entry, ledger_state
 from tests.helpers import LEASE_MS, feed, make_cfg, pending, result
 
 
@@ -66,7 +67,7 @@ def test_init_run_creates_once_and_keeps_live_caps(redis) -> None:
     assert b.feeding.init_run(make_cfg(cap=1000, cats=("code", "math"))) is True
     b.operating.set_cap("code", 5000)
     assert b.feeding.init_run(make_cfg(cap=1000, cats=("code", "math"))) is False
-    assert b.state("code")["cap"] == 5000 and b.state("math")["cap"] == 1000
+    assert ledger_state(b, "code")["cap"] == 5000 and ledger_state(b, "math")["cap"] == 1000
     with pytest.raises(RunMismatch):
         b.feeding.init_run(make_cfg(cats=("code",)))
 
@@ -79,7 +80,7 @@ def test_init_category_creates_the_writer_group_on_both_streams(budget: Budget) 
     # again after Redis lost it; BUSYGROUP on the other ignored
     budget.writing.ensure_groups("code")
     assert budget.redis.xinfo_groups(ck(budget).results)[0]["name"] == WRITER_GROUP.encode()
-    assert budget.state("code")["cap"] == 1000
+    assert ledger_state(budget, "code")["cap"] == 1000
 
 
 # -- feed ---------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def test_a_prompt_another_category_fed_is_rejected_as_duplicate(redis) -> None:
     letter = msgspec.json.decode(entry, type=DeadLetter)
     assert (letter.id, letter.reason) == ("b", "duplicate_prompt")
     assert "same prompt token ids as code/a" in letter.message
-    assert budget.writing.final_marks("code") == {}  # nothing of code was touched
+    assert final_marks(budget, "code") == {}  # nothing of code was touched
 
 
 def test_feed_leases_records_rejections_and_duplicate_prompts(budget: Budget) -> None:
@@ -130,7 +131,7 @@ def test_feed_leases_records_rejections_and_duplicate_prompts(budget: Budget) ->
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["pending"], st["rejected"], st["duplicate_prompts"]) == (2, 2, 1)
     assert st["reasons"] == {"duplicate_prompt": 1, "invalid_json": 1}
-    final = budget.writing.final_marks("code")
+    final = final_marks(budget, "code")
     assert final == {"b": "r:duplicate_prompt", "x": "r:invalid_json"}
     assert budget.redis.xlen(ck(budget).dead) == 2
     assert budget.redis.hget(ck(budget).prompts, prompt_digest([1, 2])) == b"a"
@@ -145,10 +146,10 @@ def test_admit_returns_payload_and_reserves(budget: Budget) -> None:
     feed(budget, "a")
     status, p = budget.samples.admit("code", "a", 100, LEASE_MS)
     assert status == "ok" and p is not None and p.sample_id == "a"
-    assert budget.state("code")["reserved"] == 100
+    assert ledger_state(budget, "code")["reserved"] == 100
     # admitted again (a retry of the same sample) keeps one reservation
     assert budget.samples.admit("code", "a", 100, LEASE_MS)[0] == "ok"
-    assert budget.state("code")["reserved"] == 100
+    assert ledger_state(budget, "code")["reserved"] == 100
 
 
 def test_admit_waits_while_the_writer_is_behind(budget: Budget) -> None:
@@ -174,7 +175,7 @@ def test_admit_refuses_the_job_of_an_earlier_enqueue(budget: Budget) -> None:
     p = msgspec.json.decode(budget.redis.hget(ck(budget).pending, "a"), type=Pending)
     assert budget.feeding.requeue("code", p, 0, now_ms() + LEASE_MS) == 1
     assert budget.samples.admit("code", "a", 100, LEASE_MS, seq=0) == ("stale", None)
-    assert budget.state("code")["reserved"] == 0
+    assert ledger_state(budget, "code")["reserved"] == 0
     assert budget.samples.admit("code", "a", 100, LEASE_MS, seq=1)[0] == "ok"
     assert budget.samples.admit("code", "zz", 100, LEASE_MS) == ("unknown", None)
 
@@ -185,7 +186,7 @@ def test_admit_holds_back_the_samples_of_a_closed_category(budget: Budget) -> No
     assert budget.samples.admit("code", "a", 10, LEASE_MS) == ("closed", None)
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["skipped"], st["parked"], st["pending"], st["reserved"]) == (1, 1, 1, 0)
-    assert budget.writing.final_marks("code") == {}  # held, not final
+    assert final_marks(budget, "code") == {}  # held, not final
     assert budget.redis.zscore(ck(budget).leases, "a") is None
     assert budget.samples.admit("code", "a", 10, LEASE_MS) == ("closed", None)  # still held once
     assert budget.telemetry.status()["categories"]["code"]["skipped"] == 1
@@ -216,12 +217,12 @@ def test_admit_hard_guard_keeps_used_below_cap_plus_one_sample(budget: Budget) -
         feed(budget, sid)
     outcomes = [budget.samples.admit("code", sid, 10, LEASE_MS, max_add=300)[0] for sid in "abcde"]
     assert outcomes == ["ok", "ok", "ok", "ok", "wait"]  # 0+900 < 1000, then 1200 >= 1000
-    assert budget.state("code")["worst"] == 1200
+    assert ledger_state(budget, "code")["worst"] == 1200
     for sid in "abcd":  # every in-flight sample produces its maximum
         budget.samples.commit(result(sid, 300), 0, 0.0)
     st = budget.telemetry.status()["categories"]["code"]
     assert st["used"] == 1200 and st["overshoot"] < 300 and st["state"] == "closed"
-    assert budget.state("code")["worst"] == 0
+    assert ledger_state(budget, "code")["worst"] == 0
     assert budget.samples.admit("code", "f", 10, LEASE_MS, max_add=300)[0] == "closed"
 
 
@@ -234,19 +235,19 @@ def test_admit_margin_holds_back_by_sigmas_of_the_in_flight_total(budget: Budget
     outcomes = [budget.samples.admit("code", sid, 200, LEASE_MS, variance=10_000, sigmas=2.0)[0]
                 for sid in "abcd"]
     assert outcomes == ["ok", "ok", "ok", "wait"]
-    assert budget.state("code")["var"] == 30_000
+    assert ledger_state(budget, "code")["var"] == 30_000
     # without the margin the same request fits (600 + 200 < 1000)
     assert budget.samples.admit("code", "d", 200, LEASE_MS, variance=10_000, sigmas=0.0)[0] == "ok"
     # a heartbeat moves a sample's variance; commit, release and fail drop it
     assert budget.samples.heartbeat("code", "a", 250, LEASE_MS, variance=2_500)
-    assert budget.state("code")["var"] == 32_500
+    assert ledger_state(budget, "code")["var"] == 32_500
     assert budget.samples.heartbeat("code", "d", 64, LEASE_MS, variance=0)  # at its max: no spread
-    assert budget.state("code")["var"] == 22_500
+    assert ledger_state(budget, "code")["var"] == 22_500
     budget.samples.commit(result("a", 240), 0, 0.0)
     budget.samples.release("code", pending("b"), 1)
     budget.samples.fail(DeadLetter(id="c", category="code", outcome="dead", reason="timeout"))
     budget.samples.commit(result("d", 10), 0, 0.0)
-    st = budget.state("code")
+    st = ledger_state(budget, "code")
     assert (st["var"], st["reserved"]) == (0, 0)
     assert not budget.redis.exists(ck(budget).var)
 
@@ -256,10 +257,10 @@ def test_heartbeat_moves_reservation_and_lease(budget: Budget) -> None:
     budget.samples.admit("code", "a", 100, LEASE_MS)
     before = budget.redis.zscore(ck(budget).leases, "a")
     assert budget.samples.heartbeat("code", "a", 250, 10 * LEASE_MS)
-    assert budget.state("code")["reserved"] == 250
+    assert ledger_state(budget, "code")["reserved"] == 250
     assert budget.redis.zscore(ck(budget).leases, "a") > before
     budget.samples.commit(result("a", 260), 0, 0.0)
-    assert budget.state("code")["reserved"] == 0
+    assert ledger_state(budget, "code")["reserved"] == 0
     assert not budget.samples.heartbeat("code", "a", 300, LEASE_MS)
     assert budget.redis.zscore(ck(budget).leases, "a") is None  # no lease comes back
 
@@ -269,7 +270,7 @@ def test_commit_twice_counts_once(budget: Budget) -> None:
     budget.samples.admit("code", "a", 100, LEASE_MS)
     assert budget.samples.commit(result("a", 40), 0, 10.0) == ("ok", 40)
     assert budget.samples.commit(result("a", 40), 0, 10.0) == ("dup", 40)
-    st = budget.state("code")
+    st = ledger_state(budget, "code")
     assert (st["used"], st["reserved"], st["samples"]) == (40, 0, 1)
     assert budget.redis.xlen(ck(budget).results) == 1
     assert budget.redis.hlen(ck(budget).pending) == 0
@@ -328,7 +329,7 @@ def test_release_returns_reservation_and_reschedules(budget: Budget) -> None:
     budget.samples.admit("code", "a", 100, LEASE_MS, max_add=64)
     p = msgspec.structs.replace(pending("a"), failures=1)
     assert budget.samples.release("code", p, 12345)
-    st = budget.state("code")
+    st = ledger_state(budget, "code")
     assert (st["reserved"], st["worst"]) == (0, 0)
     assert budget.redis.zscore(ck(budget).leases, "a") == 12345
     stored = msgspec.json.decode(budget.redis.hget(ck(budget).pending, "a"), type=Pending)
@@ -343,16 +344,16 @@ def test_fail_is_terminal_and_uncounted(budget: Budget) -> None:
     dead = DeadLetter(id="a", category="code", outcome="dead", reason="server_error")
     assert budget.samples.fail(dead) is True
     assert budget.samples.fail(dead) is False
-    st = budget.state("code")
+    st = ledger_state(budget, "code")
     assert (st["failed"], st["used"], st["reserved"]) == (1, 0, 0)
     assert budget.samples.commit(result("a", 10), 0, 0.0)[0] == "dup"
-    assert budget.state("code")["used"] == 0
+    assert ledger_state(budget, "code")["used"] == 0
     rejected = DeadLetter(id="b", category="code", outcome="rejected", reason="bad_request")
     feed(budget, "b")
     assert budget.samples.fail(rejected) is True
     assert budget.telemetry.status()["categories"]["code"]["reasons"] == {"bad_request": 1,
                                                                 "server_error": 1}
-    assert budget.writing.final_marks("code") == {"a": "d:server_error", "b": "r:bad_request"}
+    assert final_marks(budget, "code") == {"a": "d:server_error", "b": "r:bad_request"}
     assert budget.redis.hlen(ck(budget).pending) == 0
 
 
@@ -365,21 +366,21 @@ def test_requeue_gives_a_lost_sample_a_new_seq_and_lease(budget: Budget) -> None
     p = msgspec.structs.replace(pending("a"), failures=1)
     deadline = now_ms() + LEASE_MS
     assert budget.feeding.requeue("code", p, 0, deadline) == 1
-    st = budget.state("code")
+    st = ledger_state(budget, "code")
     assert (st["reserved"], st["worst"]) == (0, 0)  # the lost reservation is returned
     assert budget.redis.zscore(ck(budget).leases, "a") == deadline
-    assert budget.entry("code", "a") == (p, 1, False)
+    assert ledger_entry(budget, "code", "a") == (p, 1, False)
     # read at seq 0 (a second reaper pass on stale data): refused, nothing changes
     budget.redis.zadd(ck(budget).leases, {"a": 1})
     assert budget.feeding.requeue("code", p, 0, deadline) == -1
-    assert budget.entry("code", "a").seq == 1
+    assert ledger_entry(budget, "code", "a").seq == 1
 
 
 def test_requeue_leaves_a_sample_whose_lease_was_extended_meanwhile(budget: Budget) -> None:
     feed(budget, "a")
     budget.samples.admit("code", "a", 100, LEASE_MS)  # lease in the future: the worker lives
     assert budget.feeding.requeue("code", pending("a"), 0, now_ms() + LEASE_MS) == -1
-    assert budget.state("code")["reserved"] == 100
+    assert ledger_state(budget, "code")["reserved"] == 100
     budget.samples.commit(result("a", 5), 0, 0.0)
     assert budget.feeding.requeue("code", pending("a"), 0, now_ms()) == -1  # final
 
@@ -412,11 +413,11 @@ def test_unpark_takes_and_reserves_as_many_as_admission_would(budget: Budget) ->
     assert got.leased == [("a", 1), ("b", 1)] and got.prompts == [0, 0]
     assert budget.redis.zrange(ck(budget).parked, 0, -1) == [b"c", b"d"]
     assert budget.redis.zscore(ck(budget).leases, "a") == deadline
-    assert budget.state("code")["reserved"] == 900  # each reserved for as admit would
+    assert ledger_state(budget, "code")["reserved"] == 900  # each reserved for as admit would
     # the stale job of b's first enqueue is refused; the new one finds its reservation
     assert budget.samples.admit("code", "b", 300, LEASE_MS, seq=0)[0] == "stale"
     assert budget.samples.admit("code", "b", 300, LEASE_MS, seq=1)[0] == "ok"
-    assert budget.state("code")["reserved"] == 900
+    assert ledger_state(budget, "code")["reserved"] == 900
     budget.samples.commit(result("x", 100), 0, 0.0)  # used 100, reserved 600
     # with a margin of 1 sigma of 150^2 each: 100 + 600 + 100 + 150 < 1000 takes c, then
     # 100 + 700 + 100 + sqrt(2 * 150^2) >= 1000 stops at d
@@ -437,8 +438,8 @@ def test_unpark_asks_for_the_prompt_tokens_admit_parked_a_sample_with(budget: Bu
     budget.samples.commit(result("x", 100), 0, 0.0)  # used 100, reserved 0
     got = budget.feeding.unpark("code", 300, 0, 100, 0.0, deadline, 100)
     assert got.leased == [("a", 1)] and got.prompts == [200]
-    assert budget.state("code")["reserved"] == 500  # 300 + its 200 prompt tokens
-    assert budget.state("code")["worst"] == 300  # max_add 100 + 200
+    assert ledger_state(budget, "code")["reserved"] == 500  # 300 + its 200 prompt tokens
+    assert ledger_state(budget, "code")["worst"] == 300  # max_add 100 + 200
     assert budget.redis.hget(ck(budget).extra, "a") is None
     assert budget.samples.admit("code", "a", 300, LEASE_MS, 100, seq=1, extra=200)[0] == "ok"
 
@@ -455,7 +456,7 @@ def test_unpark_leaves_the_parked_samples_of_a_closed_category_held(budget: Budg
     budget.operating.set_cap("code", 0)  # closes it
     got = budget.feeding.unpark("code", 10, 0, 0, 0.0, now_ms() + LEASE_MS, 100)
     assert got.leased == []
-    assert budget.writing.final_marks("code") == {"a": "c:5"}
+    assert final_marks(budget, "code") == {"a": "c:5"}
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["parked"], st["pending"], st["skipped"]) == (2, 2, 2)
 
@@ -471,7 +472,7 @@ def test_unpark_hard_guard_counts_what_each_taken_sample_can_add(budget: Budget)
     park(budget, "abcd")
     got = budget.feeding.unpark("code", 10, 0, 300, 0.0, now_ms() + LEASE_MS, 100)
     assert [s for s, _ in got.leased] == ["a", "b", "c", "d"]  # 0, 300, 600, 900 < 1000
-    assert budget.state("code")["worst"] == 1200  # each holds what it can add
+    assert ledger_state(budget, "code")["worst"] == 1200  # each holds what it can add
     park(budget, "e")
     assert budget.feeding.unpark("code", 10, 0, 300, 0.0, now_ms(), 100).leased == []
 
@@ -531,16 +532,16 @@ def test_retry_sends_a_dead_sample_again_once_and_keeps_its_dead_letter_history(
     # only the reason asked for, each sample once, and never a conversation's turn
     assert budget.operating.retry("code", "server_error") == (1, 1)
     assert budget.operating.retry("code", "server_error") == (0, 1)
-    assert budget.writing.final_marks("code")["v#t2"].startswith("d:")
+    assert final_marks(budget, "code")["v#t2"].startswith("d:")
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["failed"], st["reasons"], st["followups"]) == (
         2, {"timeout": 1, "bad_request": 1, "server_error": 1}, 1)
-    assert budget.writing.final_marks("code").get("a") is None
+    assert final_marks(budget, "code").get("a") is None
     assert budget.redis.hget(ck(budget).written, "a") is None  # its result will be written
     assert budget.redis.zscore(ck(budget).follow, "a") == -1
     # its dead letter on disk no longer makes it final when Redis is rebuilt from the files
     assert budget.feeding.reconcile("code", [("a", "d:server_error", 0, 0, "", "", 0)]) == 0
-    assert budget.writing.final_marks("code").get("a") is None
+    assert final_marks(budget, "code").get("a") is None
 
 
 def test_exhausted_waits_for_pending_followups_and_the_writer(budget: Budget) -> None:
@@ -563,7 +564,7 @@ def test_set_cap_none_uncaps(budget: Budget) -> None:
     assert budget.operating.set_cap("code", None) == (False, 1000)
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["state"], st["cap"], st["overshoot"]) == ("open", None, 0)
-    assert budget.state("code")["cap"] is None
+    assert ledger_state(budget, "code")["cap"] is None
     feed(budget, "b")
     assert budget.samples.admit("code", "b", 10**12, LEASE_MS, max_add=10**12)[0] == "ok"
     budget.samples.commit(result("b", 10**6), 0, 0.0)  # never closes uncapped
@@ -599,7 +600,7 @@ def test_acknowledge_marks_written_deletes_entries_and_corrects_used(budget: Bud
     ids = [eid for eid, _ in entries]
     assert budget.writing.written("code", ["a", "b"]) == [None, None]
     assert budget.writing.acknowledge("code", False, ids, {"a": 30}, correction=-5) == 1
-    assert budget.redis.xlen(stream) == 0 and budget.state("code")["used"] == 25
+    assert budget.redis.xlen(stream) == 0 and ledger_state(budget, "code")["used"] == 25
     assert budget.redis.xpending(stream, WRITER_GROUP)["pending"] == 0
     assert budget.writing.written("code", ["a", "b"]) == ["30", None]
     # marks alone: found on disk at a writer's start
@@ -667,7 +668,7 @@ def test_restore_puts_back_next_turns_and_histories_and_touches_no_stream(
     # the results stream, the written marks and `used` are left alone
     assert budget.redis.xlen(ck(budget).results) == 1
     assert budget.redis.hlen(ck(budget).written) == 0
-    assert budget.state("code")["used"] == 5
+    assert ledger_state(budget, "code")["used"] == 5
     # a next turn already pending is not put back in `follow`
     budget.redis.delete(ck(budget).follow)
     budget.redis.hset(ck(budget).pending, "c#t2", "{}")
@@ -685,8 +686,8 @@ def test_feed_follow_feeds_each_waiting_turn_once(budget: Budget) -> None:
                      conversation_id="d", turn=2)
     assert budget.feeding.feed_follow("code", now_ms() + LEASE_MS, [p, late], [bad]) == ["c#t2"]
     assert budget.feeding.feed_follow("code", now_ms() + LEASE_MS, [p], [bad]) == []
-    assert budget.entry("code", "c#t2").pending == p
-    assert budget.writing.final_marks("code") == {"d#t2": "r:prompt_too_long"}
+    assert ledger_entry(budget, "code", "c#t2").pending == p
+    assert final_marks(budget, "code") == {"d#t2": "r:prompt_too_long"}
     assert budget.redis.zrange(ck(budget).follow, 0, -1) == [b"e#t2"]
     assert budget.redis.hexists(ck(budget).pending, "z#t2") is False
     st = budget.telemetry.status()["categories"]["code"]
@@ -705,7 +706,7 @@ def test_cut_reports_each_held_turn_once_while_closed(budget: Budget) -> None:
     assert budget.feeding.cut("code", [letter]) == 0
     assert budget.feeding.held("code") == []
     assert budget.redis.xlen(ck(budget).dead) == 1
-    assert budget.writing.final_marks("code") == {}  # not an end: a raised cap sends the turn
+    assert final_marks(budget, "code") == {}  # not an end: a raised cap sends the turn
     st = budget.telemetry.status()["categories"]["code"]
     assert (st["skipped"], st["followups"]) == (1, 1)
 

@@ -11,9 +11,9 @@ import requests
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from budget_service.server import DEFAULT_HOST, make_server, serve_in_thread
+from budget_service.server import DEFAULT_HOST, make_server
 from budget_service.telemetry import render_metrics
-from tests.helpers import feed, make_cfg, result
+from tests.helpers import feed, make_cfg, result, serve_in_thread
 
 TOKEN = "t0ken-for-tests"
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from budget_service.server import Recorder, make_server, serve_in_thread
+from budget_service.server import Recorder, make_server
 from sglang_sim.testing import SimServer
 from testing.harness import started, wait_until
 from tests.faults.common import two_category_config
+from tests.helpers import serve_in_thread
 
 CHROMIUM = next((b for b in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(b)), None)

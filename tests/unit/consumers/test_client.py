@@ -15,9 +15,9 @@ from consumers.client import (
     Overloaded,
     ServerError,
     Unreachable,
-    parse_reply,
 )
 from consumers.routing import EnginePool
+from foundation.engine.api import parse
 from foundation.engine.load import LoadReader
 from sglang_sim.testing import SimServer
 from testing.harness import free_port
@@ -133,10 +133,10 @@ def test_all_engines_down_is_unreachable() -> None:
         client([f"http://127.0.0.1:{free_port()}"], retries=1).generate(PROMPT, SAMPLING, "x")
 
 
-def test_parse_reply_trims_prompt_prefix_bug() -> None:
+def test_parse_trims_prompt_prefix_bug() -> None:
     body = (b'{"text":"x","output_ids":[1,2,3,4,5],"meta_info":{"finish_reason":'
             b'{"type":"stop","matched":5},"prompt_tokens":2,"completion_tokens":3}}')
-    gen = parse_reply(body, 2, "e", 0.1)
+    gen = parse("sglang", body, 2, "e", 0.1)
     assert gen.output_ids == [3, 4, 5]
 
 
@@ -147,16 +147,16 @@ def test_parse_reply_trims_prompt_prefix_bug() -> None:
     b'{"meta_info":{"finish_reason":{"type":"stop"},"prompt_tokens":1,"completion_tokens":1}}',
     b'not json',
 ])
-def test_parse_reply_refuses_unusable_replies(body) -> None:
+def test_parse_refuses_unusable_replies(body) -> None:
     with pytest.raises(InvalidResponse):
-        parse_reply(body, 1, "e", 0.1)
+        parse("sglang", body, 1, "e", 0.1)
 
 
 def test_abort_finish_is_a_server_error() -> None:
     body = (b'{"text":"","output_ids":[],"meta_info":{"finish_reason":{"type":"abort",'
             b'"message":"Aborted"},"prompt_tokens":1,"completion_tokens":0}}')
     with pytest.raises(ServerError):
-        parse_reply(body, 1, "e", 0.1)
+        parse("sglang", body, 1, "e", 0.1)
 
 
 class _Reply:
@@ -312,7 +312,7 @@ def test_output_ids_prefixed_by_prompt_ids_are_cut_to_the_completion() -> None:
     body = json.dumps({"text": "", "output_ids": [6023, 151645, 198, 77091, 198, 9, 8, 7],
                        "meta_info": {"finish_reason": {"type": "length", "length": 3},
                                      "prompt_tokens": 9, "completion_tokens": 3}}).encode()
-    assert parse_reply(body, 9, "e", 0.1).output_ids == [9, 8, 7]
+    assert parse("sglang", body, 9, "e", 0.1).output_ids == [9, 8, 7]
 
 
 def test_a_reply_the_engine_clamped_to_its_context_is_logged(caplog) -> None:

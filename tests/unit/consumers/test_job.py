@@ -123,8 +123,9 @@ def test_unpark_sends_the_prompt_tokens_in_the_job_without_reading_each_sample(
                             JobRef("adm", "c", "a", 0, PROMPT))[0] == "wait"
     redis.hset(producer.keys.cat("c").state, "used", 0)
     calls: list[str] = []
-    real_entry = producer.budget.entry
-    producer.budget.entry = lambda *a: calls.append("entry") or real_entry(*a)  # type: ignore
+    real_entries = producer.budget.entries
+    producer.budget.entries = (  # type: ignore[method-assign]
+        lambda *a: calls.append("entries") or real_entries(*a))
     producer.unpark(_Feed(cat), producer.budget.states(["c"])["c"])  # type: ignore[arg-type]
     [ref] = _queued(producer)
     assert (ref.sample_id, ref.seq, ref.prompt_tokens) == ("a", 1, PROMPT) and calls == []

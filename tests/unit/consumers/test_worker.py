@@ -6,15 +6,16 @@ place."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
-from datetime import UTC, datetime
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rq import Queue
 from rq.command import send_shutdown_command
+from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker
 
 from budget_service import jobs
@@ -25,6 +26,22 @@ from consumers.worker import TokencapWorker, _job_beats, make_worker, run_worker
 from testing.harness import ROOT, wait_until
 
 KEYS = Keys("tokencap", "hb")
+
+
+def _worker_script(redis_url: str, run: str, body: str) -> list[str]:
+    """Run `body` in a Python of its own (the signals it sends reach only it), after the
+    imports and `r` (its Redis) and `keys` (run `run`) every such script uses; what it
+    printed, split. It must end cleanly, with no traceback."""
+    head = ("import os, signal\n"
+            "from redis import Redis\n"
+            "from budget_service import jobs\n"
+            "from budget_service.keys import Keys\n"
+            f"r, keys = Redis.from_url({redis_url!r}), Keys('tokencap', {run!r})\n")
+    done = subprocess.run([sys.executable, "-c", head + body], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stdout.split()
 
 
 def _calls(redis, command: str) -> int:
@@ -139,25 +156,17 @@ def test_a_stop_sent_as_soon_as_the_worker_listens_ends_it_before_its_first_job(
     worker listened) was a KeyboardInterrupt traceback. Here the worker sends it itself the
     moment it has subscribed, as the command's handler does: it ends cleanly, the job
     waiting in its queue untouched."""
-    code = (f"import os, signal\n"
-            f"from redis import Redis\n"
-            f"from budget_service import jobs\n"
-            f"from budget_service.keys import Keys\n"
-            f"from consumers.worker import TokencapWorker, make_worker, run_worker\n"
-            f"class Told(TokencapWorker):\n"
-            f"    def subscribe(self):\n"
-            f"        super().subscribe()\n"
-            f"        os.kill(os.getpid(), signal.SIGINT)\n"
-            f"r, keys = Redis.from_url({redis_url!r}), Keys('tokencap', 'hb')\n"
-            f"jobs.queue(r, keys, 'early').enqueue_call(func='os.getcwd')\n"
-            f"w = make_worker(r, keys, ['early'], name='early', worker_class=Told)\n"
-            f"run_worker(w, burst=True)\n"
-            f"print(bool(w._shutdown_requested_date), len(jobs.queue(r, keys, 'early')))\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stdout.split() == ["True", "1"]  # stopped; the job left for another worker
+    out = _worker_script(redis_url, "hb", (
+        "from consumers.worker import TokencapWorker, make_worker, run_worker\n"
+        "class Told(TokencapWorker):\n"
+        "    def subscribe(self):\n"
+        "        super().subscribe()\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "jobs.queue(r, keys, 'early').enqueue_call(func='os.getcwd')\n"
+        "w = make_worker(r, keys, ['early'], name='early', worker_class=Told)\n"
+        "run_worker(w, burst=True)\n"
+        "print(w.stop_asked, len(jobs.queue(r, keys, 'early')))\n"))
+    assert out == ["True", "1"]  # stopped; the job left for another worker
     assert redis.pubsub_numsub("rq:pubsub:early") == [(b"rq:pubsub:early", 0)]
 
 
@@ -186,9 +195,9 @@ def test_a_worker_told_to_shut_down_on_rq_s_command_channel_does(redis, redis_ur
 @pytest.mark.parametrize("noted_by", ["ours while starting", "RQ's when idle"])
 def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
         redis, monkeypatch, noted_by) -> None:
-    """A stop noted (by our handler during the bootstrap, or RQ's idle one, which records
-    only the date), then Redis gone: the supervisor returns instead of starting another
-    worker."""
+    """A stop noted (by our handler during the bootstrap, or RQ's idle one, which ends the
+    loop by raising StopRequested), then Redis gone: the supervisor returns instead of
+    starting another worker."""
     made: list[TokencapWorker] = []
 
     class StoppedThenLost(TokencapWorker):
@@ -196,7 +205,11 @@ def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
             if noted_by == "ours while starting":
                 self._stop_at_start(15, None)  # what a SIGTERM here runs
             else:
-                self._shutdown_requested_date = datetime.now(UTC)
+                handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+                with pytest.raises(StopRequested):
+                    self.request_stop(signal.SIGTERM, None)  # RQ's handler, the worker idle
+                for sig, handler in handlers.items():  # RQ put its cold-stop handler in
+                    signal.signal(sig, handler)
             raise RedisConnectionError("Redis went away")
 
     def make(*args, **kwargs):  # the first worker only: another one would run its burst
@@ -207,3 +220,30 @@ def test_a_worker_told_to_stop_is_not_started_again_when_redis_fails_it(
     monkeypatch.setattr(worker_mod, "make_worker", make)
     assert worker_mod.supervise(lambda: redis, KEYS, ["lost"], burst=True) == 0
     assert len(made) == 1
+
+
+def test_a_worker_told_to_stop_mid_job_ends_after_it_and_is_not_started_again(
+        redis, redis_url) -> None:
+    """A SIGTERM while a job runs reaches RQ's handler, which only notes it (the job is
+    finished first): the worker ends after that job, and its supervisor returns instead of
+    starting another one (which would take the next job, and run on)."""
+    out = _worker_script(redis_url, "busy", (
+        "from rq.worker import WorkerStatus\n"
+        "from consumers import worker as worker_mod\n"
+        "made = []\n"
+        "class Busy(worker_mod.TokencapWorker):\n"
+        "    def execute_job(self, job, queue):  # the stop comes with a job in hand\n"
+        "        self.set_state(WorkerStatus.BUSY)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        self.set_state(WorkerStatus.IDLE)\n"
+        "make = worker_mod.make_worker\n"
+        "def made_busy(*args, **kwargs):\n"
+        "    made.append(make(*args, **kwargs, worker_class=Busy))\n"
+        "    return made[-1]\n"
+        "worker_mod.make_worker = made_busy\n"
+        "q = jobs.queue(r, keys, 'busy')\n"
+        "for _ in range(2):\n"
+        "    q.enqueue_call(func='os.getcwd')\n"
+        "code = worker_mod.supervise(lambda: r, keys, ['busy'], name='busy')\n"
+        "print(code, len(made), made[0].stop_asked, len(q))\n"))
+    assert out == ["0", "1", "True", "1"]  # one job taken, the other left

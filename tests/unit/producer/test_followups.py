@@ -22,6 +22,7 @@ from foundation.wire import DeadLetter, Outcome, Pending, Result, turn_id
 from producer.followups import FollowUps
 from producer.render import Renderer
 from producer.source import CategorySource
+from testing.harness import final_marks, ledger_entry
 from tests.conftest import QWEN, write_config
 from tests.helpers import LEASE_MS
 
@@ -109,11 +110,11 @@ def test_a_dead_sample_sent_back_by_retry_is_fed_again(tmp_path, redis, qwen) ->
     assert run.followups.follow(run.source, st, 10) == 1
     # one job, at the back of the queue, with the prompt rendered again from the record
     assert run.jobs == [(CAT, [(first.sample_id, 0, len(first.prompt_ids))], False)]
-    again = run.budget.entry(CAT, first.sample_id).pending
+    again = ledger_entry(run.budget, CAT, first.sample_id).pending
     assert again is not None and again.prompt_ids == first.prompt_ids
     st = run.state()
     assert (st.followups, st.pending, st.failed) == (0, 1, 1)
-    assert run.budget.writing.final_marks(CAT) == {second.sample_id: "d:timeout"}
+    assert final_marks(run.budget, CAT) == {second.sample_id: "d:timeout"}
     # fed once: nothing waits any more
     assert run.followups.follow(run.source, st, 10) == 0
     assert len(run.jobs) == 1
@@ -127,7 +128,7 @@ def test_a_retried_sample_whose_record_is_gone_is_rejected(tmp_path, redis, qwen
     assert run.budget.operating.retry(CAT) == (1, 0)
     assert run.followups.follow(run.source, run.state(), 10) == 1
     assert run.jobs == [(CAT, [], False)]  # nothing to enqueue
-    assert run.budget.writing.final_marks(CAT) == {"src:9": "r:source_changed"}
+    assert final_marks(run.budget, CAT) == {"src:9": "r:source_changed"}
     [letter] = [d for d in run.letters() if d.reason == "source_changed"]
     assert letter.id == "src:9" and "no record has this id" in letter.message
 
@@ -152,7 +153,7 @@ def test_the_next_turn_is_fed_from_the_written_turn_at_the_front(tmp_path, redis
     assert run.followups.follow(run.source, run.state(), 10) == 1
     [(cat, [(sid, seq, tokens)], front)] = run.jobs
     assert (cat, sid, seq, front) == (CAT, "src:1#t2", 0, True)
-    p = run.budget.entry(CAT, sid).pending
+    p = ledger_entry(run.budget, CAT, sid).pending
     assert p is not None and tokens == len(p.prompt_ids)
     assert (p.conversation_id, p.turn, p.turns_total, p.prefix_consistent) == (
         "src:1", 2, 3, True)
@@ -199,5 +200,5 @@ def test_a_closed_category_reports_each_held_turn_once(tmp_path, redis, qwen) ->
     assert fresh.report_cut(run.source, run.state()) == 0
     assert len(run.letters()) == 2
     # a cut turn is not an end: it still waits, and nothing was enqueued
-    assert run.state().followups == 2 and run.budget.writing.final_marks(CAT) == {}
+    assert run.state().followups == 2 and final_marks(run.budget, CAT) == {}
     assert run.jobs == []

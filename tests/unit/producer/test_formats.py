@@ -1,6 +1,7 @@
 """Conversations and agent traces as the producer reads them (`producer/formats/turns.py`:
-`to_conversation`, `to_prompt`; `producer/formats/conversation.py`: `Conversation.prompt`,
-`replay_notes`): generation points, roles and role maps, tool calls and their results.
+`to_conversation`, its first prompt by tests/helpers.py's `to_prompt`;
+`producer/formats/conversation.py`: `Conversation.prompt`, `replay_notes`): generation
+points, roles and role maps, tool calls and their results.
 How a generated turn becomes the next prompt's assistant message: test_reply_parser.py."""
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import json
 import pytest
 
 from producer.formats.records import Rejected
-from producer.formats.turns import to_conversation, to_prompt
+from producer.formats.turns import to_conversation
 from producer.readers.index import SourceIndex, read_sample
 from tests.conftest import DATASETS
+from tests.helpers import to_prompt
 
 CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"
 GLAIVE = DATASETS / "agent" / "glaive_toolcall_en_demo.json"

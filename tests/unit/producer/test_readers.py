@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from foundation.errors import SourceError
 from producer.formats.records import FORMATS, Rejected, detect_format
-from producer.formats.turns import to_prompt
 from producer.readers import index as readers
 from producer.readers import scan as readers_scan
 from producer.readers.index import SourceIndex, read_sample, sample_id, shuffled_order
 from tests.conftest import DATASETS
+from tests.helpers import to_prompt
 
 # (file, records, detected format)
 FIXTURE_FILES = [
@@ -307,7 +307,7 @@ def test_jsonl_and_json_array_index_to_the_same_records(
             assert len({sample_id(b, i) for i in range(len(b))}) == len(records)
 
 
-# --- formats.turns.to_prompt on records built in place ---
+# --- a record's prompt (formats.turns.to_conversation) on records built in place ---
 
 
 def test_single_turn_formats() -> None:

@@ -19,6 +19,7 @@ from budget_service.keys import Keys
 from foundation.outputs import category_dir, part_files
 from foundation.wire import DeadLetter, Outcome, Result, encode
 from producer.reconcile import reconcile
+from testing.harness import final_marks
 from tests.helpers import LEASE_MS, feed, make_cfg, result
 from writer.files import CategorySink
 
@@ -71,7 +72,7 @@ def test_reconcile_adds_what_redis_lacks_once(tmp_path, budget: Budget, caplog) 
     # Then each sample on disk that Redis lacked is added once; "other" has no folder
     assert added == {"code": 4}
     assert "4 samples found on disk but not in Redis" in caplog.text
-    marks = budget.writing.final_marks("code")
+    marks = final_marks(budget, "code")
     assert marks == {"a": "c:30", "b": "c:20", "g": "c:50", "r": "r:invalid_json",
                      "d": "d:server_error"}
     st = budget.telemetry.status()["categories"]["code"]

@@ -13,6 +13,7 @@ from redis import Redis
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
+from testing.harness import ledger_state
 from tests.helpers import make_cfg
 from tokencap.cli.main import main
 from tokencap.stack.runfile import RUN_FILE
@@ -39,7 +40,7 @@ def test_a_command_that_changes_a_run_refuses_the_only_run_it_found_by_fallback(
     res = invoke(tmp_path, *command, "--redis-url", redis_url)
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "found only by a fallback" in res.output and "--run t" in res.output
-    assert run_in_redis.state("code")["cap"] == 1000  # nothing changed
+    assert ledger_state(run_in_redis, "code")["cap"] == 1000  # nothing changed
 
 
 def test_named_the_same_command_acts_and_says_on_what(tmp_path, redis_url,
@@ -49,7 +50,7 @@ def test_named_the_same_command_acts_and_says_on_what(tmp_path, redis_url,
     assert res.exit_code == 0, res.output
     assert f"run t on {redis_url} (prefix tokencap; run from flag, Redis from flag)" \
         in res.stderr
-    assert run_in_redis.state("code")["cap"] == 5000
+    assert ledger_state(run_in_redis, "code")["cap"] == 5000
 
 
 def test_reading_a_run_found_by_fallback_is_allowed_and_named(tmp_path, redis_url,
@@ -72,4 +73,4 @@ def test_the_prefix_comes_from_the_run_file_like_the_url(tmp_path, redis, redis_
                         env={"TOKENCAP_RUN": None, "REDIS_URL": None, "TOKENCAP_PREFIX": None})
     assert res.exit_code == 0, res.output
     assert "(prefix custom; run from run file, Redis from run file)" in res.stderr
-    assert budget.state("code")["cap"] == 7000
+    assert ledger_state(budget, "code")["cap"] == 7000

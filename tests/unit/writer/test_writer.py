@@ -15,6 +15,7 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from foundation.outputs import read_results
 from foundation.wire import Result
+from testing.harness import ledger_state
 from tests.helpers import LEASE_MS, feed, make_cfg, result
 from writer.writer import Writer
 
@@ -111,6 +112,6 @@ def test_a_turn_generated_again_goes_on_from_the_row_on_disk(tmp_path, redis) ->
     assert writer2.drain_once(block_ms=None) == 0  # not written twice
     [f] = budget.feeding.followups("code", 10)
     assert (f.sample_id, f.ordinal, f.outputs) == ("c#t2", 4, [[11, 12, 13]])
-    assert budget.state("code")["used"] == 3  # corrected to what the file holds
+    assert ledger_state(budget, "code")["used"] == 3  # corrected to what the file holds
     writer.close()
     writer2.close()
