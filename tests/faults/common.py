@@ -125,3 +125,37 @@ class Background:
             raise self.error
         assert self.status is not None
         return self.status
+
+
+STATES_LAYERS = [2, 4, 5, 8]  # of a model of 8 layers (the sim's extraction writes them)
+STATES_HIDDEN = 64
+
+
+def states_config(tmp: Path, run: str, rows: int, attempts: int = 4,
+                  lease_s: float = 1.0) -> Path:
+    """Two categories ("a", "b") of `rows` token-id prompts each, generated on the simulator,
+    with a `[hidden_states]` section (a model of 8 layers, hidden size 64, bf16) whose
+    states go to `<tmp>/hs`; returns the config's path."""
+    model = tmp / "model" / "config.json"
+    model.parent.mkdir()
+    model.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": STATES_HIDDEN,
+                                 "torch_dtype": "bfloat16"}))
+    a = ids_source(tmp, rows, "a.jsonl", base=300)
+    b = ids_source(tmp, rows, "b.jsonl", base=300 + rows)
+    knobs = FAULT_KNOBS.replace("lease_s = 1.0", f"lease_s = {lease_s}").replace(
+        "max_attempts = 4", f"max_attempts = {attempts}")
+    cats = "".join(f"""[[category]]
+name = "{name}"
+source = "{src}"
+format = "input_ids"
+cap_tokens = "none"
+sampling = {{ max_new_tokens = 2048 }}
+""" for name, src in (("a", a), ("b", b)))
+    write_config(tmp, f"""run = "{run}"
+output_dir = "{tmp / 'out'}"
+{knobs}
+[hidden_states]
+model_config = "{model}"
+output_dir = "{tmp / 'hs'}"
+{cats}""")
+    return tmp / "run.toml"

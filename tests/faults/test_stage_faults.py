@@ -5,7 +5,6 @@ with every training row's states kept once, each file checked against its row.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -17,8 +16,7 @@ from foundation.config import load_config
 from foundation.outputs import BadLine, read_results, states_dir, states_file
 from sglang_sim.testing import SimServer
 from testing.harness import started
-from tests.conftest import write_config
-from tests.faults.common import FAULT_KNOBS, ids_source
+from tests.faults.common import STATES_HIDDEN, STATES_LAYERS, states_config
 from tests.helpers import training_row_ids
 from tokencap import extraction
 from tokencap.stack import processes
@@ -27,41 +25,10 @@ from tokencap.stack.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 
-LAYERS = [2, 4, 5, 8]
-HIDDEN = 64
+LAYERS, HIDDEN = STATES_LAYERS, STATES_HIDDEN
 ROWS = 80  # per category
 STALL_S = 0.1  # each extraction takes this long: the stage runs for seconds, not ms
 WORKERS = 3
-
-
-def _config(tmp: Path) -> Path:
-    model = tmp / "model" / "config.json"
-    model.parent.mkdir()
-    model.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": HIDDEN,
-                                 "torch_dtype": "bfloat16"}))
-    a = ids_source(tmp, ROWS, "a.jsonl", base=300)
-    b = ids_source(tmp, ROWS, "b.jsonl", base=300 + ROWS)
-    write_config(tmp, f"""
-run = "stagefaults"
-output_dir = "{tmp / 'out'}"
-{FAULT_KNOBS}
-[hidden_states]
-model_config = "{model}"
-output_dir = "{tmp / 'hs'}"
-[[category]]
-name = "a"
-source = "{a}"
-format = "input_ids"
-cap_tokens = "none"
-sampling = {{ max_new_tokens = 2048 }}
-[[category]]
-name = "b"
-source = "{b}"
-format = "input_ids"
-cap_tokens = "none"
-sampling = {{ max_new_tokens = 2048 }}
-""")
-    return tmp / "run.toml"
 
 
 def _kept(cfg_path: Path) -> int:
@@ -74,7 +41,7 @@ def _kept(cfg_path: Path) -> int:
 def test_stage_workers_and_writer_killed_are_replaced_and_every_row_kept_once(
         tmp_path, redis_url, how) -> None:
     # Given a finished generation run and an extraction server that takes its time
-    path = _config(tmp_path)
+    path = states_config(tmp_path, "stagefaults", ROWS)
     cfg = load_config(path)
     with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
         pipe.check_invariants(pipe.run())

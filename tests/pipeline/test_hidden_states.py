@@ -25,54 +25,20 @@ from foundation.outputs import read_dead_letters, read_results, rows_file, state
 from sglang_sim.hidden import states as expected_states
 from sglang_sim.testing import SimServer
 from testing.harness import started
-from tests.conftest import write_config
-from tests.faults.common import FAULT_KNOBS, ids_source
+from tests.faults.common import STATES_HIDDEN, STATES_LAYERS, states_config
 from tests.helpers import training_row_ids, worker_processes
 from tokencap.stack.stage import run_hidden_states
 
 pytestmark = pytest.mark.slow
 
-LAYERS = [2, 4, 5, 8]
-HIDDEN = 64
+LAYERS, HIDDEN = STATES_LAYERS, STATES_HIDDEN
 BPT = len(LAYERS) * HIDDEN * 2 + 8  # bf16 states and an int64 id per token
-
-
-def model_config(tmp: Path) -> Path:
-    path = tmp / "model" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": HIDDEN,
-                                "torch_dtype": "bfloat16"}))
-    return path
 
 
 def config(tmp: Path, attempts: int = 4) -> Path:
     """Two categories of token-id prompts, generated on the simulator; their rows' states
     to `<tmp>/hs`."""
-    a = ids_source(tmp, 30, "a.jsonl", base=300)
-    b = ids_source(tmp, 30, "b.jsonl", base=400)
-    body = f"""
-run = "hs"
-output_dir = "{tmp / 'out'}"
-{FAULT_KNOBS.replace('lease_s = 1.0', 'lease_s = 10.0').replace(
-    'max_attempts = 4', f'max_attempts = {attempts}')}
-[hidden_states]
-model_config = "{model_config(tmp)}"
-output_dir = "{tmp / 'hs'}"
-[[category]]
-name = "a"
-source = "{a}"
-format = "input_ids"
-cap_tokens = "none"
-sampling = {{ max_new_tokens = 2048 }}
-[[category]]
-name = "b"
-source = "{b}"
-format = "input_ids"
-cap_tokens = "none"
-sampling = {{ max_new_tokens = 2048 }}
-"""
-    write_config(tmp, body)
-    return tmp / "run.toml"
+    return states_config(tmp, "hs", 30, attempts, lease_s=10.0)
 
 
 def generate(path: Path, redis_url: str) -> None:
