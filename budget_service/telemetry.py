@@ -66,7 +66,6 @@ from budget_service.ledger import (
     cache_by_engine,
     run_ended,
 )
-from foundation import hsfile
 from foundation.config import RunConfig
 from foundation.engine.info import EngineInfo
 from foundation.wire import encode
@@ -271,10 +270,10 @@ class TelemetryLedger(Ledger):
 
 
 def _bytes_per_token(cfg: RunConfig | None) -> int | None:
-    hs = cfg.hidden_states if cfg is not None and cfg.stage == "hidden_states" else None
-    if hs is None or not hs.layers or not hs.hidden_size:
+    """A hidden-state stage's bytes per counted token (None for generation)."""
+    if cfg is None or cfg.stage != "hidden_states":
         return None
-    return hsfile.bytes_per_token(len(hs.layers), hs.hidden_size, hs.dtype or "bfloat16")
+    return cfg.states().bytes_per_token
 
 
 def status_document(snap: RunStatus) -> dict[str, Any]:

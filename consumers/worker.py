@@ -52,6 +52,7 @@ from budget_service.keys import Keys
 from budget_service.samples import SampleLedger
 from foundation.backoff import Backoff
 from foundation.errors import TokencapError
+from foundation.stopping import on_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -325,10 +326,7 @@ def supervise(connect: Callable[[], Redis], keys: Keys, categories: list[str],
             else:
                 log.debug("worker cannot run (%s); retrying in %.1f s", exc, backoff.delay_s)
         attempt += 1
-        old = {s: signal.signal(s, lambda *_: backoff.stop.set())
-               for s in (signal.SIGTERM, signal.SIGINT)}
-        stopped = backoff.wait()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        with on_stop_signals(lambda _signum: backoff.stop.set()):
+            stopped = backoff.wait()
         if stopped:
             return 0

@@ -169,8 +169,7 @@ def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> 
     """The extraction server's file for the probe, checked before any row is sent: the
     blocker named when it cannot extract (not vLLM's extract_hidden_states, the connector
     not loaded, other layers, states all zero)."""
-    hs = cfg.hidden_states
-    assert hs is not None and hs.layers is not None
+    hs = cfg.states()
     if not gen.hidden_states_path:
         raise EngineUnusable(
             f"{who} gave no hidden-state file (kv_transfer_params.hidden_states_path): it is "
@@ -181,22 +180,22 @@ def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> 
     try:
         tensors, _ = hsfile.decode(hsfile.read_engine_file(src), src)
         hsfile.check(src, tensors, ids, len(hs.layers), hs.hidden_size,
-                     hsfile.DTYPE_NAMES[hs.dtype or "bfloat16"])
+                     hsfile.DTYPE_NAMES[hs.dtype])
     except OSError as exc:
         raise EngineUnusable(f"{who}: cannot read its hidden-state file {src} "
                              f"({exc.strerror or exc}): tokencap's workers must see the "
                              "engine's shared_storage_path at the same path") from None
     except hsfile.BadFile as exc:
-        hint = {"shape": f"; the config asks for layers {hs.layers} of a model with hidden "
-                         f"size {hs.hidden_size}: start the server with "
-                         f"eagle_aux_hidden_state_layer_ids = {hs.layers}",
+        hint = {"shape": f"; the config asks for layers {list(hs.layers)} of a model with "
+                         f"hidden size {hs.hidden_size}: start the server with "
+                         f"eagle_aux_hidden_state_layer_ids = {list(hs.layers)}",
                 "dtype": f"; the config asks for {hs.dtype}: set hidden_states.dtype to what "
                          "the server writes (its --dtype)"}
         raise EngineUnusable(f"{who}: its hidden states fail a check [{exc.reason}]: {exc}"
                              f"{hint.get(exc.reason, '')}") from None
     finally:
         hsfile.remove_engine_file(src)
-    log.info("%s: hidden states ok (layers %s, hidden size %s, %s)", who, hs.layers,
+    log.info("%s: hidden states ok (layers %s, hidden size %s, %s)", who, list(hs.layers),
              hs.hidden_size, hs.dtype)
 
 
