@@ -33,6 +33,7 @@ from budget_service.scripts import Scripts
 # the cap of an uncapped category, in the config and in Redis (lua/_lib.lua)
 from foundation.config import UNCAPPED, RunConfig, config_from_json
 from foundation.gate import GateReason
+from foundation.units import parse_count
 from foundation.wire import (
     DeadLetter,
     Outcome,
@@ -124,13 +125,11 @@ def cap_text(cap: int | None) -> str:
 
 
 def parse_cap(text: str) -> int | None:
-    """A cap typed by people: tokens (>= 0), or "none" for uncapped. Raises ValueError."""
+    """A cap typed by people: tokens as people write them (`10M`, `500K`, `10_000_000`:
+    `foundation.units.parse_count`), or "none" for uncapped. Raises ValueError."""
     if text.strip().lower() == UNCAPPED:
         return None
-    cap = int(text)
-    if cap < 0:
-        raise ValueError(f"a cap is >= 0 tokens or \"none\", got {text!r}")
-    return cap
+    return parse_count(text)
 
 
 CACHE_COUNTERS = {"samples": "samples", "prompt": "prompt_tokens", "cached": "cached_tokens",

@@ -30,6 +30,7 @@ from foundation.errors import ConfigError, UnknownCategory
 from foundation.gate import ReplyMarkers
 from foundation.presets import PRESETS
 from foundation.sources import SourceMissing, expand_source, resolve_tokenizer
+from foundation.units import parse_count
 
 DEFAULT_CAP_TOKENS = 10_000_000
 # Every Redis key and RQ queue of a run starts with this (budget_service/keys.py).
@@ -112,7 +113,8 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     source: str | None = None
     sources: list[str] = []
     format: Literal[FORMATS] = "auto"  # type: ignore[valid-type]
-    cap_tokens: NonNegInt | Literal["none"] | None = None
+    # tokens (`10M`, `500K`, `10_000_000` too: `foundation.units.parse_count`), or "none"
+    cap_tokens: NonNegInt | str | None = None
     expected_tokens: PositiveInt | None = None
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = {}
@@ -209,7 +211,7 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     on_tool_divergence: Literal["stop", "replay"] = "stop"
     hard_cap: bool = False
     margin_sigmas: Annotated[float, Meta(ge=0, le=10)] = 3.0
-    cap_tokens: NonNegInt | Literal["none"] = DEFAULT_CAP_TOKENS
+    cap_tokens: NonNegInt | str = DEFAULT_CAP_TOKENS  # as a category's: tokens, or "none"
     seed: int = 0
     context_length: PositiveInt | None = None
     expected_tokens: PositiveInt = 512
@@ -335,6 +337,38 @@ def _choices(field: str) -> tuple[Any, ...]:
     return ()
 
 
+_UNKNOWN_RE = re.compile(r"unknown field `([^`]*)`")
+
+
+def _did_you_mean(message: str, where: str) -> str:
+    """"; did you mean `cap_tokens`?" for a misspelled key (an unknown field close to one the
+    table at `where` takes), else ""."""
+    import difflib
+
+    m = _UNKNOWN_RE.search(message)
+    if m is None:
+        return ""
+    tail = re.sub(r"\[\d+\]", "", where).rsplit(".", 1)[-1]
+    tables: dict[str, tuple[str, ...]] = {
+        "category": Category.__struct_fields__, "sampling": SamplingParams.__struct_fields__,
+        "hidden_states": HiddenStates.__struct_fields__}
+    fields = tables.get(tail, RunConfig.__struct_fields__)
+    close = difflib.get_close_matches(m.group(1), fields, n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _cap(value: int | str | None, field: str, path: str) -> int | str | None:
+    """A cap as people write it (`foundation.units.parse_count`), or "none"."""
+    if value is None or isinstance(value, int):
+        return value
+    if value.strip().lower() == UNCAPPED:
+        return UNCAPPED
+    try:
+        return parse_count(value)
+    except ValueError as exc:
+        raise ConfigError(path, f"{field}: {exc}, or \"none\" (uncapped)") from None
+
+
 def load_config(path: str | Path) -> RunConfig:
     """Read, decode and validate a run config; raise ConfigError naming file and field (and,
     for a field of a few values, the values it takes)."""
@@ -349,7 +383,8 @@ def load_config(path: str | Path) -> RunConfig:
         field = _field(str(exc))
         choices = _choices(field) if "Invalid enum value" in str(exc) else ()
         allowed = f"; choose from {', '.join(map(str, choices))}" if choices else ""
-        raise ConfigError(str(path), f"invalid field {field}: {exc}{allowed}") from None
+        raise ConfigError(str(path), f"invalid field {field}: {exc}{allowed}"
+                          f"{_did_you_mean(str(exc), field)}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(str(path), f"not valid TOML: {exc}") from None
     return _resolve(cfg, path)
@@ -401,7 +436,9 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
                               "input_ids")
         if cat.format != "input_ids" and cfg.tokenizer is None:
             raise ConfigError(str(path), f"{where}.format: needs a top-level `tokenizer` path")
-        cats.append(msgspec.structs.replace(cat, source=None, sources=paths))
+        cats.append(msgspec.structs.replace(
+            cat, source=None, sources=paths,
+            cap_tokens=_cap(cat.cap_tokens, f"{where}.cap_tokens", str(path))))
     tok = cfg.tokenizer
     if tok is not None:
         try:
@@ -420,8 +457,10 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
     if hs is not None:
         hs = _hidden_states(hs, rel, tok, str(path))
         _a_folder(hs.output_dir, "$.hidden_states.output_dir", str(path))
+    cap = _cap(cfg.cap_tokens, "$.cap_tokens", str(path))
+    assert cap is not None
     return msgspec.structs.replace(
-        cfg, category=cats, tokenizer=tok, output_dir=out, generation_config=gen,
+        cfg, cap_tokens=cap, category=cats, tokenizer=tok, output_dir=out, generation_config=gen,
         hidden_states=hs,
     )
 

@@ -22,6 +22,8 @@ so one that escapes is still printed as a message.
 |   | tokenizer's (found before anything is fed); `EngineNotReady` while it may still come |
 |   | up by itself (the preflight waits `preflight_wait_s` for it first) |
 | 10 | `DiskFull`: what a stage would write does not fit the free space of its folder |
+| 11 | `StackBusy`: the stack in the state dir serves another run (its workers and writer take |
+|    | only that run's queues) |
 """
 
 from __future__ import annotations
@@ -137,6 +139,14 @@ class DiskFull(TokencapError):
 
     exit_code = 10
     meaning = "no room on the disk"
+
+
+class StackBusy(TokencapError):
+    """`up` of a run on a stack whose processes serve another run: refused at once (its
+    workers and writer would never take the new run's queues)."""
+
+    exit_code = 11
+    meaning = "the stack serves another run"
 
 
 SIGNALLED = 130  # stopped by a signal before the end (Ctrl-C, SIGTERM)

@@ -46,6 +46,27 @@ class ConfigFile(click.ParamType):
 CONFIG = ConfigFile()
 
 
+class Count(click.ParamType):
+    """A count of tokens as people write it: 10000000, 10_000_000, 10M, 500K, 1.5B."""
+
+    name = "TOKENS"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> int:
+        from foundation.units import parse_count
+
+        try:
+            count = parse_count(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if count < 1:
+            self.fail(f"{value!r}: at least 1 token", param, ctx)
+        return count
+
+
+COUNT = Count()
+
+
 def _remember_state_dir(ctx: click.Context, _param: click.Parameter, value: str) -> str:
     ctx.meta[STATE_META] = value
     return value
@@ -98,7 +119,22 @@ def stack_run_options(command: Any) -> Any:
     return command
 
 
-def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
+def looked_where(redis_url: str, prefix: str) -> str:
+    """Where a command looked for a run, for a line that says it found none: the Redis
+    (password hidden), the prefix, and the stack's run file it read (or found none in)."""
+    from foundation.redisconn import redact
+    from tokencap.stack.runfile import RUN_FILE, state_dir
+
+    ctx = click.get_current_context(silent=True)
+    folder = state_dir((ctx.meta if ctx is not None else {}).get(STATE_META))
+    run_file = (folder / RUN_FILE).resolve()
+    read = "read" if run_file.is_file() else "none there"
+    return (f"looked in Redis {redact(redis_url)} under prefix {prefix!r}, and for a stack's "
+            f"run file at {run_file} ({read}; another stack: --state-dir DIR, or --redis-url "
+            "and --run)")
+
+
+def _resolve_run(redis: Any, redis_url: str, prefix: str, run_name: str | None) -> str:
     """`run_name`, else the only run under `prefix` in this Redis."""
     from budget_service.keys import Keys
 
@@ -111,7 +147,7 @@ def _resolve_run(redis: Any, prefix: str, run_name: str | None) -> str:
     if len(runs) == 1:
         return runs[0]
     if not runs:
-        raise RunNotFound(f"no tokencap run in this Redis (prefix {prefix!r})")
+        raise RunNotFound(f"no tokencap run: {looked_where(redis_url, prefix)}")
     raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")
 
 
@@ -141,7 +177,7 @@ def open_budget(redis_url: str, prefix: str, run_name: str | None,
 
     sources = _sources()
     redis = connect(redis_url)
-    run = _resolve_run(redis, prefix, run_name)
+    run = _resolve_run(redis, redis_url, prefix, run_name)
     found_by = {"run": "the only run in this Redis" if not run_name
                 else sources["TOKENCAP_RUN"],
                 "redis": sources["REDIS_URL"], "prefix": sources["TOKENCAP_PREFIX"]}
@@ -159,5 +195,5 @@ def open_budget(redis_url: str, prefix: str, run_name: str | None,
                 "the stack `tokencap up` started")
     budget = Budget(redis, Keys(prefix, run))
     if not budget.has_run():
-        raise RunNotFound(f"run {run!r} not found in Redis (prefix {prefix!r})")
+        raise RunNotFound(f"run {run!r} not found: {looked_where(redis_url, prefix)}")
     return budget

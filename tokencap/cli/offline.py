@@ -18,6 +18,7 @@ import msgspec
 from foundation.config import DEFAULT_CAP_TOKENS
 from foundation.errors import DiskFull, SourceError, TokencapError
 from tokencap.cli.errors import Command
+from tokencap.cli.find_run import COUNT
 from tokencap.export.exporter import (
     DEFAULT_DRAFT_VOCAB,
     DEFAULT_SEED,
@@ -82,6 +83,10 @@ def _export_table(summary: dict[str, Any]) -> str:
                      f"{vocab['loss_tokens']['merged']:,} loss tokens, "
                      f"{vocab['distinct_ids']:,} distinct ids" + (f"; coverage {shares}"
                                                                    if shares else ""))
+        lines.append(f"target vocabulary {vocab['target_vocab_size']:,} ids: from "
+                     f"{vocab.get('target_vocab_from') or '?'} (the trainer's mapping file "
+                     f"names it: vocab_mapping-{vocab['target_vocab_size']}-"
+                     f"{vocab['draft_vocab_size']}.pt)")
         lines += [f"wrote {path}" for path in vocab["files"]]
     lines += [f"copied {path} (what made the rows)" for path in summary.get("manifests", [])]
     return "\n".join(lines)
@@ -412,7 +417,7 @@ def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
 @click.option("--out", "dest", default="run.toml", show_default=True,
               type=click.Path(dir_okay=False), help="The config file to write.")
 @click.option("--run", "run_name", default="run", show_default=True, help="The run's name.")
-@click.option("--cap", "cap", type=click.IntRange(min=1), default=DEFAULT_CAP_TOKENS,
+@click.option("--cap", "cap", type=COUNT, default=DEFAULT_CAP_TOKENS,
               show_default=True, help="Output tokens per category.")
 @click.option("--force", is_flag=True, help="Replace the config file if it exists.")
 def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, cap: int,

@@ -82,7 +82,8 @@ def cap() -> None:
 
 
 class CapType(click.ParamType):
-    """Tokens (>= 0), or "none" for uncapped."""
+    """Tokens as people write them (10000000, 10_000_000, 10M, 500K), or "none" for
+    uncapped."""
 
     name = "TOKENS|none"
 
@@ -94,8 +95,8 @@ class CapType(click.ParamType):
             return value
         try:
             return parse_cap(str(value))
-        except ValueError:
-            self.fail(f"{value!r} is not a number of tokens >= 0 or \"none\"", param, ctx)
+        except ValueError as exc:
+            self.fail(f"{exc}, or \"none\" (uncapped)", param, ctx)
 
 
 @cap.command("set", cls=Command)

@@ -129,3 +129,23 @@ def token(state_dir: str) -> None:
         raise TokencapError(f"no stack started by `tokencap up` in {state_dir} (no run file "
                             f"{Path(state_dir) / 'env'})")
     click.echo(value)
+
+
+@click.command("rq-info", cls=Command)
+@click.argument("rq_args", nargs=-1, type=click.UNPROCESSED)
+@STATE_OPT
+def rq_info(rq_args: tuple[str, ...], state_dir: str) -> None:
+    """RQ's `rq info` (queues, workers, jobs) on the Redis of the stack `tokencap up` started
+    here (its run file's REDIS_URL). RQ_ARGS go to `rq info` after `--`
+    (`tokencap rq-info -- -i 2`: every 2 s)."""
+    import subprocess
+
+    from tokencap.stack.runfile import RUN_FILE, run_file
+
+    url = run_file(Path(state_dir)).get("REDIS_URL")
+    if not url:
+        raise TokencapError(f"no stack started by `tokencap up` in {Path(state_dir).resolve()} "
+                            f"(no run file {Path(state_dir).resolve() / RUN_FILE}); for another "
+                            "Redis: rq info --url URL")
+    sys.exit(subprocess.call([sys.executable, "-m", "rq.cli", "info", "--url", url,
+                              *rq_args]))

@@ -147,6 +147,19 @@ def nothing_usable(status: RunStatus, out_dir: str) -> str:
     return "\n".join(lines)
 
 
+def reason_lines(status: RunStatus) -> list[str]:
+    """Per category with samples rejected or failed, how many for each reason, the most
+    first ("a: rejected 240, failed 3: duplicate_prompt 151, tool_divergence 89, ...")."""
+    out = []
+    for name, st in status.categories.items():
+        if not st.reasons or not (st.rejected or st.failed):
+            continue
+        why = ", ".join(f"{reason} {n:,}" for reason, n in
+                        sorted(st.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+        out.append(f"{name}: rejected {st.rejected:,}, failed {st.failed:,}: {why}")
+    return out
+
+
 def summary_table(status: RunStatus) -> str:
     cols = ("cap", "used", "reserved", "overshoot", "samples", "skipped", "failed", "rejected",
             "waste_tokens", "state")
@@ -157,6 +170,7 @@ def summary_table(status: RunStatus) -> str:
     for n, st in status.categories.items():
         cells = [cap_text(st.cap), *(str(getattr(st, c)) for c in cols[1:])]
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
+    rows += reason_lines(status)
     rows += gate_lines(status)
     rows += cache_lines(status)
     for n, st in status.categories.items():

@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 from redis import Redis
 
 from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
-from foundation.errors import SIGNALLED, SourceError, TokencapError
-from foundation.redisconn import connect
+from foundation.errors import SIGNALLED, RunNotFound, SourceError, StackBusy, TokencapError
+from foundation.redisconn import connect, redact
 from foundation.stopping import StopFlag
 from tokencap import extraction
 from tokencap.reports.progress import ProgressPrinter, nothing_usable, summary_table
@@ -50,6 +50,10 @@ __all__ = ["START_TIMEOUT_S", "Stack"]
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
 STACK_LOCK = "lock"  # `down` holds it while it stops the stack: `up` starts nothing meanwhile
+
+
+class NothingToStop(RunNotFound):
+    """`down` in a state dir where no stack runs (said with where it looked)."""
 
 
 def say(line: str) -> None:
@@ -164,9 +168,34 @@ class Stack:
                                 "(TOKENCAP_BUDGET_PORT), or --budget-port 0 for any free port")
         return port
 
+    def _serving(self) -> list[str]:
+        """The stack's processes that run (its workers, writer, budget service)."""
+        return [n for n in self.procs.names() if n not in ("redis", "sim")
+                and self.procs.alive(n)]
+
+    def _refuse_another_run(self, cfg: RunConfig, saved: dict[str, str],
+                            redis_url: str | None) -> None:
+        """`StackBusy` when this stack's processes serve another run than `cfg`'s (its
+        workers and writer take only that run's queues: the new run would wait forever),
+        naming it and the two ways out; nothing is started and the run file is kept."""
+        run, prefix = saved.get("TOKENCAP_RUN"), saved.get("TOKENCAP_PREFIX")
+        other_redis = bool(redis_url) and redis_url != saved.get("REDIS_URL")
+        if not run or (run == cfg.run and prefix == cfg.key_prefix and not other_redis):
+            return
+        serving = self._serving()
+        if not serving:
+            return
+        raise StackBusy(
+            f"the stack in {self.dir.resolve()} serves run {run!r} (prefix {prefix}; running: "
+            f"{', '.join(serving)}): its workers and writer take only that run's queues, so "
+            f"run {cfg.run!r} would wait for ever. Stop it first ({stop_hint(self.dir)}), or "
+            f"give {cfg.run!r} a stack of its own beside it: `tokencap up CONFIG --state-dir "
+            f".run-{cfg.run} --budget-port 0`")
+
     def _up(self, cfg: RunConfig, n_workers: int, redis_url: str | None, sglang_url: str | None,
             time_scale: float, budget_port: int) -> int:
         saved = self._read_env()
+        self._refuse_another_run(cfg, saved, redis_url)
         port = self._budget_port(saved, budget_port)
         token = (saved.get("TOKENCAP_TOKEN") or os.environ.get("TOKENCAP_TOKEN")
                  or secrets.token_urlsafe(24))
@@ -177,6 +206,7 @@ class Stack:
                "TOKENCAP_PREFIX": cfg.key_prefix}
         self._write_env({**env, "BUDGET_URL": f"http://127.0.0.1:{port}",
                          "TOKENCAP_TOKEN": token})
+        say(f"queues and workers: `tokencap rq-info` (= rq info --url {redact(rurl)})")
         budget_env = {**os.environ, **env, "TOKENCAP_TOKEN": token}
         redis = connect(rurl)
         stopped = StopFlag()
@@ -256,8 +286,9 @@ class Stack:
         another process's now."""
         names = self.procs.names()
         if not names:
-            print("[down] nothing to stop")
-            return
+            raise NothingToStop(f"nothing to stop: no pid file of a stack in "
+                                f"{(self.dir / 'pids').resolve()} (a stack started elsewhere: "
+                                "`tokencap down --state-dir DIR`)")
         with self._locked(wait=True):
             # first, so that an `up` still feeding starts nothing again
             self.env_file.unlink(missing_ok=True)
