@@ -62,8 +62,9 @@ FORMATS = (
 )
 TURN_POLICIES = ("first", "last", "all")
 PRESET_NAMES = tuple(PRESETS)
-# `field_map` keys producer/formats/turns.py reads (one of the first two is required)
-FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system", "tools")
+# `field_map` keys producer/formats/turns.py reads (one of the first two is required;
+# `context`: a passage appended to the `prompt` text, as an instruction's input)
+FIELD_MAP_KEYS = ("prompt", "messages", "role", "content", "system", "tools", "context")
 # the roles a `role_map` may map a source role onto
 MAPPED_ROLES = ("system", "developer", "user", "assistant", "tool", "function_call")
 # how a generated turn is split before it enters the history (SGLang's parser names)

@@ -93,7 +93,27 @@ SINGLE_TURN_KEYS = {
     "query": "query",
     "text": "text",
 }
-ALPACA_SEPARATOR = "\n\n"  # between an alpaca instruction and its non-empty input
+ALPACA_SEPARATOR = "\n\n"  # between an instruction and its non-empty input or context
+# the keys an instruction format reads after the instruction, the first non-empty one
+# appended to it (Alpaca's `input`, databricks-dolly's `context`)
+CONTEXT_KEYS = ("input", "context")
+# what each format reads of a record (its prompt, its answer, the system prompt and tools):
+# a key with text outside these is named by `unread_keys` (its text is never sent)
+COMMON_KEYS = ("system", "tools")
+READS: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", *CONTEXT_KEYS, "output"),
+    "instruction_response": ("instruction", *CONTEXT_KEYS, "response"),
+    "question_answer": ("question", "answer"),
+    "problem_solution": ("problem", "solution", "answer"),
+    "input_output": ("input", "output"),
+    "prompt": ("prompt", "completion", "response"),
+    "query": ("query", "response", "answer"),
+    "text": ("text",),
+    "input_ids": ("input_ids",),
+}
+ID_KEYS = ("id", "uuid", "idx", "index")  # a record's name, never text to send
 TEXT_PART_SEPARATOR = "\n"  # between the text parts of list content, as vLLM joins them
 
 
@@ -145,9 +165,27 @@ def detect_format(record: dict) -> str:
                    + field_map_hint(record))
 
 
-def field_map_hint(record: dict) -> str:
-    """The category `field_map` that would read `record`, from its keys ("" if none would):
-    a list of objects is turns, else a string is the prompt."""
+def unread_keys(record: dict, fmt: str, field_map: dict[str, str] | None = None) -> list[str]:
+    """The keys of `record` holding text that neither its format (`fmt`, "auto" told from
+    the record) nor the `field_map` reads: text that is never sent (databricks-dolly's
+    `context` read as a bare instruction would be one)."""
+    if field_map:
+        read = set(field_map.values())
+    else:
+        if fmt == "auto":
+            try:
+                fmt = detect_format(record)
+            except Rejected:
+                return []
+        read = set(READS.get(fmt, ()))
+    read |= set(COMMON_KEYS) | set(ID_KEYS)
+    return sorted(k for k, v in record.items()
+                  if k not in read and isinstance(v, str) and v.strip())
+
+
+def field_map_for(record: dict) -> dict[str, str]:
+    """The category `field_map` that would read `record`, from its keys ({} if none would): a
+    list of objects is turns (`messages`, `role`, `content`), else a string is the prompt."""
     for key, value in record.items():
         if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
             turn = value[0]
@@ -155,14 +193,27 @@ def field_map_hint(record: dict) -> str:
             text = next((k for k in ("content", "value", "text", "message") if k in turn),
                         None)
             if role and text:
-                return (f"; to read it set, in the category, field_map = {{ messages = "
-                        f'"{key}", role = "{role}", content = "{text}" }}')
+                return {"messages": key, "role": role, "content": text}
     for key, value in record.items():
         if isinstance(value, str) and value.strip():
-            return (f'; to read it set, in the category, field_map = {{ prompt = "{key}" }} '
-                    "(the key of the user text)")
-    return ""
+            return {"prompt": key}
+    return {}
 
+
+def toml_table(table: dict[str, str]) -> str:
+    """`{ key = "value", ... }`, an inline TOML table of strings."""
+    import json
+
+    return "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items()) + " }"
+
+
+def field_map_hint(record: dict) -> str:
+    """`field_map_for` said as the line to write ("" if no map would read it)."""
+    found = field_map_for(record)
+    if not found:
+        return ""
+    what = " (the key of the user text)" if "prompt" in found else ""
+    return f"; to read it set, in the category, field_map = {toml_table(found)}{what}"
 
 
 class SourceTurn(NamedTuple):

@@ -9,6 +9,7 @@ from foundation.config import FORMATS, TURN_POLICIES
 from producer.formats.conversation import Conversation
 from producer.formats.records import (
     ALPACA_SEPARATOR,
+    CONTEXT_KEYS,
     ROLE_ALIASES,
     SINGLE_TURN_KEYS,
     Rejected,
@@ -92,23 +93,32 @@ def _chat_turns(record: dict, fmt: str, roles: dict[str, str]) -> list[SourceTur
         return _turns(record, "messages", "role", "content", roles)
     if fmt == "sharegpt":
         return _turns(record, "conversations", "from", "value", roles)
-    if fmt == "alpaca":
-        instruction = text_field(record, "instruction")
-        extra = record.get("input")
-        if extra is not None and not isinstance(extra, str):
-            raise Rejected("wrong_type", f"expected a string, got {kind_name(extra)}", "input")
-        if extra and extra.strip():
-            instruction = instruction + ALPACA_SEPARATOR + extra
-        return [SourceTurn("user", {"content": instruction}, "instruction", "role", "content")]
+    if fmt in ("alpaca", "instruction_response"):
+        text = _with_context(record, text_field(record, "instruction"), CONTEXT_KEYS)
+        return [SourceTurn("user", {"content": text}, "instruction", "role", "content")]
     key = SINGLE_TURN_KEYS[fmt]
     return [SourceTurn("user", {"content": text_field(record, key)}, key, "role", "content")]
+
+
+def _with_context(record: dict, text: str, keys: tuple[str, ...]) -> str:
+    """`text` with the first non-empty of `keys` after it (an instruction's input or
+    passage, as Alpaca renders `input`), else `text` alone."""
+    for key in keys:
+        extra = record.get(key)
+        if extra is not None and not isinstance(extra, str):
+            raise Rejected("wrong_type", f"expected a string, got {kind_name(extra)}", key)
+        if extra and extra.strip():
+            return text + ALPACA_SEPARATOR + extra
+    return text
 
 
 def _mapped_turns(record: dict, field_map: dict[str, str], roles: dict[str, str]
                   ) -> list[SourceTurn]:
     if "prompt" in field_map:
         key = field_map["prompt"]
-        return [SourceTurn("user", {"content": text_field(record, key)}, key, "role", "content")]
+        context = (field_map["context"],) if "context" in field_map else ()
+        text = _with_context(record, text_field(record, key), context)
+        return [SourceTurn("user", {"content": text}, key, "role", "content")]
     if "messages" in field_map:
         return _turns(
             record,

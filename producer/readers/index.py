@@ -30,7 +30,7 @@ from typing import IO, Any, NamedTuple, Self
 from foundation.errors import SourceError
 from foundation.sources import logical_stem
 from producer.formats.conversation import Conversation
-from producer.formats.records import Rejected
+from producer.formats.records import Rejected, unread_keys
 from producer.formats.turns import to_conversation
 from producer.readers.scan import Segment, index_file
 
@@ -61,6 +61,7 @@ class Sample(NamedTuple):
     source_id: str | None
     prompt: list[dict] | list[int]
     conversation: Conversation | None = None
+    unread: tuple[str, ...] = ()  # keys with text its format or field_map never reads
 
     @property
     def tools(self) -> list[dict] | None:
@@ -280,9 +281,10 @@ def read_sample(
         raise
     own = record.get("id")
     source_id = str(own) if isinstance(own, str | int) and not isinstance(own, bool) else None
+    unread = tuple(unread_keys(record, fmt, field_map))
     if isinstance(conv, list):
-        return Sample(sid, i, index.where(i), source_id, conv)
-    return Sample(sid, i, index.where(i), source_id, conv.prompt(), conv)
+        return Sample(sid, i, index.where(i), source_id, conv, unread=unread)
+    return Sample(sid, i, index.where(i), source_id, conv.prompt(), conv, unread)
 
 
 def _json_kind(value: Any) -> str:

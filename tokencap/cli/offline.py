@@ -294,6 +294,8 @@ def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: in
 
 
 def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
+    from tokencap.prepare.plan import unread_text
+
     heads = ("cap", "prompts", "tok/sample", "from", "samples", "tokens", "hours", "hours left",
              "limit")
     table = []
@@ -313,6 +315,8 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
             lines.append(f"{r.category}: {c.usable:,} of {c.records:,} records usable, "
                          f"{c.generations:,} generations; rejected: {why}")
             lines += [f"  {example}" for shown in c.examples.values() for example in shown]
+            if c.unread:
+                lines.append(unread_text(r.category, c.unread, c.records))
     lines.append(f"hours at {tok_s:,.0f} output tok/s; tok/sample counts what the budget "
                  "counts, measured from committed results or estimated from the config")
     if any(r.checked is None for r in rows):
@@ -438,8 +442,13 @@ def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, ca
         if f["unreadable"]:
             unreadable.append(f["bad"][0])
             continue
+        if f["field_map"]:
+            fmt = f"none fits: field_map = {f['field_map']} reads it (written in the config)"
         click.echo(f"{name}: {f['file']}, {f['records']:,} records, format {fmt}")
-    usable = [f for f in found.values() if f["format"]]
+        if f["unread"]:
+            click.echo(f"{name}: text in {', '.join(f['unread'])} is never sent: no format or "
+                       "map reads it (field_map can name it)")
+    usable = [f for f in found.values() if f["format"] or f["field_map"]]
     if len(usable) == len(found):
         for line in plan_comments(out):
             click.echo(line.removeprefix("# "))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from foundation.config import DEFAULT_CAP_TOKENS
 from foundation.errors import SourceError
+from producer.formats.records import toml_table
 
 DEFAULT_MAX_NEW = 4096
 LOOKED_AT = 20  # first records read to tell a file's format
@@ -39,42 +40,57 @@ class Found(NamedTuple):
     note: str  # a note for the config
     records: int
     bad: list[str]  # "file:line: reason: message" of each record it could not read
+    field_map: dict[str, str] = {}  # the map that reads its records, when no format does
+    unread: list[str] = []  # keys with text the format (or map) never reads
 
 
 def _format_of(path: Path) -> Found:
     """The format most of the first records have (None when none told; "preset:NAME" when
-    every one of them is a record of a preset's dataset), a note for the config, the records,
-    and the bad ones among the first read (skipped: `plan --check` reads them all)."""
+    every one of them is a record of a preset's dataset), or else the `field_map` that reads
+    every one of them; a note for the config, the records, the bad ones among the first read
+    (skipped: `plan --check` reads them all) and the keys with text never read."""
     from foundation.presets import preset_of
-    from producer.formats.records import Rejected, detect_format
+    from producer.formats.records import Rejected, detect_format, field_map_for, unread_keys
+    from producer.formats.turns import to_conversation
     from producer.readers.index import SourceIndex
 
     bad: list[str] = []
+    records: list[dict] = []
     with SourceIndex.build([path]) as index:
         n = len(index)
-        seen: Counter[str] = Counter()
-        presets: Counter[str | None] = Counter()
-        why = ""
         for i in range(min(n, LOOKED_AT)):
             try:
-                record = index.read(i)
+                records.append(index.read(i))
             except Rejected as exc:
                 bad.append(f"{index.where(i)}: {exc}")
-                continue
-            presets[preset_of(record)] += 1
-            try:
-                seen[detect_format(record)] += 1
-            except Rejected as exc:
-                why = why or str(exc)
+    seen: Counter[str] = Counter()
+    presets = Counter(preset_of(r) for r in records)
+    why = ""
+    for record in records:
+        try:
+            seen[detect_format(record)] += 1
+        except Rejected as exc:
+            why = why or str(exc)
     if len(presets) == 1 and None not in presets:
         return Found(f"preset:{next(iter(presets))}", "", n, bad)
     if not seen:
+        mapped = field_map_for(records[0]) if records else {}
+        try:
+            for record in records:
+                to_conversation(record, "auto", "first", None, mapped)
+        except (Rejected, ValueError):
+            mapped = {}
+        if mapped:
+            unread = sorted({k for r in records for k in unread_keys(r, "auto", mapped)})
+            return Found(None, "no format fits; this field_map reads every record looked at",
+                         n, bad, mapped, unread)
         why = why or (f"no readable record among the first {len(bad)}" if bad else "no record")
         return Found(None, why, n, bad)
     fmt, count = seen.most_common(1)[0]
     note = "" if count == sum(seen.values()) else (
         f"{count} of the first {sum(seen.values())} records are {fmt}")
-    return Found(fmt, note, n, bad)
+    unread = sorted({k for r in records for k in unread_keys(r, fmt)})
+    return Found(fmt, note, n, bad, {}, unread)
 
 
 def _sampling(tokenizer: Path) -> tuple[str, str]:
@@ -124,19 +140,22 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
     unreadable: list[str] = []
     for path in data:
         name = _name(path, taken)
-        fmt, note, n, bad = _format_of(path)
+        fmt, note, n, bad, mapped, unread = _format_of(path)
         rel = path.resolve()
         source = str(rel.relative_to(base)) if rel.is_relative_to(base) else str(rel)
         none_read = bool(bad) and len(bad) == min(n, LOOKED_AT)
         found[name] = {"file": str(path), "format": fmt, "records": n, "note": note,
-                       "bad": bad, "unreadable": none_read}
+                       "bad": bad, "unreadable": none_read, "field_map": mapped,
+                       "unread": unread}
         if none_read:
             unreadable.append(bad[0])
             lines += [f"# {path}: left out: {bad[0]}", ""]
             continue
         lines += [f"# {path}: {n:,} records" + (f"; {note}" if note else "")]
         lines += ["[[category]]", f'name = "{name}"', f'source = "{source}"']
-        if fmt is None:
+        if fmt is None and mapped:
+            lines += [f"field_map = {toml_table(mapped)}"]
+        elif fmt is None:
             lines += [f"# cannot tell the format: {note}",
                       '# format = "..."  or  field_map = { prompt = "KEY" }']
         elif fmt.startswith("preset:"):
@@ -150,6 +169,9 @@ def write_config(data: list[Path], tokenizer: Path, dest: Path, run: str,
             if fmt in CHAT_FORMATS:
                 lines += ['# turns = "all"  # regenerate every assistant turn, in order '
                           '(default "first": the first user turn)']
+        if unread:
+            lines += [f"# text in {', '.join(unread)} is never sent (no format or map reads "
+                      "it): field_map can name it"]
         lines += [f"cap_tokens = {cap}  # output tokens; \"none\": the whole file",
                   f"# {sampling_note}", sampling, ""]
     if len(unreadable) == len(data):

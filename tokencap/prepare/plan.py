@@ -67,6 +67,8 @@ class SourceCheck(msgspec.Struct):
     rejected: dict[str, int]
     # the first rejects of each reason: "file:line (field): why"
     examples: dict[str, list[str]] = {}
+    # keys with text that neither the format nor the field_map reads: key -> records
+    unread: dict[str, int] = {}
 
 
 class PlanRow(msgspec.Struct):
@@ -259,9 +261,12 @@ def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] 
     examples: dict[str, list[str]] = {}
     lengths: list[int] = []
     generations = 0
+    unread: dict[str, int] = {}
     for i in range(len(source)):
         try:
             s = source.read(i)
+            for key in s.unread:
+                unread[key] = unread.get(key, 0) + 1
             prompt = source.prompt(s)
         except Rejected as exc:
             rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
@@ -274,7 +279,18 @@ def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] 
         if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
             on_progress(name, i + 1, len(source))
     return SourceCheck(len(source), len(lengths), generations,
-                       dict(sorted(rejected.items())), examples), lengths
+                       dict(sorted(rejected.items())), examples,
+                       dict(sorted(unread.items()))), lengths
+
+
+def unread_text(name: str, unread: dict[str, int], of: int) -> str:
+    """The line that names the keys whose text is never sent ("" when none)."""
+    if not unread:
+        return ""
+    keys = ", ".join(f"{k} ({n:,} of {of:,} records)" for k, n in unread.items())
+    return (f"{name}: text in keys that neither the format nor field_map reads, never sent: "
+            f"{keys}; an instruction's passage is read from `input` or `context`, any other "
+            "key with field_map (docs/CONFIGURATION.md)")
 
 
 def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, want: int):
@@ -370,6 +386,9 @@ def preview(
                 continue
             sample, text, ids = item
             warnings = list(common_warnings)
+            if sample.unread:
+                warnings.append(f"text in {', '.join(sample.unread)} is never sent: neither "
+                                "the format nor field_map reads it")
             need = len(ids) + cat.sampling.max_new_tokens
             if cfg.context_length is not None and need > cfg.context_length:
                 warnings.append(f"prompt ({len(ids)}) + max_new_tokens exceeds "

@@ -41,8 +41,9 @@ def test_init_says_what_it_cannot_tell_and_refuses_to_overwrite(tmp_path) -> Non
     res = CliRunner().invoke(main, ["init", str(odd), "--tokenizer", str(QWEN), "--out",
                                     str(dest)])
     assert res.exit_code == 0, res.output
-    assert 'field_map = { prompt = "instr" }' in dest.read_text()
-    assert "format not told" in res.output
+    # no format fits: the map that reads it is written as a setting, not a comment
+    assert '\nfield_map = { prompt = "instr" }' in dest.read_text()
+    assert "none fits: field_map" in res.output
     again = CliRunner().invoke(main, ["init", str(odd), "--tokenizer", str(QWEN), "--out",
                                       str(dest)])
     assert again.exit_code == 2 and "--force" in again.output

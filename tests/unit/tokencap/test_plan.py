@@ -298,7 +298,7 @@ def test_plan_check_counts_usable_records_and_their_turns(tmp_path):
     # 8 records: 3 rejected for a reason each; the 5 others ask for 3+2+4+2+2 generations
     examples = row["checked"].pop("examples")
     assert row["checked"] == {"records": 8, "usable": 5, "generations": 13, "rejected": {
-        "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}}
+        "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}, "unread": {}}
     # each reject named where it is: file:line (field)
     assert examples["invalid_json"] == [
         f"{CONVERSATIONS}:8: invalid_json (messages[1].tool_calls[0].function.arguments): not "
