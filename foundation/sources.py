@@ -3,7 +3,8 @@ files, and the local Hugging Face cache (offline; nothing is downloaded).
 
 A category's `source` (or each of its `sources`) is one of
 
-- a file: ``.jsonl``, ``.json``, ``.parquet``, or a ``.jsonl``/``.json`` compressed with gzip
+- a file: ``.jsonl``, ``.json``, ``.csv`` or ``.tsv`` (a header row), ``.parquet``, or one of
+  the first four compressed with gzip
   (``.gz``) or Zstandard (``.zst``);
 - a glob (``data/train-*.parquet``): its matches, sorted;
 - a folder: every file of those types under it, sorted (a dataset's shards);
@@ -25,10 +26,12 @@ from pathlib import Path
 from foundation.errors import TokencapError
 
 JSON_TYPES = (".jsonl", ".json")
+TABLE_TYPES = (".csv", ".tsv")  # a header row, then one record a row (text values)
 PARQUET_TYPES = (".parquet",)
 COMPRESSIONS = (".gz", ".zst")
 HF_DATASETS = "hf://datasets/"
-SUPPORTED = ".jsonl, .json, .parquet, and .jsonl/.json with .gz or .zst"
+SUPPORTED = (".jsonl, .json, .csv, .tsv, .parquet, and .jsonl/.json/.csv/.tsv with .gz "
+             "or .zst")
 
 
 class SourceMissing(TokencapError):
@@ -41,10 +44,10 @@ def source_type(path: str | Path) -> tuple[str, str] | None:
     if not suffixes:
         return None
     if suffixes[-1] in COMPRESSIONS:
-        if len(suffixes) >= 2 and suffixes[-2] in JSON_TYPES:
+        if len(suffixes) >= 2 and suffixes[-2] in JSON_TYPES + TABLE_TYPES:
             return suffixes[-2], suffixes[-1]
         return None
-    if suffixes[-1] in JSON_TYPES + PARQUET_TYPES:
+    if suffixes[-1] in JSON_TYPES + TABLE_TYPES + PARQUET_TYPES:
         return suffixes[-1], ""
     return None
 

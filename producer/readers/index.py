@@ -6,7 +6,9 @@ record lies: byte offset, byte length and line number in `array('q')`s for JSON 
 back one at a time by seeking, so memory stays flat however large the source is, and a
 seeded `shuffled_order` can visit them in any order.
 
-Containers, by extension: ``.jsonl`` is one JSON object per non-blank line; ``.json`` is
+Containers, by extension: ``.jsonl`` is one JSON object per non-blank line; ``.csv`` and
+``.tsv`` are a header row then a record a row (copied once into the source cache as JSONL,
+each record keeping the table line it starts on); ``.json`` is
 a JSON array when its first non-space byte is ``[`` and JSONL when it is ``{``;
 ``.parquet`` is read through pyarrow. A ``.gz`` or ``.zst`` JSON file is decompressed once,
 streaming, into the source cache (`source_cache`; reused while the file is unchanged) and
@@ -32,7 +34,7 @@ from foundation.sources import logical_stem
 from producer.formats.conversation import Conversation
 from producer.formats.records import Rejected, unread_keys
 from producer.formats.turns import to_conversation
-from producer.readers.scan import Segment, index_file
+from producer.readers.scan import CSV_ERROR, Segment, index_file
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,8 @@ class SourceIndex:
             raise Rejected("invalid_json", "nested too deeply") from None
         if not isinstance(record, dict):
             raise Rejected("not_an_object", f"expected a JSON object, got {_json_kind(record)}")
+        if CSV_ERROR in record:
+            raise Rejected("bad_table_row", str(record[CSV_ERROR]))
         return record
 
     def close(self) -> None:

@@ -106,6 +106,9 @@ def index_file(path: Path, start: int) -> Segment:
     if container == ".parquet":
         return Segment(path, start, None, _parquet_row_groups(path), path)
     readable = _decompressed(path, compression) if compression else path
+    lines: array | None = None
+    if container in (".csv", ".tsv"):
+        readable, lines = _table_as_jsonl(readable, path, "\t" if container == ".tsv" else ",")
     span = _Span()
     with open(readable, "rb") as f:
         first = _first_byte(f)
@@ -113,7 +116,59 @@ def index_file(path: Path, start: int) -> Segment:
             _scan_json_array(f, span, path)
         else:
             _scan_jsonl(f, span)
+    if lines is not None:  # each record where it starts in the table, not in its copy
+        span.lines = lines
     return Segment(readable, start, span, None, path)
+
+
+TABLE_FORMAT = 1  # the layout of a table's JSONL copy in the cache: a new one writes anew
+CSV_ERROR = "__csv_error__"  # a row that does not match the header: its record says so
+
+
+def _table_as_jsonl(readable: Path, name: Path, delimiter: str) -> tuple[Path, array]:
+    """A CSV or TSV file (a header row, then a record a row; a quoted value may hold line
+    breaks) as one JSON object a line (header -> text) in the source cache, made once while
+    the file is unchanged; and the line of the table each record starts on. A row with more
+    or fewer values than the header is kept as a record that says so (`CSV_ERROR`): read, it
+    is rejected with its line, as a bad JSON line is."""
+    import csv
+    import json
+
+    st = readable.stat()
+    key = hashlib.sha256(f"{readable.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
+                         f"{TABLE_FORMAT}".encode())
+    out = source_cache() / f"{key.hexdigest()[:16]}-{readable.name}.jsonl"
+    starts = array("q")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(readable, newline="", encoding="utf-8-sig") as src:
+            reader = csv.reader(src, delimiter=delimiter)
+            header = next(reader, None)
+            if not header or any(not h.strip() for h in header) or len(set(header)) < len(
+                    header):
+                raise SourceError(f"{name}:1: the first row must name every column once "
+                                  f"(got {header})")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as dst:
+                line = reader.line_num + 1
+                for row in reader:
+                    if row:
+                        if len(row) == len(header):
+                            record: dict[str, str] = dict(zip(header, row, strict=True))
+                        else:
+                            record = {CSV_ERROR: f"{len(row)} values, the header names "
+                                                 f"{len(header)} columns"}
+                        dst.write(json.dumps(record, ensure_ascii=False) + "\n")
+                        starts.append(line)
+                    line = reader.line_num + 1
+        os.replace(tmp, out)
+    except UnicodeDecodeError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"{name}: not a readable table: {exc}") from None
+    return out, starts
 
 
 def _first_byte(f: IO[bytes]) -> bytes:
