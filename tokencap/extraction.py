@@ -36,13 +36,17 @@ from foundation.config import UNCAPPED, Category, RunConfig, SamplingParams, Sta
 from foundation.engine.api import parse_urls
 from foundation.errors import DiskFull
 from foundation.outputs import (
+    BadLine,
     StatesRow,
     category_dir,
+    read_committed,
+    read_dead_letters,
     rows_file,
     states_dir,
     training_rows,
 )
 from foundation.units import size_text
+from foundation.wire import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +88,63 @@ def extract_urls(stage: StatesStage, given: str | None = None) -> list[str]:
     return parse_urls(extract_url(stage, given))
 
 
-def row_lengths(stage: StatesStage) -> dict[str, list[int]]:
-    """Per category, the length (prompt + output) of each row the stage extracts: its rows
-    file's when it has one, else the training rows the stage would write. Writes nothing."""
+class RowTokens(NamedTuple):
+    """A category's training rows on disk: how many, their tokens (prompt + output: what the
+    stage extracts states of), their output tokens, and the samples already final (rows,
+    replies the gate kept out, dead letters: what a plan counts as done)."""
+
+    rows: int
+    tokens: int
+    output: int
+    final: int
+
+    @property
+    def ratio(self) -> float | None:
+        """Row tokens per output token, measured (None when nothing is written)."""
+        return self.tokens / self.output if self.output else None
+
+
+def rows_on_disk(stage: StatesStage) -> dict[str, RowTokens]:
+    """Per category, its training rows on disk (`RowTokens`): the rows file's when a stage
+    wrote one, else the training rows it would write. Writes nothing."""
     out = {}
     decoder = msgspec.json.Decoder(StatesRow)
     for name in stage.budgets:
+        cat_dir = category_dir(Path(stage.cfg.output_dir), name)
+        rows = list(training_rows(cat_dir))
+        output = sum(len(r.output_ids) for r in rows)
+        final = sum(1 for _ in read_committed(cat_dir)) + sum(
+            1 for d in read_dead_letters(cat_dir)
+            if isinstance(d, BadLine) or d.outcome != Outcome.CUT)
         path = rows_file(stage.spec.output_dir, name)
         if path.is_file():
-            out[name] = [len(decoder.decode(line).input_ids)
-                         for line in path.read_bytes().splitlines() if line.strip()]
+            lengths = [len(decoder.decode(line).input_ids)
+                       for line in path.read_bytes().splitlines() if line.strip()]
         else:
-            out[name] = [len(r.prompt_ids) + len(r.output_ids) for r in training_rows(
-                category_dir(Path(stage.cfg.output_dir), name))]
+            lengths = [len(r.prompt_ids) + len(r.output_ids) for r in rows]
+        out[name] = RowTokens(len(lengths), sum(lengths), output, final)
     return out
+
+
+def row_token_plan(stage: StatesStage, planned: dict[str, tuple[int, float, float]]
+                   ) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """The rows and row tokens the stage will extract per category: those on disk, plus
+    for each sample a generation plan still expects (`planned`: its samples, mean output
+    tokens and mean prompt tokens per sample) as many row tokens as its output times the
+    row tokens per output token measured on disk, else assumed (prompt + output of a first
+    turn: a later turn carries its conversation's history, which the measure counts once
+    rows exist). Returns that, and per category how the ratio was found. `plan` and
+    `hidden-states --plan` both price the states so: one figure for one question."""
+    disk = rows_on_disk(stage)
+    out, how = {}, {}
+    for name, m in disk.items():
+        samples, output, prompt = planned.get(name, (0, 0.0, 0.0))
+        todo = max(0, samples - m.final)
+        ratio = m.ratio if m.ratio is not None else (output + prompt) / output if output else 1.0
+        how[name] = (f"{ratio:.2f} row tokens per output token, "
+                     + ("measured" if m.ratio is not None else "assumed: prompt + output"))
+        out[name] = (m.rows + todo, m.tokens + round(todo * output * ratio))
+    return out, how
 
 
 def write_rows(stage: StatesStage) -> dict[str, Path]:
@@ -130,9 +177,8 @@ def plan_of(stage: StatesStage, row_tokens: dict[str, tuple[int, int]]
 
 
 def disk_plan(stage: StatesStage) -> dict[str, CategoryPlan]:
-    """Per category: its rows, the tokens and bytes its budget takes of them."""
-    lengths = row_lengths(stage)
-    return plan_of(stage, {n: (len(v), sum(v)) for n, v in lengths.items()})
+    """Per category: its rows on disk, the tokens and bytes its budget takes of them."""
+    return plan_of(stage, row_token_plan(stage, {})[0])
 
 
 def kept_bytes(stage: StatesStage) -> dict[str, int]:

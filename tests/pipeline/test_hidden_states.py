@@ -311,3 +311,23 @@ def test_the_speculators_export_holds_each_row_s_states_by_its_index(
         assert abs(tensors["hidden_states"].array() - want).max() <= 2 ** -7 * 1.25
         cut += len(row_ids) == 40
     assert cut > 0  # some rows were cut at --max-length and their states with them
+
+
+def test_plan_and_the_stage_s_plan_give_one_figure_for_the_states_bytes(
+        tmp_path, generated) -> None:
+    """After generation, `tokencap plan` and `hidden-states --plan` price the states on the
+    same row tokens (prompt + output of every kept turn): one figure for one question."""
+    from click.testing import CliRunner
+
+    from tokencap.cli.main import main
+
+    path = prepared(tmp_path, generated)
+    figures = []
+    for argv in (["plan", str(path)], ["hidden-states", str(path), "--plan"]):
+        res = CliRunner().invoke(main, argv)
+        assert res.exit_code == 0, res.output
+        [line] = [ln for ln in res.output.splitlines() if ln.strip().startswith("in all:")]
+        figures.append(line.strip())
+    assert figures[0] == figures[1]
+    assert "B in" in figures[0] and not figures[0].startswith("in all: 0 B")
+    assert not (tmp_path / "hs" / "a" / "rows.jsonl").exists()  # --plan writes nothing

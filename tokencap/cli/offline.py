@@ -351,8 +351,10 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     names = [c.name for c in cfg.category]
     measured = measure(Path(cfg.output_dir), names)
     chat = any(c.format != "input_ids" for c in cfg.category)
-    # prompt lengths matter where the prompt counts and nothing was measured yet
-    estimate = [n for n in names if n not in measured] if cfg.count == "total" else []
+    # prompt lengths matter where nothing was measured yet and the prompt counts, or a
+    # hidden-state stage will keep states of its tokens
+    priced = cfg.count == "total" or cfg.hidden_states is not None
+    estimate = [n for n in names if n not in measured] if priced else []
     renders = check or any(cfg.by_name(n).format != "input_ids" for n in estimate)
     renderer = _config_renderer(cfg) if chat and renders else None
     if check:
@@ -392,19 +394,21 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
 def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
                  check: bool) -> None:
     """The hidden states the planned rows would make ([hidden_states]): bytes per token, per
-    category and in all, against the free space of their folder (`--check`: exit 2 when
-    they would not fit)."""
+    category and in all, against the free space of their folder (`--check`: `DiskFull`,
+    exit 10, when they would not fit)."""
     from tokencap import extraction
 
     stage = extraction.StatesStage.of(cfg)
-    tokens = {r.category: (r.samples, round(r.samples * (r.avg_output_tokens + prompt_tokens.get(
-        r.category, 0.0)))) for r in rows}
+    planned = {r.category: (r.samples, r.avg_output_tokens, prompt_tokens.get(r.category, 0.0))
+               for r in rows}
+    tokens, how = extraction.row_token_plan(stage, planned)
     est = extraction.plan_of(stage, tokens)
     for line in extraction.plan_lines(stage, est):
         click.echo(line)
-    if not prompt_tokens:
-        click.echo("  (the rows' prompt tokens are not measured here: their states are "
-                   "not in these figures)")
+    click.echo("  states are of row tokens (prompt + output of every kept turn): "
+               + "; ".join(f"{name} {ratio}" for name, ratio in how.items()))
+    if not prompt_tokens and any("assumed" in r for r in how.values()):
+        click.echo("  (prompt tokens not measured here: `plan --check` measures them)")
     try:
         extraction.check_disk(stage, est)
     except DiskFull as exc:
