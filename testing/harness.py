@@ -49,6 +49,7 @@ from producer.loop import FeedLoop
 from producer.readers.index import sample_id
 from producer.run import build_producer
 from tokencap.stack.localredis import find_redis_server, free_port
+from tokencap.stack.processes import die_with_parent
 from writer.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +135,7 @@ class RedisServer:
                 *(["--requirepass", self.password] if self.password else []), *self.extra]
         out = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         self.client = Redis.from_url(self.url)
 
         def up() -> bool:
@@ -205,7 +206,7 @@ class Pipeline:
         new = [subprocess.Popen([sys.executable, "-m", "tokencap.cli", "worker"], env=self.env(),
                                 cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
                for _ in range(n)]
         self.workers.extend(new)
         if wait:

@@ -9,15 +9,19 @@ and the GPU check.
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
 
 from foundation.config import RunConfig, load_config
 from testing.harness import ROOT, RedisServer, find_redis_server
+from tokencap.stack.processes import die_with_parent
 
 FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = FIXTURES / "tokenizers" / "qwen2.5-instruct"
@@ -39,6 +43,22 @@ os.environ["TOKENCAP_PORT"] = "0"
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="tokencap-hf-home-")
 os.environ.pop("HF_HUB_CACHE", None)
 os.environ.pop("HF_MODULES_CACHE", None)
+
+
+_POPEN_INIT = subprocess.Popen.__init__
+
+
+def _dies_with_the_tests(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+    """Every process a test starts (from the main thread, with no preexec_fn of its own)
+    dies with the test session (Linux's parent-death signal): `make test` interrupted, or a
+    pytest process killed, leaves none of them behind, not even a worker retrying a dead
+    Redis. (A process started in another thread would die with that thread: left alone.)"""
+    if kwargs.get("preexec_fn") is None and threading.current_thread() is threading.main_thread():
+        kwargs["preexec_fn"] = die_with_parent
+    _POPEN_INIT(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _dies_with_the_tests  # type: ignore[method-assign]
 
 
 def write_config(tmp: Path, body: str, name: str = "run.toml") -> RunConfig:

@@ -94,6 +94,7 @@ def test_workers_killed_mid_request_on_conversations(tmp_path, redis_url, sim) -
     check(pipe, status)
 
 
+@pytest.mark.timeout(480)  # the producer's rerun may take 300 s, after 120 s of waiting
 def test_producer_killed_and_restarted_on_conversations(tmp_path, redis_url, sim) -> None:
     cfg = conversation_config(tmp_path)
     argv = [sys.executable, "-m", "tokencap.cli", "run", str(tmp_path / "run.toml"),

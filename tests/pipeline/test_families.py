@@ -267,7 +267,7 @@ sampling = {{ max_new_tokens = 400, temperature = 1.0 }}
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SGLANG_URL")}
     return subprocess.run([sys.executable, "-m", "tokencap.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=240)
 
 
 def test_kimi_with_its_own_code_needs_trust_remote_code_and_then_runs(tmp_path, built) -> None:

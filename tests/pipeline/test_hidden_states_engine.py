@@ -36,7 +36,8 @@ import requests
 
 from foundation.hsfile import read
 
-pytestmark = pytest.mark.real_engine
+# a request may take 600 s on a loaded CPU
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1500)]
 
 ORACLE = Path(__file__).resolve().parents[1] / "engine" / "hs_oracle.py"
 ATOL_F32 = 1e-5

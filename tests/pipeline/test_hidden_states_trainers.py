@@ -28,7 +28,8 @@ from tests.conftest import DATASETS, ROOT
 from tests.helpers import training_row_ids, worker_processes
 from tokencap.stack.stage import run_hidden_states
 
-pytestmark = [pytest.mark.real_engine, pytest.mark.trainers]
+# the stage, then the trainers' runs (600 + 600 + 900 s at most): the test may run them all
+pytestmark = [pytest.mark.real_engine, pytest.mark.trainers, pytest.mark.timeout(2700)]
 
 CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"

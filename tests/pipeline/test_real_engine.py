@@ -32,7 +32,8 @@ from testing.harness import Pipeline, started, wait_until
 from tests.conftest import DATASETS, FIXTURES, write_config
 from tests.engine_protocol import differences, facts
 
-pytestmark = pytest.mark.real_engine
+# a request may take 600 s on a loaded CPU, the engine's restart too
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1500)]
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"

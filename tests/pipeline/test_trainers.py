@@ -20,7 +20,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.unit.tokencap.test_export_training import result, write_run
 
-pytestmark = pytest.mark.trainers
+# two trainer runs of up to 300 s each: the test may run both
+pytestmark = [pytest.mark.trainers, pytest.mark.timeout(700)]
 TARGET = 512
 
 
