@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from foundation.errors import TokencapError
 from foundation.gate import GateReason, check
 from foundation.outputs import PART_GLOB, REJECTED_FILE
 from foundation.wire import Result
@@ -169,9 +170,30 @@ def lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield no, line
 
 
+EXPORT_KEYS = {"input_ids", "loss_mask"}  # a SpecForge row of `tokencap export`
+EXPORT_MANIFEST = "export-manifest.json"
+
+
+class NotRows(TokencapError):
+    """What was given to audit is an export of rows, not the rows: nothing there to check."""
+
+    exit_code = 2
+
+
+def _export_instead(path: Path, what: str) -> NotRows:
+    return NotRows(f"{path} is {what} of `tokencap export` (ids and a loss mask: no reply "
+                   "text, no finish reason to check): audit the rows it was made from, the "
+                   "run's output folder (its config's output_dir, e.g. `tokencap audit out/ "
+                   "--config run.toml`) or its part-*.jsonl")
+
+
 def audit(paths: Sequence[Path], replies: ReplyParser) -> dict[str, Any]:
-    """Audit every row of `paths` (module docstring); raises `Rejected`-free: a line that is
-    neither layout is counted as `unreadable`."""
+    """Audit every row of `paths` (module docstring): a line that is neither layout is
+    counted as `unreadable`; an export of `tokencap export` given instead of rows (a
+    SpecForge file, or a folder with its manifest and no rows) is refused (`NotRows`)."""
+    for path in paths:
+        if path.is_dir() and not row_files([path]) and any(path.rglob(EXPORT_MANIFEST)):
+            raise _export_instead(path, "a folder")
     a = Audit(replies)
     for path in row_files(paths):
         for no, raw in lines(path):
@@ -181,6 +203,8 @@ def audit(paths: Sequence[Path], replies: ReplyParser) -> dict[str, Any]:
             except ValueError:
                 a.flag("unreadable", where, "")
                 continue
+            if isinstance(doc, dict) and EXPORT_KEYS <= set(doc) and "output_ids" not in doc:
+                raise _export_instead(path, "a file")
             if isinstance(doc, dict) and "output_ids" in doc:
                 try:
                     a.result(_RESULT.decode(raw), where)
