@@ -12,12 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundation.errors import SourceError
-from producer.formats.records import FORMATS, Rejected, detect_format
+from producer.formats.records import Rejected, detect_format
 from producer.readers import index as readers
 from producer.readers import scan as readers_scan
 from producer.readers.index import SourceIndex, read_sample, sample_id, shuffled_order
 from tests.conftest import DATASETS
-from tests.helpers import to_prompt
 
 # (file, records, detected format)
 FIXTURE_FILES = [
@@ -65,37 +64,6 @@ def test_json_array_lines_point_at_element_starts() -> None:
         sample = read_sample(index, 0, "auto", "first", None)
     assert sample.source_id == "identity_0"
     assert sample.sample_id == f"fastchat_dummy_conversation:{index.ref(0).line}"
-
-
-def test_sharegpt_system_turn_in_conversations_is_kept() -> None:
-    path = DATASETS / "sharegpt/torchtune_chat_tiny.json"
-    with SourceIndex.build([path]) as index:
-        first = read_sample(index, 0, "auto", "first", None).prompt
-        last = read_sample(index, 0, "auto", "last", None).prompt
-        replaced = read_sample(index, 0, "auto", "first", "Be brief.").prompt
-    assert first == [
-        {"role": "system", "content": "You are an AI assistant."},
-        {"role": "user", "content": "What is the meaning of life?"},
-    ]
-    assert [m["role"] for m in last] == ["system", "user", "assistant", "user"]
-    assert last[-1]["content"] == "That's ridiculous."
-    assert replaced[0] == {"role": "system", "content": "Be brief."}
-    assert len(replaced) == 2
-
-
-def test_turns_first_and_last_on_multi_turn_messages() -> None:
-    path = DATASETS / "messages/xtuner_mllm_sft_text_example_data.jsonl"
-    with SourceIndex.build([path]) as index:
-        i = next(i for i in range(len(index)) if len(index.read(i)["messages"]) >= 6)
-        record = index.read(i)
-        first = read_sample(index, i, "messages", "first", None).prompt
-        last = read_sample(index, i, "messages", "last", None).prompt
-    original = record["messages"]
-    assert first == original[:1]
-    last_user = max(k for k, m in enumerate(original) if m["role"] == "user")
-    assert last == original[: last_user + 1]
-    assert len(last) > len(first)
-    assert last[-1]["role"] == "user"
 
 
 # (line bytes, format, reason, field); None means the line reads as a good sample.
@@ -305,81 +273,6 @@ def test_jsonl_and_json_array_index_to_the_same_records(
             assert [a.ref(i).line for i in range(len(a))] == [2 * k + 1 for k in range(len(a))]
             assert [b.ref(i).line for i in range(len(b))] == starts
             assert len({sample_id(b, i) for i in range(len(b))}) == len(records)
-
-
-# --- a record's prompt (formats.turns.to_conversation) on records built in place ---
-
-
-def test_single_turn_formats() -> None:
-    assert detect_format({"instruction": "Do", "input": "", "output": "x"}) == "alpaca"
-    alpaca = to_prompt({"instruction": "Sort", "input": "3 1 2", "output": "1 2 3"}, "auto")
-    assert alpaca == [{"role": "user", "content": "Sort\n\n3 1 2"}]
-    assert to_prompt({"instruction": "Sort", "input": " "}, "alpaca")[0]["content"] == "Sort"
-    assert to_prompt({"instruction": "I", "response": "R"}, "auto") == [
-        {"role": "user", "content": "I"}
-    ]
-    assert to_prompt({"input": "code", "output": "x", "id": "1"}, "auto")[0]["content"] == "code"
-    assert to_prompt({"problem": "p", "solution": "s"}, "auto")[0]["content"] == "p"
-    assert to_prompt({"input_ids": [1, 2]}, "auto") == [1, 2]
-    assert set(FORMATS) >= {"auto", "input_ids"}
-
-
-def test_openthoughts_top_level_system_and_system_prompt() -> None:
-    record = {
-        "system": "Think step by step.",
-        "conversations": [
-            {"from": "user", "value": "q1"},
-            {"from": "assistant", "value": "a1"},
-            {"from": "user", "value": "q2"},
-            {"from": "assistant", "value": "a2"},
-        ],
-    }
-    assert to_prompt(record, "auto", "last") == [
-        {"role": "system", "content": "Think step by step."},
-        {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "q2"},
-    ]
-    assert to_prompt(record, "auto", "first", system_prompt="S")[0] == {
-        "role": "system",
-        "content": "S",
-    }
-
-
-def test_messages_with_text_parts_and_leading_assistant() -> None:
-    record = {
-        "messages": [
-            {"role": "assistant", "content": "Hi, how can I help?"},
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
-            },
-            {"role": "assistant", "content": None},
-        ]
-    }
-    assert to_prompt(record, "messages", "last") == [{"role": "user", "content": "a\nb"}]
-    record["messages"][1]["content"].append({"type": "image_url", "image_url": "x"})
-    with pytest.raises(Rejected) as info:
-        to_prompt(record, "messages")
-    assert (info.value.reason, info.value.field) == ("wrong_type", "messages[1].content[2]")
-
-
-def test_field_map_shapes() -> None:
-    record = {"prompt": "p", "chat": [{"speaker": "human", "text": "t"}], "sys": "s"}
-    assert to_prompt(record, "auto", field_map={"prompt": "prompt"}) == [
-        {"role": "user", "content": "p"}
-    ]
-    mapped = to_prompt(
-        record,
-        "auto",
-        field_map={"messages": "chat", "role": "speaker", "content": "text", "system": "sys"},
-    )
-    assert mapped == [{"role": "system", "content": "s"}, {"role": "user", "content": "t"}]
-    with pytest.raises(Rejected) as info:
-        to_prompt({"prompt": 3}, "auto", field_map={"prompt": "prompt"})
-    assert (info.value.reason, info.value.field) == ("wrong_type", "prompt")
-    with pytest.raises(ValueError):
-        to_prompt(record, "auto", turns="middle")
 
 
 def test_locate_finds_every_record_by_its_id(tmp_path: Path) -> None:
