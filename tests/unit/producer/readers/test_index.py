@@ -1,4 +1,9 @@
-"""Dataset readers and record normalisation, against tests/fixtures and generated files."""
+"""`producer/readers/index.py`: random access to a source's records (`SourceIndex`). Every
+fixture dataset indexed and read back record by record; ids (`sample_id`: stems, shared
+stems, ranks on a minified array's line) and `locate`, their inverse; Parquet row groups; a
+seeded `shuffled_order`; `read_sample`: a malformed record refused naming its file:line and
+id while reading goes on, one over the size limit `line_too_long`. The build pass (each
+file scanned, compressed ones decompressed): test_scan.py."""
 
 from __future__ import annotations
 
@@ -8,13 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from foundation.errors import SourceError
 from producer.formats.records import Rejected, detect_format
 from producer.readers import index as readers
-from producer.readers import scan as readers_scan
 from producer.readers.index import SourceIndex, read_sample, sample_id, shuffled_order
 from tests.conftest import DATASETS
 
@@ -51,19 +52,6 @@ def test_fixture_indexes_reads_and_detects(name: str, count: int, fmt: str) -> N
             sample = read_sample(index, i, "auto", "last", None)
             assert sample.prompt[-1]["role"] == "user"
             assert sample.where == index.where(i)
-
-
-def test_json_array_lines_point_at_element_starts() -> None:
-    path = DATASETS / "sharegpt/fastchat_dummy_conversation.json"
-    lines = path.read_text(encoding="utf-8").splitlines()
-    with SourceIndex.build([path]) as index:
-        for i in (0, 1, 250, len(index) - 1):
-            ref = index.ref(i)
-            assert lines[ref.line - 1].strip() == "{"
-            assert index.where(i) == f"{path}:{ref.line}"
-        sample = read_sample(index, 0, "auto", "first", None)
-    assert sample.source_id == "identity_0"
-    assert sample.sample_id == f"fastchat_dummy_conversation:{index.ref(0).line}"
 
 
 # (line bytes, format, reason, field); None means the line reads as a good sample.
@@ -110,16 +98,6 @@ def test_malformed_records_are_rejected_and_reading_continues(tmp_path: Path) ->
                 assert str(info.value).startswith(f"{reason} ({field}): ")
 
 
-def test_blank_lines_bom_and_json_extension_with_objects(tmp_path: Path) -> None:
-    path = tmp_path / "objects.json"
-    path.write_bytes(b'\xef\xbb\xbf{"question": "a"}\n\n  \r\n{"question": "b"}')
-    with SourceIndex.build([path]) as index:
-        assert len(index) == 2
-        assert [index.read(i)["question"] for i in range(2)] == ["a", "b"]
-        assert [index.ref(i).line for i in range(2)] == [1, 4]
-        assert sample_id(index, 1) == "objects:4"
-
-
 def test_record_over_the_size_limit_is_line_too_long(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "long.jsonl"
     path.write_text('{"question": "short"}\n{"question": "' + "x" * 100 + '"}\n')
@@ -131,61 +109,12 @@ def test_record_over_the_size_limit_is_line_too_long(tmp_path: Path, monkeypatch
     assert info.value.reason == "line_too_long"
 
 
-TRICKY_ARRAY = r"""[
-  {"a": "x]}[{\"", "b": [1, {"c": "\\"}], "d": "\\\"]"},
-  {"e": "line\nbreak ] , {", "f": {"g": [[], {}]}},
-    3.5e2 , "str,]", null, true,
-  {"h": "caf\u00e9 ☕", "i": []}
-]
-"""
-
-
-@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 7, 1024 * 1024])
-def test_json_array_scanner_handles_strings_escapes_and_brackets(
-    tmp_path: Path, monkeypatch, chunk_bytes: int
-) -> None:
-    path = tmp_path / "tricky.json"
-    path.write_text(TRICKY_ARRAY, encoding="utf-8")
-    monkeypatch.setattr(readers_scan, "SCAN_CHUNK_BYTES", chunk_bytes)
-    expected = json.loads(TRICKY_ARRAY)
-    with SourceIndex.build([path]) as index:
-        assert len(index) == len(expected)
-        assert [index.ref(i).line for i in range(len(index))] == [2, 3, 4, 4, 4, 4, 5]
-        for i, value in enumerate(expected):
-            if isinstance(value, dict):
-                assert index.read(i) == value
-            else:
-                with pytest.raises(Rejected, match="not_an_object"):
-                    index.read(i)
-
-
 def test_minified_array_ids_are_unique_per_element(tmp_path: Path) -> None:
     path = tmp_path / "mini.json"
     path.write_text(json.dumps([{"question": str(k)} for k in range(5)]))
     with SourceIndex.build([path]) as index:
         ids = [sample_id(index, i) for i in range(len(index))]
     assert ids == [f"mini:1.{k}" for k in range(5)]
-
-
-@pytest.mark.parametrize("text", ["[{}", '[{"a": 1},, {}]', "[{}] {}", '["unclosed]'])
-def test_broken_json_array_fails_at_build(tmp_path: Path, text: str) -> None:
-    path = tmp_path / "broken.json"
-    path.write_text(text)
-    with pytest.raises(SourceError, match="broken.json"):
-        SourceIndex.build([path])
-
-
-def test_missing_file_and_unknown_type_name_the_path(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="nowhere.jsonl: cannot read: No such file"):
-        SourceIndex.build([tmp_path / "nowhere.jsonl"])
-    with pytest.raises(SourceError, match="nowhere.parquet"):
-        SourceIndex.build([tmp_path / "nowhere.parquet"])
-    (tmp_path / "junk.parquet").write_text("not parquet")
-    with pytest.raises(SourceError, match="junk.parquet"):
-        SourceIndex.build([tmp_path / "junk.parquet"])
-    (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(SourceError, match="data.csv"):
-        SourceIndex.build([tmp_path / "data.csv"])
 
 
 def test_several_files_and_shared_stems(tmp_path: Path) -> None:
@@ -226,53 +155,6 @@ def test_shuffled_order_is_a_seeded_permutation() -> None:
     assert order != shuffled_order(10_000, seed=8)
     assert list(order) != list(range(10_000))
     assert len(shuffled_order(0, seed=1)) == 0
-
-
-JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False)
-JSON_VALUES = st.recursive(
-    JSON_SCALARS,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-    max_leaves=12,
-)
-RECORDS = st.lists(st.dictionaries(st.text(), JSON_VALUES, max_size=5), max_size=8)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    records=RECORDS,
-    indent=st.sampled_from([None, 0, 2]),
-    separator=st.sampled_from([",", ",\n", " ,\n\n  "]),
-    ascii_only=st.booleans(),
-    chunk_bytes=st.sampled_from([1, 5, 64, 1 << 20]),
-)
-def test_jsonl_and_json_array_index_to_the_same_records(
-    tmp_path_factory: pytest.TempPathFactory,
-    records: list[dict],
-    indent: int | None,
-    separator: str,
-    ascii_only: bool,
-    chunk_bytes: int,
-) -> None:
-    folder = tmp_path_factory.mktemp("hyp")
-    jsonl, array_file = folder / "r.jsonl", folder / "r.json"
-    lines = [json.dumps(r, ensure_ascii=ascii_only) for r in records]
-    jsonl.write_text("\n\n".join(lines) + "\n", encoding="utf-8")
-    elements = [json.dumps(r, indent=indent, ensure_ascii=ascii_only) for r in records]
-    array_text = "[\n" + separator.join(elements) + "\n]\n"
-    array_file.write_text(array_text, encoding="utf-8")
-    starts, line = [], 2  # line of each element's first byte
-    for element in elements:
-        starts.append(line)
-        line += element.count("\n") + separator.count("\n")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(readers_scan, "SCAN_CHUNK_BYTES", chunk_bytes)
-        with SourceIndex.build([jsonl]) as a, SourceIndex.build([array_file]) as b:
-            assert len(a) == len(b) == len(records)
-            assert [a.read(i) for i in range(len(a))] == records
-            assert [b.read(i) for i in range(len(b))] == records
-            assert [a.ref(i).line for i in range(len(a))] == [2 * k + 1 for k in range(len(a))]
-            assert [b.ref(i).line for i in range(len(b))] == starts
-            assert len({sample_id(b, i) for i in range(len(b))}) == len(records)
 
 
 def test_locate_finds_every_record_by_its_id(tmp_path: Path) -> None:
