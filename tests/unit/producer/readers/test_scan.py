@@ -175,7 +175,8 @@ def _gz_array(rows: list[dict]) -> bytes:
 
 
 @pytest.mark.parametrize(("name", "pack"), [
-    ("rows.jsonl.gz", _gz_jsonl), ("rows.jsonl.zst", _zst_jsonl), ("rows.json.gz", _gz_array)])
+    ("rows.jsonl.gz", _gz_jsonl), ("rows.jsonl.zst", _zst_jsonl), ("rows.json.gz", _gz_array)],
+    ids=["jsonl.gz", "jsonl.zst", "json.gz"])
 def test_a_compressed_file_is_decompressed_once_into_the_cache(
         tmp_path: Path, cache: Path, name: str, pack: Callable[[list[dict]], bytes]) -> None:
     path = tmp_path / name
@@ -201,9 +202,9 @@ def test_a_compressed_file_is_decompressed_once_into_the_cache(
 
 @pytest.mark.parametrize(("name", "data"), [
     ("bad.jsonl.gz", b"\x1f\x8b not really gzip"),
-    ("cut.jsonl.gz", gzip.compress(_jsonl(ROWS))[:-12]),
+    ("cut.jsonl.gz", gzip.compress(_jsonl(ROWS), mtime=0)[:-12]),
     ("bad.jsonl.zst", b"not zstd at all"),
-])  # fmt: skip
+], ids=["not-gzip", "cut-gzip", "not-zstd"])  # fmt: skip
 def test_a_corrupt_compressed_file_is_refused_naming_it_and_leaves_nothing(
         tmp_path: Path, cache: Path, name: str, data: bytes) -> None:
     path = tmp_path / name
