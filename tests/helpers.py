@@ -4,8 +4,11 @@
   of one or more categories with small caps, its samples fed one at a time and their results
   (what it holds, read raw: `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
-- a record's first prompt (`to_prompt`), and the budget service's HTTP face served from a
-  thread (`serve_in_thread`);
+- a record's first prompt (`to_prompt`), the conversations fixture's records by id
+  (`conversation_records`), and the budget service's HTTP face served from a thread
+  (`serve_in_thread`);
+- the reference parser's test cases (`parser_cases`, `check_parser_case`): each parser
+  family's test file runs the cases of its own module;
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
   shell does not have;
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
@@ -14,12 +17,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from rq import Queue
 from rq.job import Job
 
@@ -30,6 +35,8 @@ from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
 from foundation.wire import JobRef, Pending, Result
 from producer.formats.turns import to_conversation
+from producer.parsers.registry import Unparsed, reasoning_parser, tool_call_parser
+from tests.conftest import DATASETS, FIXTURES
 
 # -- the ledger ---------------------------------------------------------------------------------
 
@@ -90,6 +97,90 @@ def to_prompt(record: dict, fmt: str, turns: str = "first", **options: Any
     ids (format input_ids); `options` as `to_conversation` takes them."""
     conv = to_conversation(record, fmt, turns, **options)
     return conv if isinstance(conv, list) else conv.prompt()
+
+
+CONVERSATIONS = DATASETS / "conversations" / "tokencap_conversations.jsonl"
+
+
+def conversation_records() -> dict[str, dict]:
+    """The records of the conversations fixture (chats and agent traces), by their `id`."""
+    return {r["id"]: r for r in map(json.loads, CONVERSATIONS.read_text().splitlines())}
+
+
+# -- the reference parser's cases -----------------------------------------------------------
+# `tests/fixtures/parsers/sglang_cases.json`: the replies SGLang's unit tests feed its
+# detectors, with what those tests assert (each case names its test function). A parser
+# family's test file runs the cases of its module, with its `DEVIATIONS`: (entry, test) ->
+# (UNPARSED or KEPT_UNKNOWN, why tokencap is stricter on purpose).
+
+PARSER_CASES: dict[str, Any] = json.loads(
+    (FIXTURES / "parsers" / "sglang_cases.json").read_text())["parsers"]
+UNPARSED = "unparsed"  # the reply raises `Unparsed` instead
+KEPT_UNKNOWN = "kept"  # the call stays (or the text is content), as the model made it
+Deviations = dict[tuple[str, str], tuple[str, str]]
+
+
+def parser_module(spec: dict[str, Any]) -> str:
+    """The module of the parser an entry of the cases names (`producer.parsers.kimi`)."""
+    parser = (reasoning_parser if spec["kind"] == "reasoning" else tool_call_parser)(
+        spec["name"])
+    assert parser is not None, spec["name"]
+    return type(parser).__module__
+
+
+def parser_cases(module: str) -> list[Any]:
+    """The cases of the parsers `module` defines, as pytest params (entry, spec, case)."""
+    return [pytest.param(entry, spec, case, id=f"{entry}::{case['test']}")
+            for entry, spec in PARSER_CASES.items() if parser_module(spec) == module
+            for case in spec["cases"]]
+
+
+def case_keys(params: list[Any]) -> set[tuple[str, str]]:
+    """(entry, test) of each case of `parser_cases`: what `DEVIATIONS` keys name."""
+    return {(p.values[0], p.values[2]["test"]) for p in params}
+
+
+def _check_text(got: dict[str, Any], case: dict[str, Any]) -> None:
+    for field, want in case["expected"].items():
+        if field in ("reasoning_content", "content") and isinstance(want, str):
+            assert (got[field] or "") == want, field
+    for field, parts in case.get("expected_contains", {}).items():
+        for part in parts:
+            assert part in (got[field] or ""), (field, part)
+    for field, start in case.get("expected_startswith", {}).items():
+        assert (got[field] or "").strip().startswith(start), field
+
+
+def check_parser_case(spec: dict[str, Any], case: dict[str, Any],
+                      deviation: tuple[str, str] | None) -> None:
+    """tokencap's parser of the entry's name gives what the reference parser's test asserts
+    of the reply, or deviates as `deviation` says."""
+    if spec["kind"] == "reasoning":
+        parser = reasoning_parser(spec["name"])
+        assert parser is not None
+        forced = bool(case.get("constructor", {}).get("force_reasoning"))
+        reasoning, content = parser.split(case["text"], opened=forced)
+        _check_text({"reasoning_content": reasoning, "content": content}, case)
+        return
+    tools = tool_call_parser(spec["name"])
+    assert tools is not None
+    if deviation is not None and deviation[0] == UNPARSED:
+        with pytest.raises(Unparsed):
+            tools.split(case["text"], case.get("tools"))
+        return
+    content, calls = tools.split(case["text"], case.get("tools"))
+    expected = case["expected"]
+    if deviation is not None:  # KEPT_UNKNOWN: the call stays, or the text is content
+        assert calls or content == case["text"]
+        return
+    _check_text({"content": content, "reasoning_content": None}, case)
+    if "n_tool_calls" in expected:
+        assert len(calls) == expected["n_tool_calls"]
+    if "tool_calls" in expected:
+        assert [c.name for c in calls] == [c["name"] for c in expected["tool_calls"]]
+        for call, want in zip(calls, expected["tool_calls"], strict=True):
+            if "arguments" in want:
+                assert call.arguments == want["arguments"]
 
 
 # -- the stack's shell --------------------------------------------------------------------------
