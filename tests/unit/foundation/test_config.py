@@ -156,3 +156,42 @@ def test_a_wrong_choice_lists_the_allowed_values(tmp_path, line, field, allowed)
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert f"$.category[0].{field}" in str(err.value) and allowed in str(err.value)
+
+
+def test_caps_are_read_as_people_write_them_and_a_bad_one_names_its_field(tmp_path) -> None:
+    from foundation.config import load_config
+    from foundation.errors import ConfigError
+
+    src = tmp_path / "ids.jsonl"
+    src.write_text('{"input_ids": [1, 2]}\n')
+
+    def cfg(run_cap: str, cat_cap: str):
+        path = tmp_path / "run.toml"
+        path.write_text(f'run = "r"\noutput_dir = "out"\nsampling_defaults = "engine"\n'
+                        f"cap_tokens = {run_cap}\n[[category]]\nname = \"a\"\n"
+                        f'source = "{src}"\nformat = "input_ids"\ncap_tokens = {cat_cap}\n'
+                        "sampling = { max_new_tokens = 8 }\n[[category]]\nname = \"b\"\n"
+                        f'source = "{src}"\nformat = "input_ids"\n'
+                        "sampling = { max_new_tokens = 8 }\n")
+        return load_config(path)
+
+    c = cfg('"10M"', '"1.5k"')
+    assert c.cap_for(c.category[0]) == 1_500 and c.cap_for(c.category[1]) == 10_000_000
+    c = cfg("2_000", '"none"')
+    assert c.cap_for(c.category[0]) is None and c.cap_for(c.category[1]) == 2_000
+    with pytest.raises(ConfigError, match=r"\$\.category\[0\]\.cap_tokens: 'lots' is not a "):
+        cfg('"10M"', '"lots"')
+
+
+def test_a_misspelled_key_is_refused_with_the_key_it_meant(tmp_path) -> None:
+    from foundation.config import load_config
+    from foundation.errors import ConfigError
+
+    path = tmp_path / "run.toml"
+    path.write_text('run = "r"\noutput_dir = "out"\n[[category]]\nname = "a"\n'
+                    'source = "x.jsonl"\ncap_token = 5\nsampling = { max_new_tokens = 8 }\n')
+    with pytest.raises(ConfigError, match="unknown field `cap_token`.*did you mean `cap_tokens`"):
+        load_config(path)
+    path.write_text('run = "r"\noutputdir = "out"\n')
+    with pytest.raises(ConfigError, match="did you mean `output_dir`"):
+        load_config(path)

@@ -157,3 +157,15 @@ def test_bad_tool_arguments_name_the_field() -> None:
     with pytest.raises(Rejected) as info:
         to_conversation({"messages": [{"role": "user", "content": "x"}], "tools": "{"}, "auto")
     assert (info.value.reason, info.value.field) == ("invalid_json", "tools")
+
+
+def test_keys_with_text_no_format_or_map_reads_are_named() -> None:
+    from producer.formats.records import unread_keys
+
+    dolly = {"instruction": "x", "context": "y", "response": "z", "category": "closed_qa",
+             "id": "7"}
+    assert unread_keys(dolly, "auto") == ["category"]  # the passage is read now; ids never
+    assert unread_keys({"question": "q", "answer": "a", "hint": "h", "n": 3}, "auto") == ["hint"]
+    assert unread_keys({"q": "x", "passage": "y", "notes": "z"}, "auto",
+                       {"prompt": "q", "context": "passage"}) == ["notes"]
+    assert unread_keys({"weird": "x"}, "auto") == []  # no format: refused elsewhere, not here

@@ -129,3 +129,22 @@ def test_role_map_maps_source_roles() -> None:
     with pytest.raises(Rejected) as info:
         to_conversation(conversation_records()["mapped-roles"], "auto", "all")
     assert info.value.reason == "unknown_role"
+
+
+def test_an_instruction_takes_its_passage_after_it_as_alpaca_does() -> None:
+    """databricks-dolly's layout (instruction, context, response): the passage is part of
+    the prompt, after the instruction; Alpaca's `input` the same; a field_map names one."""
+    from producer.formats.turns import to_conversation
+
+    dolly = {"instruction": "When did Virgin Australia start operating?",
+             "context": "Virgin Australia commenced services on 31 August 2000.",
+             "response": "31 August 2000.", "category": "closed_qa"}
+    [user] = to_conversation(dolly, "auto", "first", None).prompt()
+    assert user["content"] == dolly["instruction"] + "\n\n" + dolly["context"]
+    no_passage = {**dolly, "context": ""}
+    assert to_conversation(no_passage, "auto", "first", None).prompt()[0]["content"] == \
+        dolly["instruction"]
+    mapped = {"q": "Summarise it.", "passage": "A long text."}
+    [user] = to_conversation(mapped, "auto", "first", None,
+                             {"prompt": "q", "context": "passage"}).prompt()
+    assert user["content"] == "Summarise it.\n\nA long text."

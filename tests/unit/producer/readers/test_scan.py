@@ -93,9 +93,9 @@ def test_missing_file_and_unknown_type_name_the_path(tmp_path: Path) -> None:
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(SourceError, match="junk.parquet"):
         SourceIndex.build([tmp_path / "junk.parquet"])
-    (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(SourceError, match="data.csv"):
-        SourceIndex.build([tmp_path / "data.csv"])
+    (tmp_path / "data.xml").write_text("<a/>\n")
+    with pytest.raises(SourceError, match="data.xml"):
+        SourceIndex.build([tmp_path / "data.xml"])
 
 
 JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False)
@@ -230,3 +230,38 @@ def test_the_source_cache_is_the_setting_else_the_users_cache(
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert source_cache() == tmp_path / "home" / ".cache" / "tokencap" / "sources"
+
+
+def test_a_csv_or_tsv_is_read_a_record_a_row_each_at_its_own_line(tmp_path: Path) -> None:
+    """A header row, then a record a row; a quoted value may hold line breaks, so a record
+    says the line of the table it starts on; a row that does not fit the header is a
+    rejected record there; compressed tables are read too."""
+    import gzip
+
+    from producer.formats.records import Rejected
+
+    csv = tmp_path / "prompts.csv"
+    csv.write_text('prompt,category\n"Write a poem\nabout the sea",creative\n'
+                   "What is 2+2?,math\nbad,row,extra\n\nLast one,misc\n")
+    tsv = tmp_path / "qa.tsv.gz"
+    tsv.write_bytes(gzip.compress(b"question\tanswer\nCapital of France?\tParis\n",
+                                  mtime=0))
+    with SourceIndex.build([csv, tsv]) as index:
+        assert len(index) == 5
+        assert index.read(0) == {"prompt": "Write a poem\nabout the sea", "category": "creative"}
+        assert [index.where(i).rsplit(":", 1)[1] for i in range(4)] == ["2", "4", "5", "7"]
+        with pytest.raises(Rejected, match="bad_table_row: 3 values, the header names 2"):
+            index.read(2)
+        assert index.read(4) == {"question": "Capital of France?", "answer": "Paris"}
+        assert index.where(4) == f"{tsv}:2"
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b"a,a\n1,2\n", "name every column once"), (b",b\n1,2\n", "name every column once"),
+    (b"a,b\n\xff,2\n", "not UTF-8")])
+def test_a_table_without_a_header_or_not_utf8_is_refused_naming_it(tmp_path: Path, body: bytes,
+                                                                  why: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(body)
+    with pytest.raises(SourceError, match=f"t.csv.*{why}"):
+        SourceIndex.build([path])
