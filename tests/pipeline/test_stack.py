@@ -81,12 +81,34 @@ sampling = {{ max_new_tokens = 256 }}
                           SGLANG_URL="http://127.0.0.1:9", BUDGET_PORT=str(port))
         assert again.returncode == 9 and "port" not in again.stderr  # the engine, not the port
         assert run_file.read_text() == before  # a failed up leaves the run file as it was
+        # another run on this stack: refused at once (it waited for ever, its jobs never
+        # taken), naming the run served and the ways out; the run file kept
+        (tmp_path / "other.toml").write_text((tmp_path / "run.toml").read_text().replace(
+            'run = "stack"', 'run = "other"'))
+        other = subprocess.run([sys.executable, "-m", "tokencap.cli", "up", "other.toml",
+                                "--sim"], cwd=tmp_path, env=_shell(BUDGET_PORT=str(port)),
+                               capture_output=True, text=True, timeout=60)
+        assert other.returncode == 11, other.stderr[-2000:]
+        assert "serves run 'stack'" in other.stderr and "--state-dir .run-other" in other.stderr
+        assert run_file.read_text() == before and "Traceback" not in other.stderr
+        # RQ's own board of this stack's Redis, from the run file
+        rq = _tokencap(tmp_path, "rq-info")
+        assert rq.returncode == 0 and "tokencap:stack" in rq.stdout, rq.stdout + rq.stderr
+        # from another folder: where each command looked, said
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        lost = _tokencap(elsewhere, "status", "--redis-url", before.split("REDIS_URL=")[1]
+                         .split("\n")[0], "--run", "nope")
+        assert lost.returncode == 7 and "looked in Redis redis://127.0.0.1:" in lost.stderr
+        assert f"{elsewhere / '.run' / 'env'}" in lost.stderr
     finally:
         redis_url = (dict(line.split("=", 1) for line in (tmp_path / ".run" / "env").read_text(
         ).splitlines()) if (tmp_path / ".run" / "env").exists() else {}).get("REDIS_URL", "")
         down = _tokencap(tmp_path, "down")
     assert down.returncode == 0 and "stopped budget" in down.stdout
     assert not (tmp_path / ".run" / "env").exists()
+    nothing = _tokencap(tmp_path, "down")  # said, with where it looked, and not a success
+    assert nothing.returncode == 7 and f"{tmp_path / '.run' / 'pids'}" in nothing.stderr
     # the stack's Redis is gone with it
     gone = _tokencap(tmp_path, "status", "--redis-url", redis_url)
     assert gone.returncode == 3 and "Traceback" not in gone.stderr
