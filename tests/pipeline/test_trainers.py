@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.tokencap.test_export_training import result, write_run
+from tests.unit.tokencap.export.test_exporter_training import result, write_run
 
 pytestmark = pytest.mark.trainers
 TARGET = 512
