@@ -8,6 +8,8 @@
   thread (`serve_in_thread`);
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
   shell does not have;
+- a command's mistake said in one line (`one_line_error`: click's usage errors and
+  `tokencap: error: ...`, with the exit code, never a traceback);
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
   options a forger adds, and a local HTTP listener that records any webhook request.
 """
@@ -96,6 +98,14 @@ def to_prompt(record: dict, fmt: str, turns: str = "first", **options: Any
 
 STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKENCAP_PREFIX",
               "TOKENCAP_TOKEN", "TOKENCAP_STATE_DIR", "BUDGET_PORT")
+
+
+def one_line_error(res: Any, code: int = 2) -> bool:
+    """Whether click's `CliRunner` result `res` ended with exit `code` and one error line
+    (click's `Error: ...` or tokencap's `tokencap: error: ...`), no traceback."""
+    lines = [ln for ln in res.output.splitlines() if ln.startswith(("Error", "tokencap: error"))]
+    return res.exit_code == code and len(lines) == 1 and "Traceback" not in res.output and (
+        res.exception is None or isinstance(res.exception, SystemExit))
 
 
 # -- forged jobs --------------------------------------------------------------------------------
