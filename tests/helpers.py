@@ -4,6 +4,7 @@
   of one or more categories with small caps, its samples fed one at a time and their results
   (what it holds, read raw: `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
+- a run's output folder written by hand (`row_result`, `write_run`): what an export reads;
 - a record's first prompt (`to_prompt`), and the budget service's HTTP face served from a
   thread (`serve_in_thread`);
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
@@ -30,7 +31,7 @@ from budget_service.jobs import JOB_FAILURE_TTL_S, JOB_FUNC, JOB_RESULT_TTL_S
 from budget_service.ledger import CategoryState, now_ms
 from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
-from foundation.wire import JobRef, Pending, Result
+from foundation.wire import JobRef, Pending, Result, encode
 from producer.formats.turns import to_conversation
 
 # -- the ledger ---------------------------------------------------------------------------------
@@ -92,6 +93,27 @@ def to_prompt(record: dict, fmt: str, turns: str = "first", **options: Any
     ids (format input_ids); `options` as `to_conversation` takes them."""
     conv = to_conversation(record, fmt, turns, **options)
     return conv if isinstance(conv, list) else conv.prompt()
+
+
+# -- a run's output folder ---------------------------------------------------------------------
+
+def row_result(cat: str, sid: str, prompt: list[int], output: list[int],
+               conv: str | None = None, turn: int = 0, total: int = 0) -> Result:
+    """A committed row of `cat` (finish_reason stop): `prompt` then `output`; with `conv`,
+    turn `turn` of `total` of that conversation."""
+    return Result(id=sid, category=cat, prompt_ids=prompt, output_ids=output,
+                  prompt_tokens=len(prompt), completion_tokens=len(output),
+                  finish_reason="stop", text="", sampling={}, counted_tokens=len(output),
+                  conversation_id=conv, turn=turn, turns_total=total)
+
+
+def write_run(out: Path, rows: dict[str, list[Result]]) -> Path:
+    """`out` holding each category's `rows` in one part file, as the writer writes them."""
+    for cat, results in rows.items():
+        d = out / cat
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in results))
+    return out
 
 
 # -- the stack's shell --------------------------------------------------------------------------

@@ -10,9 +10,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from foundation.wire import Result, encode
 from tests.conftest import QWEN
-from tests.helpers import one_line_error
+from tests.helpers import one_line_error, row_result, write_run
 from tokencap.cli.main import main
 
 
@@ -23,12 +22,8 @@ def _run(tmp: Path, hidden_size: int = 64) -> str:
                                            for i in range(1000)))
     (tmp / "model.json").write_text(json.dumps({"num_hidden_layers": 8,
                                                 "hidden_size": hidden_size}))
-    out = tmp / "out" / "a"
-    out.mkdir(parents=True)
-    rows = [Result(id=f"s{i}", category="a", prompt_ids=[11, 12, 13], output_ids=[20 + i, 30],
-                   prompt_tokens=3, completion_tokens=2, finish_reason="stop", text="",
-                   sampling={}, counted_tokens=2) for i in range(2)]
-    (out / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in rows))
+    write_run(tmp / "out", {"a": [row_result("a", f"s{i}", [11, 12, 13], [20 + i, 30])
+                                  for i in range(2)]})
     (tmp / "run.toml").write_text(
         f'run = "r"\noutput_dir = "{tmp / "out"}"\nsampling_defaults = "engine"\n'
         f'[hidden_states]\nmodel_config = "{tmp / "model.json"}"\noutput_dir = "{tmp / "hs"}"\n'

@@ -15,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 from click.testing import CliRunner
 
-from foundation.wire import Result, encode
+from foundation.wire import Result
+from tests.helpers import row_result, write_run
 from tokencap.cli.offline import export_cmd
 from tokencap.export.exporter import Vocab, export
 from tokencap.export.length import Limits, apply
@@ -25,22 +26,6 @@ from tokencap.export.vocab import mapping
 VOCAB = 512
 
 
-def result(cat: str, sid: str, prompt: list[int], output: list[int], conv: str | None = None,
-           turn: int = 0, total: int = 0) -> Result:
-    return Result(id=sid, category=cat, prompt_ids=prompt, output_ids=output,
-                  prompt_tokens=len(prompt), completion_tokens=len(output),
-                  finish_reason="stop", text="", sampling={}, counted_tokens=len(output),
-                  conversation_id=conv, turn=turn, turns_total=total)
-
-
-def write_run(out: Path, rows: dict[str, list[Result]]) -> Path:
-    for cat, results in rows.items():
-        d = out / cat
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in results))
-    return out
-
-
 def conversations(cat: str, n: int, turns: int, rng: random.Random) -> list[Result]:
     """`n` conversations of `turns` turns each, random ids below VOCAB."""
     out = []
@@ -48,8 +33,8 @@ def conversations(cat: str, n: int, turns: int, rng: random.Random) -> list[Resu
         prompt: list[int] = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))]
         for t in range(1, turns + 1):
             reply = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
-            out.append(result(cat, f"{cat}-c{c}#t{t}", list(prompt), reply, f"{cat}-c{c}", t,
-                              turns))
+            out.append(row_result(cat, f"{cat}-c{c}#t{t}", list(prompt), reply,
+                                  f"{cat}-c{c}", t, turns))
             prompt = prompt + reply + [rng.randrange(VOCAB) for _ in range(3)]
     return out
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from foundation.wire import Result
+from tests.helpers import row_result
 from tokencap.export.sinks import (
     PARQUET_ROW_GROUP_ROWS,
     SPECULATORS_SHARD,
@@ -26,14 +26,8 @@ from tokencap.export.sinks import (
 )
 
 
-def result(sid: str, prompt: list[int], output: list[int], cat: str = "a") -> Result:
-    return Result(id=sid, category=cat, prompt_ids=prompt, output_ids=output,
-                  prompt_tokens=len(prompt), completion_tokens=len(output),
-                  finish_reason="stop", text="", sampling={}, counted_tokens=len(output))
-
-
 def training_row(i: int) -> TrainingRow:
-    res = result(f"s{i}", [1, 2, i], [7, i + 100])
+    res = row_result("a", f"s{i}", [1, 2, i], [7, i + 100])
     row = specforge_row(res, f"a/s{i}")
     return TrainingRow(row.id, row.input_ids, row.loss_mask, res)
 
@@ -43,12 +37,12 @@ def temporaries(folder: Path) -> list[str]:
 
 
 def test_specforge_rows_put_the_loss_on_the_generated_ids_or_one_to_the_left() -> None:
-    res = result("s", [1, 2, 3], [7, 8])
+    res = row_result("a", "s", [1, 2, 3], [7, 8])
     row = specforge_row(res, "a/s")
     assert (row.id, row.input_ids, row.loss_mask) == ("a/s", [1, 2, 3, 7, 8], [0, 0, 0, 1, 1])
     assert specforge_row(res, "s", "shifted").loss_mask == [0, 0, 1, 1, 0]
     # no prompt: nothing to shift onto, the generated span stays where it is
-    assert specforge_row(result("t", [], [7, 8]), "t", "shifted").loss_mask == [1, 1]
+    assert specforge_row(row_result("a", "t", [], [7, 8]), "t", "shifted").loss_mask == [1, 1]
 
 
 def test_a_jsonl_file_appears_whole_at_publish_and_a_discard_leaves_the_old_one(
@@ -66,7 +60,7 @@ def test_a_jsonl_file_appears_whole_at_publish_and_a_discard_leaves_the_old_one(
     assert temporaries(path.parent) == []
     # a second export that fails: the first one's file stays, no temporary is left
     again = JsonlSink(path, lambda r, i: {"id": i})
-    again.write(result("x", [1], [2]), "x")
+    again.write(row_result("a", "x", [1], [2]), "x")
     again.discard()
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == [
         "a/s0", "a/s1", "a/s2"]
