@@ -4,6 +4,7 @@
   of one or more categories with small caps, its samples fed one at a time and their results
   (what it holds, read raw: `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
+- a run's output folder written by hand (`row_result`, `write_run`): what an export reads;
 - a record's first prompt (`to_prompt`), the conversations fixture's records by id
   (`conversation_records`), and the budget service's HTTP face served from a thread
   (`serve_in_thread`);
@@ -11,6 +12,8 @@
   family's test file runs the cases of its own module;
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
   shell does not have;
+- a command's mistake said in one line (`one_line_error`: click's usage errors and
+  `tokencap: error: ...`, with the exit code, never a traceback);
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
   options a forger adds, and a local HTTP listener that records any webhook request.
 """
@@ -33,7 +36,7 @@ from budget_service.jobs import JOB_FAILURE_TTL_S, JOB_FUNC, JOB_RESULT_TTL_S
 from budget_service.ledger import CategoryState, now_ms
 from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
-from foundation.wire import JobRef, Pending, Result
+from foundation.wire import JobRef, Pending, Result, encode
 from producer.formats.turns import to_conversation
 from producer.parsers.registry import Unparsed, reasoning_parser, tool_call_parser
 from tests.conftest import DATASETS, FIXTURES
@@ -183,10 +186,39 @@ def check_parser_case(spec: dict[str, Any], case: dict[str, Any],
                 assert call.arguments == want["arguments"]
 
 
+# -- a run's output folder ---------------------------------------------------------------------
+
+def row_result(cat: str, sid: str, prompt: list[int], output: list[int],
+               conv: str | None = None, turn: int = 0, total: int = 0) -> Result:
+    """A committed row of `cat` (finish_reason stop): `prompt` then `output`; with `conv`,
+    turn `turn` of `total` of that conversation."""
+    return Result(id=sid, category=cat, prompt_ids=prompt, output_ids=output,
+                  prompt_tokens=len(prompt), completion_tokens=len(output),
+                  finish_reason="stop", text="", sampling={}, counted_tokens=len(output),
+                  conversation_id=conv, turn=turn, turns_total=total)
+
+
+def write_run(out: Path, rows: dict[str, list[Result]]) -> Path:
+    """`out` holding each category's `rows` in one part file, as the writer writes them."""
+    for cat, results in rows.items():
+        d = out / cat
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in results))
+    return out
+
+
 # -- the stack's shell --------------------------------------------------------------------------
 
 STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKENCAP_PREFIX",
               "TOKENCAP_TOKEN", "TOKENCAP_STATE_DIR", "BUDGET_PORT")
+
+
+def one_line_error(res: Any, code: int = 2) -> bool:
+    """Whether click's `CliRunner` result `res` ended with exit `code` and one error line
+    (click's `Error: ...` or tokencap's `tokencap: error: ...`), no traceback."""
+    lines = [ln for ln in res.output.splitlines() if ln.startswith(("Error", "tokencap: error"))]
+    return res.exit_code == code and len(lines) == 1 and "Traceback" not in res.output and (
+        res.exception is None or isinstance(res.exception, SystemExit))
 
 
 # -- forged jobs --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.tokencap.test_export_training import result, write_run
+from tests.helpers import row_result, write_run
 
 # two trainer runs of up to 300 s each: the test may run both
 pytestmark = [pytest.mark.trainers, pytest.mark.timeout(700)]
@@ -59,16 +59,17 @@ def tie_free(out: Path) -> Path:
     rows, k = [], 0
     while k < len(pool):
         m = rng.randint(5, 40)
-        rows.append(result("a", f"a-{len(rows)}", [rng.randrange(300, 400) for _ in range(8)],
-                           pool[k:k + m]))
+        rows.append(row_result("a", f"a-{len(rows)}",
+                               [rng.randrange(300, 400) for _ in range(8)], pool[k:k + m]))
         k += m
     return write_run(out, {"a": rows})
 
 
 def with_ties(out: Path) -> Path:
     rng = random.Random(2)
-    rows = [result("b", f"b-{n}", [rng.randrange(TARGET) for _ in range(6)],
-                   [rng.randrange(120) for _ in range(rng.randint(1, 12))]) for n in range(300)]
+    rows = [row_result("b", f"b-{n}", [rng.randrange(TARGET) for _ in range(6)],
+                       [rng.randrange(120) for _ in range(rng.randint(1, 12))])
+            for n in range(300)]
     return write_run(out, {"b": rows})
 
 

@@ -14,7 +14,7 @@ from redis import Redis
 from budget_service.budget import Budget
 from budget_service.keys import Keys
 from testing.harness import ledger_state
-from tests.helpers import make_cfg
+from tests.helpers import make_cfg, one_line_error
 from tokencap.cli.main import main
 from tokencap.stack.runfile import RUN_FILE
 
@@ -74,3 +74,25 @@ def test_the_prefix_comes_from_the_run_file_like_the_url(tmp_path, redis, redis_
     assert res.exit_code == 0, res.output
     assert "(prefix custom; run from run file, Redis from run file)" in res.stderr
     assert ledger_state(budget, "code")["cap"] == 7000
+
+
+def test_a_run_that_is_not_there_exits_7(redis_url) -> None:
+    out = CliRunner().invoke(main, ["status", "--redis-url", redis_url, "--run", "nope"])
+    assert out.exit_code == 7 and "run 'nope' not found" in out.output
+
+
+def test_without_a_run_name_the_only_run_is_taken_and_no_run_or_several_are_said(
+        tmp_path, redis, redis_url) -> None:
+    res = invoke(tmp_path, "status", "--redis-url", redis_url)
+    assert one_line_error(res, 7) and "no tokencap run: looked in Redis redis://127.0.0.1:" \
+        in res.output and "under prefix 'tokencap'" in res.output
+    for run in ("one", "two"):
+        Budget(redis, Keys("tokencap", run)).feeding.init_run(make_cfg(cap=1000))
+    res = invoke(tmp_path, "status", "--redis-url", redis_url)
+    assert one_line_error(res, 1) and "several runs in Redis (one, two): pick one with --run" \
+        in res.output
+    # another prefix is another namespace: its only run is found there
+    Budget(redis, Keys("other", "three")).feeding.init_run(make_cfg(cap=1000))
+    res = invoke(tmp_path, "status", "--json", "--redis-url", redis_url, "--prefix", "other")
+    assert res.exit_code == 0, res.output
+    assert "run three on" in res.stderr and "(prefix other;" in res.stderr

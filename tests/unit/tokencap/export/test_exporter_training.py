@@ -1,7 +1,8 @@
-"""What export hands the trainer besides the rows: the eval split (`tokencap/export/split.py`),
-the length limit (`length.py`), the draft vocabulary (`vocab.py`) and speculators' on-disk
-dataset (`sinks.SpeculatorsSink`), checked against what each rule promises. The trainers'
-own code reads the same files in tests/pipeline/test_trainers.py."""
+"""What export (`tokencap/export/exporter.py`) hands the trainer besides the rows: the eval
+split (`split.py`), the length limit (`length.py`), the draft vocabulary (`vocab.py`, whose
+own rules are `test_vocab.py`'s) and speculators' on-disk dataset (`sinks.SpeculatorsSink`),
+checked against what each rule promises. The trainers' own code reads the same files in
+tests/pipeline/test_trainers.py."""
 
 from __future__ import annotations
 
@@ -12,33 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pytest
 from click.testing import CliRunner
 
-from foundation.wire import Result, encode
+from foundation.wire import Result
+from tests.helpers import row_result, write_run
 from tokencap.cli.offline import export_cmd
 from tokencap.export.exporter import Vocab, export
 from tokencap.export.length import Limits, apply
 from tokencap.export.split import side
-from tokencap.export.vocab import TokenCounts, VocabError, mapping, select, target_vocab_size
+from tokencap.export.vocab import mapping
 
 VOCAB = 512
-
-
-def result(cat: str, sid: str, prompt: list[int], output: list[int], conv: str | None = None,
-           turn: int = 0, total: int = 0) -> Result:
-    return Result(id=sid, category=cat, prompt_ids=prompt, output_ids=output,
-                  prompt_tokens=len(prompt), completion_tokens=len(output),
-                  finish_reason="stop", text="", sampling={}, counted_tokens=len(output),
-                  conversation_id=conv, turn=turn, turns_total=total)
-
-
-def write_run(out: Path, rows: dict[str, list[Result]]) -> Path:
-    for cat, results in rows.items():
-        d = out / cat
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in results))
-    return out
 
 
 def conversations(cat: str, n: int, turns: int, rng: random.Random) -> list[Result]:
@@ -48,8 +33,8 @@ def conversations(cat: str, n: int, turns: int, rng: random.Random) -> list[Resu
         prompt: list[int] = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))]
         for t in range(1, turns + 1):
             reply = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
-            out.append(result(cat, f"{cat}-c{c}#t{t}", list(prompt), reply, f"{cat}-c{c}", t,
-                              turns))
+            out.append(row_result(cat, f"{cat}-c{c}#t{t}", list(prompt), reply,
+                                  f"{cat}-c{c}", t, turns))
             prompt = prompt + reply + [rng.randrange(VOCAB) for _ in range(3)]
     return out
 
@@ -135,40 +120,6 @@ def test_truncated_rows_and_the_frequencies_count_nothing_beyond_the_limit(tmp_p
 
 
 # -- the draft vocabulary ---------------------------------------------------------------------
-
-def test_the_mapping_takes_the_most_frequent_ids_lower_id_first_and_pads_with_the_smallest(
-        ) -> None:
-    counts = np.zeros(20, dtype=np.int64)
-    counts[[3, 7, 9, 15]] = [5, 2, 2, 9]
-    assert select(counts, 3).tolist() == [3, 7, 15]  # 7 and 9 tie: the lower id
-    assert select(counts, 6).tolist() == [0, 1, 3, 7, 9, 15]  # padded with 0 and 1
-    d2t, t2d = mapping(counts, 6)
-    assert d2t.dtype == np.int64 and t2d.dtype == np.bool_ and t2d.size == 20
-    assert (np.nonzero(t2d)[0] == d2t + np.arange(6)).all()  # SpecForge's consistency rule
-    with pytest.raises(VocabError):
-        select(counts, 21)
-
-
-def test_counts_refuse_an_id_outside_the_target_vocabulary() -> None:
-    counts = TokenCounts(10)
-    counts.add([1, 2, 12], [0, 1, 0])  # outside, but not trained on: not counted
-    with pytest.raises(VocabError, match="outside the target vocabulary"):
-        counts.add([1, 12], [1, 1], "a/x")
-    assert counts.as_dict() == {2: 1}
-
-
-def test_the_target_vocabulary_comes_from_the_flag_a_config_or_the_tokenizer(tmp_path) -> None:
-    class Tok:
-        def __len__(self) -> int:
-            return 100
-
-    assert target_vocab_size(128, Tok())[0] == 128
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 112}))
-    assert target_vocab_size(None, Tok(), tmp_path)[0] == 112
-    assert target_vocab_size(None, Tok(), tmp_path / "none")[0] == 100
-    with pytest.raises(VocabError, match="smaller than the tokenizer"):
-        target_vocab_size(64, Tok())
-
 
 def test_export_writes_the_vocabulary_per_category_and_merged_with_a_coverage_table(
         tmp_path) -> None:

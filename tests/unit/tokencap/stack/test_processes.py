@@ -1,6 +1,7 @@
-"""Pid files that name a process (`tokencap.stack.processes`), and what the launcher does with one
-that names no process of its stack any more: a killed process not yet reaped (a zombie), a
-pid another process has now, a pid file written before identities were recorded."""
+"""Pid files that name a process (`tokencap/stack/processes.py`), and whether the one a pid file
+names still runs: a killed process not yet reaped (a zombie) does not, nor a pid another
+process has now; a pid file written before identities were recorded is checked by its
+command line. What `down` does with a stale one is `test_launcher.py`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 
 from testing.harness import wait_until
 from tokencap.stack import processes
-from tokencap.stack.launcher import Stack
 
 IDLE = "import sys; sys.stdin.read()  # idle child"
 
@@ -74,25 +74,30 @@ def test_a_pid_file_without_identity_is_checked_by_its_command_line(tmp_path: Pa
     assert processes.read(tmp_path / "bad.pid") is None
 
 
-def test_down_never_signals_a_process_a_stale_pid_file_names(tmp_path: Path, capsys) -> None:
-    # Given a stack whose budget service was killed, its pid now another live process's
+
+def test_a_table_starts_finds_and_stops_its_processes_by_their_pid_files(
+        tmp_path: Path) -> None:
     state = tmp_path / ".run"
-    dead, unrelated = _sleeper(), _sleeper()
-    dead.kill()
-    dead.wait()
+    table = processes.Table(state)
+    argv = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"]
+    for name in ("worker-10", "worker-2", "writer"):
+        table.spawn(name, argv, dict(os.environ))
     try:
-        processes.record(state / "pids" / "budget.pid", unrelated.pid)
-        pidfile = state / "pids" / "budget.pid"
-        rec = processes.read(pidfile)
-        assert rec is not None
-        pidfile.write_text(f"{unrelated.pid}\n{rec.identity}x\n")  # recorded: another start
-        (state / "env").write_text("REDIS_URL=redis://127.0.0.1:9/0\n")
-        # When the stack is stopped
-        Stack(state).down()
-        # Then the unrelated process lives on, and the stale pid file is gone
-        assert unrelated.poll() is None
-        assert not pidfile.exists() and not (state / "env").exists()
-        assert "budget was not running (stale pid file removed)" in capsys.readouterr().out
+        # named in the numeric order of their tails, found by another process's table
+        assert table.names("worker-") == ["worker-2", "worker-10"]
+        later = processes.Table(state)
+        assert later.names() == ["writer", "worker-2", "worker-10"]
+        assert all(later.alive(n) for n in later.names())  # by pid and identity
+        wait_until(lambda: (state / "logs" / "writer.log").read_text() == "up\n",
+                   what="the writer's line in its log")
+        table.children["worker-2"].kill()
+        table.children["worker-2"].wait()
+        assert later.stale(["worker-2", "worker-10"]) == ["worker-2"]  # its pid file removed
+        assert later.names() == ["writer", "worker-10"] and not table.alive("worker-2")
+        assert later.stop(["writer", "worker-10"], 30.0, 0.05) == ["writer", "worker-10"]
+        assert [table.children[n].wait(30) for n in ("writer", "worker-10")] == [-15, -15]
+        assert later.names() == []
     finally:
-        unrelated.kill()
-        unrelated.wait()
+        for child in table.children.values():
+            child.kill()
+            child.wait()

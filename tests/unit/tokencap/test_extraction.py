@@ -1,0 +1,113 @@
+"""The hidden-state stage (`tokencap/extraction.py`): its disk plan (`tokencap plan` with
+`[hidden_states]`, `hidden-states --plan`): bytes per token from the model's config, per
+category under its byte budget and in all; `plan --check` refuses (exit 10) states that would
+not fit the free space; the config refuses layer ids the model does not have. Its rows,
+written once from the training rows, and its run `<run>.hs`. The stage run is
+`tests/pipeline/test_hidden_states.py`'s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from foundation.config import load_config
+from foundation.errors import ConfigError
+from tests.conftest import DATASETS, FIXTURES
+from tokencap.cli.offline import plan_cmd
+
+GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
+
+
+def config(tmp, hidden: int, layers: int = 36, extra: str = "") -> str:
+    model = tmp / "config.json"
+    model.write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": hidden,
+                                 "torch_dtype": "bfloat16"}))
+    path = tmp / "run.toml"
+    path.write_text(f"""
+run = "p"
+output_dir = "{tmp / 'out'}"
+tokenizer = "{FIXTURES / 'tokenizers' / 'qwen3'}"
+[hidden_states]
+model_config = "{model}"
+output_dir = "{tmp / 'hs'}"
+{extra}
+[[category]]
+name = "a"
+source = "{GSM8K}"
+cap_tokens = 100000
+sampling = {{ max_new_tokens = 512 }}
+""")
+    return str(path)
+
+
+def test_the_plan_gives_the_states_bytes_under_the_budget(tmp_path) -> None:
+    path = config(tmp_path, 4096, extra="max_bytes = { a = 1_000_000_000 }")
+    cfg = load_config(path)
+    assert cfg.hidden_states.layers == [2, 18, 33, 36]  # Qwen3-8B's shape: EAGLE-3's ids
+    res = CliRunner().invoke(plan_cmd, [path])
+    assert res.exit_code == 0, res.output
+    assert "32,776 bytes per token" in res.output  # 4 x 4096 x 2 + the id
+    assert "30,510 tokens" in res.output and "(budget 1.00 GB)" in res.output  # 1e9 // 32,776
+
+
+def test_plan_check_refuses_states_that_would_not_fit_the_disk(tmp_path) -> None:
+    path = config(tmp_path, 2_000_000_000)  # 16 GB a token: no disk holds a category
+    res = CliRunner().invoke(plan_cmd, [path, "--check"])
+    assert res.exit_code == 10 and "GB free" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("layers,extra", [(36, "layers = [2, 18, 33, 40]"),
+                                          (36, "layers = [2, 18, 18, 36]"),
+                                          (5, "")])
+def test_layer_ids_the_model_does_not_have_are_refused(tmp_path, layers, extra) -> None:
+    with pytest.raises(ConfigError, match=r"hidden_states\.layers"):
+        load_config(config(tmp_path, 64, layers, extra))
+
+
+def test_the_stage_is_a_run_of_its_own_over_the_training_rows_written_once(
+        tmp_path, monkeypatch) -> None:
+    import msgspec
+
+    from foundation.outputs import rows_file
+    from foundation.wire import Result, encode
+    from tokencap import extraction
+
+    cfg = load_config(config(tmp_path, 64, extra="max_bytes = { a = 10_000 }"))
+    out = tmp_path / "out" / "a"
+    out.mkdir(parents=True)
+    rows = [Result(id=f"s{i}", category="a", prompt_ids=[1, 2, 3], output_ids=[4] * (i + 1),
+                   prompt_tokens=3, completion_tokens=i + 1, finish_reason=finish, text="",
+                   sampling={}, counted_tokens=i + 1)
+            for i, finish in enumerate(["stop", "length", "stop"])]  # a cut row: not trained on
+    (out / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in rows))
+    stage = extraction.StatesStage.of(cfg)
+    assert stage.bytes_per_token == 4 * 64 * 2 + 8 and stage.budgets == {"a": 10_000}
+    # the plan before the rows file exists reads the training rows, and writes nothing
+    # (3 samples final: the cut one is a committed reply too; its 2 output tokens not a row's)
+    assert extraction.rows_on_disk(stage) == {"a": extraction.RowTokens(2, 10, 4, 3)}
+    assert not rows_file(stage.spec.output_dir, "a").exists()
+    sources = extraction.write_rows(stage)
+    path = sources["a"]
+    assert path.read_bytes().splitlines() == [
+        b'{"id":"s0","input_ids":[1,2,3,4]}', b'{"id":"s2","input_ids":[1,2,3,4,4,4]}']
+    # written once: more rows later leave the stage's source (its sample ids) as it was
+    (out / "part-00002.jsonl").write_bytes(encode(msgspec.structs.replace(rows[0], id="s9"))
+                                           + b"\n")
+    assert extraction.write_rows(stage)["a"].read_bytes() == path.read_bytes()
+    plan = extraction.disk_plan(stage)
+    assert plan["a"] == extraction.CategoryPlan(2, 10, 10 * stage.bytes_per_token, 10_000)
+    # its run: `<run>.hs`, a token cap per category at the byte budget, one token a row
+    scfg = extraction.stage_config(stage, sources)
+    assert scfg.run == "p.hs" and scfg.stage == "hidden_states" and not scfg.reply_gate
+    [cat] = scfg.category
+    assert (cat.name, cat.source, cat.format) == ("a", str(path), "input_ids")
+    assert cat.cap_tokens == 10_000 // stage.bytes_per_token
+    assert cat.sampling.max_new_tokens == 1
+    # the extraction servers: the flag, else the environment, else the config's
+    monkeypatch.delenv(extraction.EXTRACT_URL_ENV, raising=False)
+    assert extraction.extract_url(stage) == ""
+    monkeypatch.setenv(extraction.EXTRACT_URL_ENV, "http://a:8000,http://b:8000")
+    assert extraction.extract_urls(stage) == ["http://a:8000", "http://b:8000"]
+    assert extraction.extract_url(stage, "http://flag:8000") == "http://flag:8000"
