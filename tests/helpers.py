@@ -1,8 +1,9 @@
 """Helpers several test modules share; no test module imports another one.
 
-- the ledger, driven directly (`make_cfg`, `pending`, `result`, `feed`, `LEASE_MS`): a run
-  of one or more categories with small caps, its samples fed one at a time and their results
-  (what it holds, read raw: `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
+- the ledger, driven directly (`make_cfg`, `pending`, `result`, `turn_result`, `feed`,
+  `LEASE_MS`): a run of one or more categories with small caps, its samples fed one at a time
+  and their results (what it holds, read raw: `ck`, a category's keys, and
+  `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
 - a record's first prompt (`to_prompt`), and the budget service's HTTP face served from a
   thread (`serve_in_thread`);
@@ -25,6 +26,7 @@ from rq.job import Job
 
 from budget_service.budget import Budget
 from budget_service.jobs import JOB_FAILURE_TTL_S, JOB_FUNC, JOB_RESULT_TTL_S
+from budget_service.keys import CategoryKeys
 from budget_service.ledger import CategoryState, now_ms
 from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
@@ -55,6 +57,20 @@ def result(sid: str, n: int, finish: str = "stop") -> Result:
     return Result(id=sid, category="code", prompt_ids=[1, 2, 3], output_ids=list(range(n)),
                   prompt_tokens=3, completion_tokens=n, finish_reason=finish, text="x",
                   sampling={}, counted_tokens=n)
+
+
+def turn_result(conv: str, turn: int, total: int, out: list[int]) -> Result:
+    """Turn `turn` of `total` of conversation `conv` (category "code", record ordinal 7),
+    its output ids `out`, all counted."""
+    return Result(id=f"{conv}#t{turn}", category="code", prompt_ids=[1], output_ids=out,
+                  prompt_tokens=1, completion_tokens=len(out), finish_reason="stop", text="x",
+                  sampling={}, counted_tokens=len(out), ordinal=7, conversation_id=conv,
+                  turn=turn, turns_total=total)
+
+
+def ck(budget: Budget, category: str = "code") -> CategoryKeys:
+    """The keys of one category of the ledger's run, to read what a script wrote."""
+    return budget.keys.cat(category)
 
 
 def feed(budget: Budget, sid: str, prompt: tuple[int, ...] | None = None,
