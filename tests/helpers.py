@@ -10,17 +10,21 @@
 - the stack's shell (`STACK_VARS`): the variables a stack's run file sets, which a new
   shell does not have;
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
-  options a forger adds, and a local HTTP listener that records any webhook request.
+  options a forger adds, and a local HTTP listener that records any webhook request;
+- an engine's load as a `requests` session reads it, scripted (`Reply`, `QueueSession`): what
+  `foundation.engine.load.LoadReader` and `consumers.routing.EnginePool` are given.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import requests
 from rq import Queue
 from rq.job import Job
 
@@ -176,3 +180,41 @@ def training_row_ids(cfg: RunConfig, category: str) -> list[tuple[str, list[int]
 
     return [(r.id, list(r.prompt_ids) + list(r.output_ids))
             for r in training_rows(Path(cfg.output_dir) / category)]
+
+
+# -- an engine's load, scripted -----------------------------------------------------------------
+
+class Reply:
+    """A `requests.Response` as the load readers use it: a status, a body."""
+
+    def __init__(self, status_code: int, text: str = "") -> None:
+        self.status_code, self.text = status_code, text
+
+    def raise_for_status(self) -> None:
+        if self.status_code >= 400:
+            raise requests.HTTPError(f"HTTP {self.status_code}")
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+class QueueSession:
+    """A session whose load reading says the engine's queue is queue[i] at the i-th read (the
+    last value from then on): on `/metrics` (`sglang:num_queue_reqs`; `/v1/loads` is 404, an
+    SGLang before 0.5.9) or, with `loads`, on `/v1/loads` (two DP ranks sharing the queue)."""
+
+    def __init__(self, queue: list[int], loads: bool = False) -> None:
+        self.queue = queue
+        self.loads = loads
+        self.reads = 0
+
+    def get(self, url: str, timeout: object = None, headers: object = None) -> Reply:
+        if "/v1/loads" in url and not self.loads:
+            return Reply(404)
+        value = self.queue[min(self.reads, len(self.queue) - 1)]
+        self.reads += 1
+        if self.loads:
+            ranks = [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": value // 2},
+                     {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": value - value // 2}]
+            return Reply(200, json.dumps({"version": "0.5.23", "loads": ranks}))
+        return Reply(200, f"sglang:num_queue_reqs {value}\n")
