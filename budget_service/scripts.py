@@ -47,7 +47,6 @@ class Scripts:
     lease: Script
     unpark: Script
     set_cap: Script
-    close: Script
     exhausted: Script
     reconcile: Script
     acknowledge: Script

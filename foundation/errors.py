@@ -3,8 +3,8 @@
 A `TokencapError` is a user-facing condition (bad config or source, unreachable or unsafe
 Redis, another producer on the run): the CLI prints its message and exits with `exit_code`,
 never a traceback. Anything else reaching the CLI is a bug. The signals the pipeline raises
-and catches itself (`producer.formats.Rejected`, `foundation.engine.api.EngineError`,
-`producer.parsers.base.Unparsed`, `producer.parsers.Ambiguous`,
+and catches itself (`producer.formats.records.Rejected`, `foundation.engine.api.EngineError`,
+`producer.parsers.base.Unparsed`, `producer.parsers.registry.Ambiguous`,
 `foundation.sources.SourceMissing`, `writer.files.WriterDiskError`) are `TokencapError`s too,
 so one that escapes is still printed as a message.
 

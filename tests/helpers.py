@@ -1,8 +1,9 @@
 """Helpers several test modules share; no test module imports another one.
 
-- the ledger, driven directly (`make_cfg`, `pending`, `result`, `feed`, `LEASE_MS`): a run
-  of one or more categories with small caps, its samples fed one at a time and their results
-  (what it holds, read raw: `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
+- the ledger, driven directly (`make_cfg`, `pending`, `result`, `turn_result`, `feed`,
+  `LEASE_MS`): a run of one or more categories with small caps, its samples fed one at a time
+  and their results (what it holds, read raw: `ck`, a category's keys, and
+  `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
 - a run's output folder written by hand (`row_result`, `write_run`): what an export reads;
 - a record's first prompt (`to_prompt`), the conversations fixture's records by id
@@ -15,7 +16,9 @@
 - a command's mistake said in one line (`one_line_error`: click's usage errors and
   `tokencap: error: ...`, with the exit code, never a traceback);
 - forged RQ jobs (`producers_job`, `Listener`): a job as the producer enqueues it, plus the
-  options a forger adds, and a local HTTP listener that records any webhook request.
+  options a forger adds, and a local HTTP listener that records any webhook request;
+- an engine's load as a `requests` session reads it, scripted (`Reply`, `QueueSession`): what
+  `foundation.engine.load.LoadReader` and `consumers.routing.EnginePool` are given.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from typing import Any
 
 import msgspec
 import pytest
+import requests
 from rq import Queue
 from rq.job import Job
 
 from budget_service.budget import Budget
 from budget_service.jobs import JOB_FAILURE_TTL_S, JOB_FUNC, JOB_RESULT_TTL_S
+from budget_service.keys import CategoryKeys
 from budget_service.ledger import CategoryState, now_ms
 from budget_service.telemetry import RunStatus, WriterState
 from foundation.config import Category, RunConfig, SamplingParams
@@ -65,6 +70,20 @@ def result(sid: str, n: int, finish: str = "stop") -> Result:
     return Result(id=sid, category="code", prompt_ids=[1, 2, 3], output_ids=list(range(n)),
                   prompt_tokens=3, completion_tokens=n, finish_reason=finish, text="x",
                   sampling={}, counted_tokens=n)
+
+
+def turn_result(conv: str, turn: int, total: int, out: list[int]) -> Result:
+    """Turn `turn` of `total` of conversation `conv` (category "code", record ordinal 7),
+    its output ids `out`, all counted."""
+    return Result(id=f"{conv}#t{turn}", category="code", prompt_ids=[1], output_ids=out,
+                  prompt_tokens=1, completion_tokens=len(out), finish_reason="stop", text="x",
+                  sampling={}, counted_tokens=len(out), ordinal=7, conversation_id=conv,
+                  turn=turn, turns_total=total)
+
+
+def ck(budget: Budget, category: str = "code") -> CategoryKeys:
+    """The keys of one category of the ledger's run, to read what a script wrote."""
+    return budget.keys.cat(category)
 
 
 def feed(budget: Budget, sid: str, prompt: tuple[int, ...] | None = None,
@@ -283,3 +302,41 @@ def training_row_ids(cfg: RunConfig, category: str) -> list[tuple[str, list[int]
 
     return [(r.id, list(r.prompt_ids) + list(r.output_ids))
             for r in training_rows(Path(cfg.output_dir) / category)]
+
+
+# -- an engine's load, scripted -----------------------------------------------------------------
+
+class Reply:
+    """A `requests.Response` as the load readers use it: a status, a body."""
+
+    def __init__(self, status_code: int, text: str = "") -> None:
+        self.status_code, self.text = status_code, text
+
+    def raise_for_status(self) -> None:
+        if self.status_code >= 400:
+            raise requests.HTTPError(f"HTTP {self.status_code}")
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+class QueueSession:
+    """A session whose load reading says the engine's queue is queue[i] at the i-th read (the
+    last value from then on): on `/metrics` (`sglang:num_queue_reqs`; `/v1/loads` is 404, an
+    SGLang before 0.5.9) or, with `loads`, on `/v1/loads` (two DP ranks sharing the queue)."""
+
+    def __init__(self, queue: list[int], loads: bool = False) -> None:
+        self.queue = queue
+        self.loads = loads
+        self.reads = 0
+
+    def get(self, url: str, timeout: object = None, headers: object = None) -> Reply:
+        if "/v1/loads" in url and not self.loads:
+            return Reply(404)
+        value = self.queue[min(self.reads, len(self.queue) - 1)]
+        self.reads += 1
+        if self.loads:
+            ranks = [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": value // 2},
+                     {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": value - value // 2}]
+            return Reply(200, json.dumps({"version": "0.5.23", "loads": ranks}))
+        return Reply(200, f"sglang:num_queue_reqs {value}\n")

@@ -1,6 +1,6 @@
 -- _lib.lua: prepended to every per-category script (budget_service/scripts.py).
 -- KEYS are the category's keys in `CategoryKeys` order (budget_service/keys.py); K names them
--- (tests/unit/budget_service/test_lua.py checks the two orders agree). Nothing here builds a key name.
+-- (tests/unit/budget_service/test_scripts.py checks the two orders agree). Nothing here builds a key name.
 local K = {
   state = KEYS[1], pending = KEYS[2], leases = KEYS[3], parked = KEYS[4],
   reserved = KEYS[5], final = KEYS[6], hist = KEYS[7], results = KEYS[8], dead = KEYS[9],

@@ -1,6 +1,8 @@
 """The run's typed status and its one JSON face: the run's end (`RunStatus.ended`, on
 `budget_service.ledger.run_ended`), a hidden-state stage's bytes in the status document, and
-the time series' points stored and read back typed."""
+the time series' points stored and read back typed. The telemetry's Lua scripts called
+directly through its methods (`engine_info`, `engine_trouble`, `series`), named
+`test_<script>_...` (`test_scripts.py::test_every_script_has_a_direct_test`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import msgspec
 import pytest
 
 from budget_service.budget import Budget
-from budget_service.keys import Keys
 from budget_service.telemetry import (
     PointCategory,
     PointEngine,
@@ -16,14 +17,8 @@ from budget_service.telemetry import (
     WriterState,
     status_document,
 )
-from tests.helpers import category_state, make_cfg, run_status
-
-
-@pytest.fixture
-def budget(redis) -> Budget:
-    b = Budget(redis, Keys("tokencap", "t"))
-    b.feeding.init_run(make_cfg())
-    return b
+from foundation.engine.info import EngineInfo
+from tests.helpers import category_state, run_status
 
 
 @pytest.mark.parametrize(("states", "unwritten", "ended"), [
@@ -66,3 +61,55 @@ def test_a_point_is_stored_as_it_was_and_read_back_typed_with_its_id(budget: Bud
         "workers": 3, "unwritten": 1}
     (back,) = budget.telemetry.series()
     assert back == msgspec.structs.replace(point, id=stored[0].decode())
+
+
+def test_engine_info_replaces_what_the_preflight_found(budget: Budget) -> None:
+    a = EngineInfo(url="http://a:30000", api="sglang", model="Qwen/Qwen3-8B", version="0.5.23",
+                   context_length=40960)
+    b = EngineInfo(url="http://b:8000", api="openai", model="Qwen/Qwen3-8B", version="0.11.0")
+    budget.telemetry.record_engines([a, b])
+    assert budget.samples.engines_seen() == {a.url: a, b.url: b}
+    sim = EngineInfo(url="http://a:30000", api="sglang", model="tokencap-sglang-sim",
+                     simulated=True)
+    budget.telemetry.record_engines([sim])  # a later preflight: engines no longer used are dropped
+    assert budget.samples.engines_seen() == {sim.url: sim}
+    assert budget.telemetry.status()["simulated"] is True
+
+
+
+def test_engine_trouble_keeps_when_it_began_and_says_how_long_it_lasted(budget: Budget) -> None:
+    t = budget.telemetry
+    assert t.record_engine_trouble("http://a:30000", None, 1_000) == -1  # none to clear
+    assert t.record_engine_trouble("http://a:30000", "connection refused", 5_000) == 5_000
+    # asked again later with another reason: the reason is the latest, the start the first
+    assert t.record_engine_trouble("http://a:30000", "HTTP 503", 9_000) == 5_000
+    assert t.record_engine_trouble("http://b:30000", "read timeout", 7_000) == 7_000
+    doc = t.status()["engine_trouble"]
+    assert doc == {"http://a:30000": {"why": "HTTP 503", "since_ms": 5_000},
+                   "http://b:30000": {"why": "read timeout", "since_ms": 7_000}}
+    assert t.record_engine_trouble("http://a:30000", None, 12_500) == 7_500
+    assert set(t.engine_trouble()) == {"http://b:30000"}
+    from budget_service.telemetry import render_metrics
+
+    page = render_metrics(t).decode()
+    assert 'tokencap_engine_down{engine="http://b:30000",run="t"} 1.0' in page
+    assert 'tokencap_engine_down_since_seconds{engine="http://b:30000",run="t"} 7.0' in page
+    assert 'tokencap_engine_down{engine="http://a:30000"' not in page
+
+
+
+def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budget) -> None:
+    from budget_service.server import take_point
+
+    for _ in range(3):
+        budget.telemetry.record_point(take_point(budget))
+    points = budget.telemetry.series()
+    assert len(points) == 3 and points[0].categories["code"].used == 0
+    assert points[0].at <= points[-1].at and points[-1].workers == 0
+    assert budget.telemetry.series(points[0].id) == points[1:]
+    assert budget.telemetry.series(count=1) == points[-1:]
+    # bounded: the last `keep` stay, and at most one stream node (100 entries) more
+    point = take_point(budget)
+    for _ in range(400):
+        budget.telemetry.record_point(point, keep=10)
+    assert 10 <= len(budget.telemetry.series()) <= 110

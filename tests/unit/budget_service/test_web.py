@@ -1,6 +1,6 @@
 """The budget service's live page (`GET /`) in a real headless Chromium (Debian's package),
 during a running pipeline: every category is shown, and its progress grows between two
-reads; the run's time series (`GET /series`) it computes rates from (its Lua: test_lua)."""
+reads; the run's time series (`GET /series`) it computes rates from (its Lua: test_telemetry)."""
 
 from __future__ import annotations
 

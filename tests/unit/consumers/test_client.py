@@ -1,9 +1,7 @@
-"""The real SGLang client against the simulator: retries, errors, validation."""
+"""The engine client (`consumers/client.py`) against the simulator: retries, errors, timeouts,
+validation, API keys, each SGLang release and vLLM."""
 
 from __future__ import annotations
-
-import json
-from typing import Any
 
 import pytest
 
@@ -16,9 +14,6 @@ from consumers.client import (
     ServerError,
     Unreachable,
 )
-from consumers.routing import EnginePool
-from foundation.engine.api import parse
-from foundation.engine.load import LoadReader
 from sglang_sim.testing import SimServer
 from testing.harness import free_port
 
@@ -133,152 +128,6 @@ def test_all_engines_down_is_unreachable() -> None:
         client([f"http://127.0.0.1:{free_port()}"], retries=1).generate(PROMPT, SAMPLING, "x")
 
 
-def test_parse_trims_prompt_prefix_bug() -> None:
-    body = (b'{"text":"x","output_ids":[1,2,3,4,5],"meta_info":{"finish_reason":'
-            b'{"type":"stop","matched":5},"prompt_tokens":2,"completion_tokens":3}}')
-    gen = parse("sglang", body, 2, "e", 0.1)
-    assert gen.output_ids == [3, 4, 5]
-
-
-@pytest.mark.parametrize("body", [
-    b'{"meta_info":{"finish_reason":null,"prompt_tokens":1,"completion_tokens":1},'
-    b'"output_ids":[1]}',
-    b'{"meta_info":{"finish_reason":{"type":"stop"},"prompt_tokens":1},"output_ids":[1]}',
-    b'{"meta_info":{"finish_reason":{"type":"stop"},"prompt_tokens":1,"completion_tokens":1}}',
-    b'not json',
-])
-def test_parse_refuses_unusable_replies(body) -> None:
-    with pytest.raises(InvalidResponse):
-        parse("sglang", body, 1, "e", 0.1)
-
-
-def test_abort_finish_is_a_server_error() -> None:
-    body = (b'{"text":"","output_ids":[],"meta_info":{"finish_reason":{"type":"abort",'
-            b'"message":"Aborted"},"prompt_tokens":1,"completion_tokens":0}}')
-    with pytest.raises(ServerError):
-        parse("sglang", body, 1, "e", 0.1)
-
-
-class _Reply:
-    def __init__(self, status_code: int, text: str = "") -> None:
-        self.status_code, self.text = status_code, text
-
-    def raise_for_status(self) -> None:
-        assert self.status_code < 400
-
-    def json(self) -> Any:
-        return json.loads(self.text)
-
-
-class _Metrics:
-    """A session whose load reading says the engine's queue is queue[i] at the i-th read (the
-    last value from then on): on `/metrics` (`sglang:num_queue_reqs`; `/v1/loads` is 404, an
-    SGLang before 0.5.9) or, with `loads`, on `/v1/loads` (two DP ranks sharing the queue)."""
-
-    def __init__(self, queue: list[int], loads: bool = False) -> None:
-        self.queue = queue
-        self.loads = loads
-        self.reads = 0
-
-    def get(self, url: str, timeout: object = None, headers: object = None) -> _Reply:
-        if "/v1/loads" in url and not self.loads:
-            return _Reply(404)
-        value = self.queue[min(self.reads, len(self.queue) - 1)]
-        self.reads += 1
-        if self.loads:
-            ranks = [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": value // 2},
-                     {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": value - value // 2}]
-            return _Reply(200, json.dumps({"version": "0.5.23", "loads": ranks}))
-        return _Reply(200, f"sglang:num_queue_reqs {value}\n")
-
-
-def test_an_engine_without_v1_loads_is_asked_for_it_once_per_reader() -> None:
-    asked: list[str] = []
-    metrics = _Metrics([1])
-
-    def get(url: str, **kw: Any) -> _Reply:
-        asked.append(url.rsplit("/", 1)[-1].split("?")[0])
-        return metrics.get(url, **kw)
-
-    reader = LoadReader(get)
-    for _ in range(3):
-        load, source = reader.read("http://e", None, (1.0, 1.0))
-        assert source == "metrics" and load is not None and load["queued"] == 1
-    assert asked == ["loads", "metrics", "metrics", "metrics"]
-    # another reader (a restarted process: the engine may have been upgraded) asks again
-    LoadReader(get).read("http://e", None, (1.0, 1.0))
-    assert asked[-2:] == ["loads", "metrics"]
-
-
-class _Draw:
-    """A stand-in for the pool's random source: random() always gives `r`."""
-
-    def __init__(self, r: float) -> None:
-        self.r = r
-
-    def random(self) -> float:
-        return self.r
-
-
-def test_adaptive_gate_passes_only_on_a_reading_below_the_bound(monkeypatch) -> None:
-    from consumers import routing as engines
-
-    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
-    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # every look is a new reading
-    for loads in (False, True):
-        metrics = _Metrics([2, 3, 2, 2, 0], loads)
-        pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
-        # queue at the bound (2), above (3), at it twice more: four waits, through on the fifth
-        assert pool.gate("http://e") == 4 and metrics.reads == 5
-    assert EnginePool(["http://e"], session=_Metrics([50])).gate("http://e") == 0  # no gate
-
-
-def test_adaptive_gate_thins_the_passes_as_the_queue_fills(monkeypatch) -> None:
-    from consumers import routing as engines
-
-    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
-    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)
-    # bound 4: a reading of q passes a worker whose draw r has r * 4 < 4 - q
-    for queue, r, waits in (([0], 0.99, 0), ([3, 0], 0.3, 1), ([3, 3, 1], 0.3, 2),
-                            ([2, 1], 0.6, 1)):
-        pool = EnginePool(["http://e"], adaptive_max_queue=4, session=_Metrics(queue))
-        pool._rng = _Draw(r)  # type: ignore[assignment]
-        assert pool.gate("http://e") == waits, (queue, r)
-
-
-def test_adaptive_gate_counts_its_own_requests_until_the_next_reading(monkeypatch) -> None:
-    from consumers import routing as engines
-
-    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
-    monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)  # the first reading stays
-    metrics = _Metrics([0])
-    pool = EnginePool(["http://e"], adaptive_max_queue=2, session=metrics)
-    pool._rng = _Draw(0.0)  # type: ignore[assignment]
-    assert pool.gate("http://e") == 0  # 0 < 2
-    pool.done()  # the request ended: the next one is not back from idle
-    assert pool.gate("http://e") == 0 and metrics.reads == 1  # 0 + 1 < 2 on the same reading
-    pool.done()
-    monkeypatch.setattr(engines, "GATE_REFRESH_S", 0.0)  # 0 + 2 is the bound: a new reading
-    assert pool.gate("http://e") == 0 and metrics.reads == 2
-
-
-def test_a_worker_back_from_idle_reads_the_queue_afresh(monkeypatch) -> None:
-    from consumers import routing as engines
-
-    monkeypatch.setattr(engines, "GATE_WAIT_S", 0.001)
-    monkeypatch.setattr(engines, "GATE_REFRESH_S", 3600.0)
-    metrics = _Metrics([0, 1, 2, 3])
-    pool = EnginePool(["http://e"], adaptive_max_queue=8, session=metrics)
-    pool._rng = _Draw(0.0)
-    pool.gate("http://e")
-    pool.done()
-    pool.gate("http://e")  # busy: the old reading serves
-    assert metrics.reads == 1
-    monkeypatch.setattr(engines, "GATE_IDLE_S", 0.0)  # now every gap counts as idle
-    pool.gate("http://e")
-    assert metrics.reads == 2
-
-
 # -- engines as they are: keys, release families, vLLM ---------------------------------------
 
 
@@ -307,14 +156,6 @@ def test_every_sglang_release_from_0_5_1_gives_just_the_generated_ids(release: s
     assert gen.engine_version == release
 
 
-def test_output_ids_prefixed_by_prompt_ids_are_cut_to_the_completion() -> None:
-    # SGLang 0.5.1: the last prompt ids come first in output_ids
-    body = json.dumps({"text": "", "output_ids": [6023, 151645, 198, 77091, 198, 9, 8, 7],
-                       "meta_info": {"finish_reason": {"type": "length", "length": 3},
-                                     "prompt_tokens": 9, "completion_tokens": 3}}).encode()
-    assert parse("sglang", body, 9, "e", 0.1).output_ids == [9, 8, 7]
-
-
 def test_a_reply_the_engine_clamped_to_its_context_is_logged(caplog) -> None:
     # SGLang 0.5.15+: input + max_new_tokens equal to the context is accepted, then clamped
     with SimServer(time_scale=1000.0, context_length=256) as s:
@@ -336,68 +177,3 @@ def test_vllm_completions_give_token_ids_finish_reason_and_usage() -> None:
     assert stop.finish_reason == "stop" and stop.output_ids[-1] == stop.finish["matched"]
 
 
-def test_a_vllm_that_ignores_return_token_ids_is_refused() -> None:
-    from foundation.engine.api import parse
-
-    old = json.dumps({"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
-                      "usage": {"prompt_tokens": 9, "completion_tokens": 2}}).encode()
-    with pytest.raises(InvalidResponse, match="return_token_ids"):
-        parse("openai", old, 9, "e", 0.1)
-
-
-def test_the_simulator_maps_vllm_fields_back_to_the_params_the_client_maps_them_from() -> None:
-    # two sides of one protocol, written apart (the simulator imports nothing of tokencap)
-    from foundation.engine.api import OPENAI_PARAMS
-    from sglang_sim.protocol import VLLM_PARAMS
-
-    assert {v: k for k, v in OPENAI_PARAMS.items()} == VLLM_PARAMS
-
-
-class _Loads:
-    """A session whose /metrics says each engine runs `running[url]` requests (mutable)."""
-
-    def __init__(self, running: dict[str, int]) -> None:
-        self.running = running
-
-    def get(self, url: str, timeout: object = None, headers: object = None) -> _Reply:
-        base = url.split("/v1/loads")[0].split("/metrics")[0].split("/health")[0]
-        if "/v1/loads" in url:
-            return _Reply(404)
-        if url.endswith("/health"):
-            return _Reply(200)
-        return _Reply(200, f"sglang:num_running_reqs {self.running[base]}\n"
-                           "sglang:num_queue_reqs 0\n")
-
-
-ENGINES = [f"http://e{i}" for i in range(4)]
-
-
-def test_a_turn_goes_to_the_engine_of_the_turn_before_unless_it_is_much_busier() -> None:
-    loads = _Loads(dict.fromkeys(ENGINES, 10))
-    pool = EnginePool(ENGINES, session=loads)
-    assert all(pool.order(prefer="http://e2")[0] == "http://e2" for _ in range(20))
-    loads.running["http://e2"] = 30  # well above every other: least loaded of two instead
-    for e in pool.engines:
-        e.load_at = -1e9  # a fresh reading
-    firsts = {pool.order(prefer="http://e2")[0] for _ in range(20)}
-    assert "http://e2" not in firsts
-    pool.mark_down("http://e1")  # down: never first, whatever it is preferred for
-    loads.running["http://e2"] = 10
-    assert all(pool.order(prefer="http://e1")[0] != "http://e1" for _ in range(20))
-
-
-def test_an_affinity_key_picks_one_engine_in_every_worker_and_keys_spread() -> None:
-    loads = _Loads(dict.fromkeys(ENGINES, 5))
-    pools = [EnginePool(ENGINES, session=loads) for _ in range(3)]  # three worker processes
-    keys = [f"{k:016x}" for k in range(400)]
-    chosen = {}
-    for key in keys:
-        picks = {p.order(affinity=key)[0] for p in pools}
-        assert len(picks) == 1, key  # the same engine, with no coordination
-        chosen[key] = picks.pop()
-    spread = {url: sum(1 for v in chosen.values() if v == url) for url in ENGINES}
-    assert min(spread.values()) > 60, spread  # 100 each expected
-    # without a key nor a preference: the least loaded of two random picks
-    loads.running.update({"http://e0": 0, "http://e1": 50, "http://e2": 50, "http://e3": 50})
-    pool = EnginePool(ENGINES, session=loads)
-    assert sum(pool.order()[0] == "http://e0" for _ in range(200)) > 60

@@ -40,18 +40,6 @@ def test_subcommand_help(name, word) -> None:
     assert word in out.output
 
 
-def test_the_exit_codes_are_one_table_shown_in_help_and_the_readme() -> None:
-    from foundation.errors import exit_codes, exit_codes_text
-    from tests.conftest import ROOT
-
-    codes = exit_codes()
-    assert codes[0] == "done" and codes[2] == "bad config or source" and 130 in codes
-    assert len(codes) == len(set(codes.values())), "two codes with one meaning"
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert f"Exit codes of every command: {exit_codes_text()} (" in readme
-    shown = CliRunner().invoke(main, ["--help"])
-    assert shown.exit_code == 0
-    assert exit_codes_text() in " ".join(shown.output.split())
 
 
 @pytest.mark.parametrize(("argv", "env"), [(["--log-level", "LOUD", "status"], {}),

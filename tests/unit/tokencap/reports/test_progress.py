@@ -59,12 +59,3 @@ def test_an_engine_away_is_said_in_every_line_with_since_when_until_it_answers()
     assert "engine" not in lines[4]
 
 
-def test_the_trouble_of_an_engine_is_what_its_health_check_says() -> None:
-    from foundation.engine.api import engine_spec
-    from foundation.engine.info import trouble
-    from sglang_sim.testing import SimServer
-    from testing.harness import free_port
-
-    with SimServer(time_scale=100.0) as sim:
-        assert trouble(engine_spec(sim.url)) == ""
-    assert trouble(engine_spec(f"http://127.0.0.1:{free_port()}")) == "connection refused"

@@ -86,40 +86,8 @@ def test_parse_metrics_of_a_running_simulator() -> None:
     assert not loads[1].up and loads[1].running is None
 
 
-def _sglang_series(name: str, per_dp: list[dict[str, float]], tp_per_dp: int) -> list[str]:
-    """`name` as SGLang 0.5.23's SchedulerMetricsCollector exports it with DP attention,
-    --enable-metrics-for-all-schedulers and --enable-priority-scheduling: labels model_name,
-    engine_type, tp_rank, pp_rank, moe_ep_rank, priority ("" for the total) and dp_rank;
-    every TP rank of a DP group repeats its group's values."""
-    lines = [f"# HELP {name} .", f"# TYPE {name} gauge"]
-    for dp, values in enumerate(per_dp):
-        for t in range(tp_per_dp):
-            tp = dp * tp_per_dp + t
-            for prio, v in values.items():
-                lines.append(f'{name}{{dp_rank="{dp}",engine_type="unified",model_name='
-                             f'"Qwen/Qwen3-8B",moe_ep_rank="{tp}",pp_rank="0",priority="{prio}",'
-                             f'tp_rank="{tp}"}} {v}')
-    return lines
 
 
-def test_load_is_the_true_running_count_with_priorities_dp_and_tp_ranks() -> None:
-    # 40 running (25 on DP rank 0, 15 on rank 1) and 7 waiting, 4 TP ranks per DP rank
-    page = "\n".join(
-        _sglang_series("sglang:num_running_reqs",
-                       [{"": 25.0, "0": 20.0, "10": 5.0}, {"": 15.0, "0": 15.0}], 4)
-        + _sglang_series("sglang:num_queue_reqs", [{"": 3.0, "0": 3.0}, {"": 4.0, "10": 4.0}], 4)
-        + _sglang_series("sglang:token_usage", [{"": 0.5}, {"": 0.25}], 4)) + "\n"
-    load = parse_sglang_metrics(page)
-    assert (load["running"], load["queued"], load["token_usage"]) == (40.0, 7.0, 0.5)
-    # a plain single-scheduler page (no priority, no dp_rank) is read as it is
-    plain = 'sglang:num_running_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",' \
-            'pp_rank="0",tp_rank="0"} 12.0\n'
-    assert parse_sglang_metrics(plain)["running"] == 12.0
-    # vLLM: one series per engine core (data parallel): they add up
-    vllm = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
-            'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
-            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n')
-    assert (parse_sglang_metrics(vllm)["running"], parse_sglang_metrics(vllm)["queued"]) == (7, 1)
 
 
 @pytest.mark.parametrize("shape", [{"metrics_dp_ranks": 2, "metrics_tp_ranks": 4,
@@ -147,24 +115,6 @@ def test_every_load_reading_of_a_busy_simulator_is_its_true_count(shape: dict) -
     assert (board.running, board.queued) == (3, 2)
 
 
-def test_parse_tolerates_labels_comments_and_missing_metrics() -> None:
-    text = "\n".join([
-        "# HELP sglang:num_running_reqs The number of running requests.",
-        "# TYPE sglang:num_running_reqs gauge",
-        'sglang:num_running_reqs{model_name="m",dp_rank="0"} 3',
-        'sglang:num_running_reqs{model_name="odd } \\" label",dp_rank="1"} 4.0 1700000000000',
-        "sglang:num_queue_reqs 2",
-        'sglang:token_usage{dp_rank="0"} 0.25',
-        'sglang:token_usage{dp_rank="1"} 0.5',
-        'sglang:token_usage{dp_rank="2"} NaN',
-        "sglang:num_running_reqs_total 99",  # another metric with the same prefix
-        "garbage line without a value",
-        "",
-    ])
-    parsed = parse_sglang_metrics(text)
-    assert parsed == {"running": 7.0, "queued": 2.0, "token_usage": 0.5,
-                      "gen_throughput": None}
-    assert parse_sglang_metrics("") == dict.fromkeys(parsed)
 
 
 # --- output -----------------------------------------------------------------------------------
