@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from budget_service.keys import HIST_BUCKET_TOKENS
 from foundation.config import Category, RunConfig
+from foundation.outputs import TRUNCATED
 
 MIN_SAMPLES = 16
 PRIOR_CV = 1.0
@@ -101,7 +102,35 @@ def admission(cfg: RunConfig, cat: Category, model: LengthModel) -> Ask:
                cfg.margin_sigmas, cfg.max_unwritten)
 
 
+def counts_prompt(cfg: RunConfig) -> bool:
+    """Whether a sample's prompt tokens count against its cap (count = "total")."""
+    return cfg.count == "total"
+
+
 def counted_prompt(cfg: RunConfig, prompt_tokens: int) -> int:
     """The prompt tokens a sample counts against its cap: all under count = "total", none
     under "output"."""
-    return prompt_tokens if cfg.count == "total" else 0
+    return prompt_tokens if counts_prompt(cfg) else 0
+
+
+def kept_out(gate: str, finish_reason: str) -> bool:
+    """Whether a reply is no training row: the reply gate kept it out (`gate`, its reason),
+    or, with the gate off, it was cut at max_new_tokens (with the gate on such a reply is
+    always gated: `length`)."""
+    return bool(gate) or finish_reason == TRUNCATED
+
+
+def waste_tokens(completion_tokens: int, gate: str, finish_reason: str) -> int:
+    """The output tokens a committed sample wastes: all of a reply kept out of training."""
+    return completion_tokens if kept_out(gate, finish_reason) else 0
+
+
+def counted_tokens(cfg: RunConfig, completion_tokens: int, prompt_tokens: int, gate: str,
+                   finish_reason: str) -> int:
+    """The tokens a committed sample counts against its cap: its output, and its prompt
+    under count = "total" (`counted_prompt`); none for a reply kept out of training when
+    `count_rejected` is false. The one rule: the worker's commit, and what plan and
+    reconcile read back, agree on it."""
+    if kept_out(gate, finish_reason) and not cfg.counts_rejected:
+        return 0
+    return completion_tokens + counted_prompt(cfg, prompt_tokens)

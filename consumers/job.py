@@ -16,7 +16,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from budget_service.estimator import LengthModel, admission, counted_prompt
+from budget_service.estimator import (
+    LengthModel,
+    admission,
+    counted_prompt,
+    counted_tokens,
+    waste_tokens,
+)
 from budget_service.keys import Keys
 from budget_service.ledger import now_ms
 from budget_service.samples import SampleLedger
@@ -281,13 +287,9 @@ def gate_of(cfg: RunConfig, p: Pending, gen: Generation) -> str:
 
 def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_ms: int) -> str:
     reason = gate_of(rc.cfg, p, gen)
-    counted = gen.completion_tokens + (gen.prompt_tokens if rc.cfg.count == "total" else 0)
-    # tokens of replies kept out of training (with the gate off: of replies cut at
-    # max_new_tokens, as before it)
-    kept_out = bool(reason) or (not rc.cfg.reply_gate and gen.finish_reason == "length")
-    waste = gen.completion_tokens if kept_out else 0
-    if kept_out and not rc.cfg.counts_rejected:
-        counted = 0
+    counted = counted_tokens(rc.cfg, gen.completion_tokens, gen.prompt_tokens, reason,
+                             gen.finish_reason)
+    waste = waste_tokens(gen.completion_tokens, reason, gen.finish_reason)
     result = Result(
         id=p.sample_id, category=cat.name, prompt_ids=p.prompt_ids, output_ids=gen.output_ids,
         prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from budget_service import codec
 from budget_service.budget import Budget
-from budget_service.estimator import bucket_of
+from budget_service.estimator import bucket_of, waste_tokens
 from budget_service.ledger import TurnEvent, turn_event
 from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
 from foundation.wire import Outcome
@@ -35,7 +35,7 @@ def read_records(cat_dir: Path) -> Iterator[Record]:
         if isinstance(r, BadLine):
             log.warning("%s: unreadable result line ignored: %s", r.where, r.error)
             continue
-        waste = r.completion_tokens if r.gate or r.finish_reason == "length" else 0
+        waste = waste_tokens(r.completion_tokens, r.gate, r.finish_reason)
         yield (r.id, codec.committed(r.counted_tokens), r.counted_tokens, waste,
                bucket_of(r.completion_tokens), r.gate, r.completion_tokens)
     for d in read_dead_letters(cat_dir):

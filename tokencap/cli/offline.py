@@ -353,7 +353,9 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     chat = any(c.format != "input_ids" for c in cfg.category)
     # prompt lengths matter where nothing was measured yet and the prompt counts, or a
     # hidden-state stage will keep states of its tokens
-    priced = cfg.count == "total" or cfg.hidden_states is not None
+    from budget_service.estimator import counts_prompt
+
+    priced = counts_prompt(cfg) or cfg.hidden_states is not None
     estimate = [n for n in names if n not in measured] if priced else []
     renders = check or any(cfg.by_name(n).format != "input_ids" for n in estimate)
     renderer = _config_renderer(cfg) if chat and renders else None

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from budget_service.estimator import counts_prompt
 from foundation.config import Category, RunConfig
 from foundation.errors import TokencapError
 from foundation.outputs import BadLine, category_dir, read_results
@@ -118,7 +119,7 @@ def plan(
         else:
             source, m = "estimate", None
             avg_out = float(cfg.expected_for(cat))
-            extra = prompt_tokens.get(cat.name, 0.0) if cfg.count == "total" else 0.0
+            extra = prompt_tokens.get(cat.name, 0.0) if counts_prompt(cfg) else 0.0
             avg = avg_out + extra
         avail = available.get(cat.name)
         needed = math.inf if cap is None else math.ceil(cap / avg) if avg > 0 else math.inf

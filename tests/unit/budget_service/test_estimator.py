@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from budget_service.estimator import MIN_SAMPLES, LengthModel, bucket_of
 from budget_service.keys import HIST_BUCKET_TOKENS as W
 
@@ -73,3 +76,20 @@ def test_a_beat_reserves_for_the_progress_at_the_next_beat() -> None:
     assert model.moments(20)[0] < model.moments(120)[0]
     # (any progress from 112 to 1,007 tokens gives the same moments here)
     assert (est - 7, var) == model.moments(120)
+
+
+@pytest.mark.parametrize(("count", "count_rejected", "gate", "finish", "counted", "waste"), [
+    ("output", True, "", "stop", 100, 0),
+    ("total", True, "", "stop", 130, 0),
+    ("output", True, "length", "length", 100, 100),  # a gated cut reply: counted, wasted
+    ("output", False, "loop", "stop", 0, 100),  # kept out and not counted
+    ("total", False, "", "length", 0, 100),  # the gate off: a cut reply is still kept out
+    ("total", False, "", "stop", 130, 0)])
+def test_one_rule_counts_and_wastes_a_committed_sample(count, count_rejected, gate, finish,
+                                                       counted, waste) -> None:
+    from budget_service.estimator import counted_tokens, waste_tokens
+    from tests.helpers import make_cfg
+
+    cfg = msgspec.structs.replace(make_cfg(), count=count, count_rejected=count_rejected)
+    assert counted_tokens(cfg, 100, 30, gate, finish) == counted
+    assert waste_tokens(100, gate, finish) == waste
