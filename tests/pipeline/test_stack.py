@@ -135,6 +135,8 @@ sampling = {{ max_new_tokens = 8 }}
         done = _tokencap(tmp_path, "up", "run.toml", "--sim", BUDGET_PORT=str(port))
     assert done.returncode == 1
     assert f"port {port} is taken" in done.stderr and "Traceback" not in done.stderr
+    # the way out named as it is spelled now, not the deprecated BUDGET_PORT
+    assert "--budget-port 0" in done.stderr and "TOKENCAP_BUDGET_PORT" in done.stderr
     assert not (tmp_path / ".run" / "pids").exists() or not list(
         (tmp_path / ".run" / "pids").glob("*.pid"))
 

@@ -68,3 +68,31 @@ def test_init_tells_records_of_a_preset_s_dataset_and_plan_check_accepts_them(tm
     assert res.exit_code == 0, res.output
     usable = {r["category"]: r["checked"]["usable"] for r in json.loads(res.stdout)["categories"]}
     assert list(usable.values()) == [1, 4, 5]
+
+
+def test_init_reads_past_a_bad_record_and_configures_the_files_it_can_read(tmp_path) -> None:
+    """Of three files, one with a bad line among good records (skipped, named file:line),
+    one whose records are all unreadable (left out, named, exit 2), and a CSV: the config
+    holds the two readable ones and passes `plan --check` as written."""
+    good = tmp_path / "qa.jsonl"
+    good.write_text('{"question": "What is 2+2?"}\n{"question": oops}\n'
+                    '{"question": "Name a prime."}\n')
+    bad = tmp_path / "broken.jsonl"
+    bad.write_bytes(b'{"question": "caf\xe9"}\n{not json\n')
+    csv = tmp_path / "prompts.csv"
+    csv.write_text('prompt,source\n"Write a haiku\nabout rain",poems\n')
+    dest = tmp_path / "run.toml"
+    res = CliRunner().invoke(main, ["init", str(good), str(bad), str(csv), "--tokenizer",
+                                    str(QWEN), "--out", str(dest), "--cap", "1.5M"])
+    assert res.exit_code == 2, res.output
+    assert f"skipped {good}:2: invalid_json" in res.output
+    assert f"{bad}:1: invalid_utf8" in res.output.splitlines()[-1]  # the one error line
+    cfg = load_config(dest)
+    assert [c.name for c in cfg.category] == ["qa", "prompts"]
+    assert all(cfg.cap_for(c) == 1_500_000 for c in cfg.category)
+    assert "text in source is never sent" in res.output  # the CSV's other column, named
+    check = CliRunner().invoke(plan_cmd, [str(dest), "--check", "--json"])
+    assert check.exit_code == 0, check.output
+    usable = {r["category"]: r["checked"]["usable"] for r in json.loads(check.stdout)[
+        "categories"]}
+    assert usable == {"qa": 2, "prompts": 1}

@@ -59,3 +59,14 @@ def test_an_engine_away_is_said_in_every_line_with_since_when_until_it_answers()
     assert "engine" not in lines[4]
 
 
+def test_the_summary_breaks_the_rejected_and_failed_down_by_reason() -> None:
+    from tokencap.reports.progress import summary_table
+
+    st = run_status({
+        "agent": category_state(rejected=240, failed=3, reasons={
+            "tool_divergence": 89, "duplicate_prompt": 151, "server_error": 3}),
+        "clean": category_state()})
+    lines = summary_table(st).splitlines()
+    assert ("agent: rejected 240, failed 3: duplicate_prompt 151, tool_divergence 89, "
+            "server_error 3") in lines
+    assert not any(line.startswith("clean:") for line in lines)  # nothing to break down
