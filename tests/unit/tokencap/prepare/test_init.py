@@ -96,3 +96,27 @@ def test_init_reads_past_a_bad_record_and_configures_the_files_it_can_read(tmp_p
     usable = {r["category"]: r["checked"]["usable"] for r in json.loads(check.stdout)[
         "categories"]}
     assert usable == {"qa": 2, "prompts": 1}
+
+
+def test_init_on_agent_trajectories_under_traj_writes_a_map_plan_check_takes_as_written(
+        tmp_path) -> None:
+    """Agent trajectories under `"traj"` with ShareGPT's human/gpt/function_call/observation
+    roles fit no format by name: init writes the field_map that reads them as a setting, and
+    the config passes `plan --check` without an edit."""
+    steps = [("system", "You book flights."), ("human", "Book LHR to JFK."),
+             ("function_call", '{"name": "search", "arguments": {"to": "JFK"}}'),
+             ("observation", '[{"flight": "BA117"}]'), ("gpt", "Booked BA117.")]
+    src = tmp_path / "agent.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "traj": [{"from": f, "value": v}
+                                                          for f, v in steps]}) + "\n"
+                           for i in range(3)))
+    dest = tmp_path / "run.toml"
+    res = CliRunner().invoke(main, ["init", str(src), "--tokenizer", str(QWEN), "--out",
+                                    str(dest)])
+    assert res.exit_code == 0, res.output
+    assert 'field_map = { messages = "traj", role = "from", content = "value" }' in (
+        dest.read_text())
+    check = CliRunner().invoke(plan_cmd, [str(dest), "--check", "--json"])
+    assert check.exit_code == 0, check.output
+    [row] = json.loads(check.stdout)["categories"]
+    assert row["checked"]["usable"] == 3
