@@ -114,3 +114,20 @@ def test_an_output_folder_that_is_a_file_is_exit_2_naming_the_file_and_field(
     res = CliRunner().invoke(main, [*argv, *_folder_is_a_file(tmp_path, field)])
     assert one_line_error(res), res.output
     assert f"$.{field}" in res.output and str(tmp_path / "taken") in res.output
+
+
+@pytest.mark.parametrize(("argv", "code", "words"), [
+    (["cap", "set", "code", "10Q"], 2, "write 10000000, 10_000_000, 10M"),
+    (["init", "x.jsonl", "--tokenizer", "t", "--cap", "ten"], 2, "is not a count"),
+    (["rq-info", "--state-dir", "{tmp}"], 1, "no run file"),
+    (["down", "--state-dir", "{tmp}"], 7, "no pid file of a stack in"),
+])
+def test_the_newcomer_s_errors_say_where_they_looked_in_one_line(tmp_path, argv, code,
+                                                                 words) -> None:
+    """The errors a newcomer meets first: a cap as people write it gone wrong, and the stack
+    commands run where no stack is (the folder they looked in, named; `down` non-zero)."""
+    res = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in argv])
+    assert one_line_error(res, code), res.output
+    assert words in res.output
+    if "{tmp}" in argv:
+        assert str(tmp_path) in res.output
