@@ -2,7 +2,8 @@
 generation run, extracted once per row by a vLLM server (`extract_hidden_states`), checked,
 kept in a file named by the row, under a byte budget per category. Its home: what the stage
 is (its rows, its run, its disk plan and the lines that say it, `plan_summary` for
-`--plan`); the one stage runner runs it (`tokencap/stack/stage.py`: `run_hidden_states`).
+`--plan`), and its one way in and out for the runner (`prepare`, `finish`); the one stage
+runner runs it (`tokencap/stack/stage.py`: `run_hidden_states`).
 
 - Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`
   (`foundation.outputs.rows_file`): one `StatesRow` (`id`: the training row, `input_ids`:
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,7 +36,7 @@ import msgspec
 from foundation import hsfile
 from foundation.config import UNCAPPED, Category, RunConfig, SamplingParams, StatesSpec
 from foundation.engine.api import parse_urls
-from foundation.errors import DiskFull
+from foundation.errors import DiskFull, TokencapError
 from foundation.outputs import (
     BadLine,
     StatesRow,
@@ -251,3 +253,39 @@ def plan_summary(cfg: RunConfig) -> str:
     need = check_disk(stage, plan, kept_bytes(stage))
     return "\n".join([*plan_lines(stage, plan),
                       f"  still to write: {size_text(need)}: fits the free space"])
+
+
+class Prepared(NamedTuple):
+    """A stage ready to run: its run config (`<run>.hs`) and its extraction servers."""
+
+    stage: StatesStage
+    run: RunConfig
+    engines: str  # SGLANG_URL's form
+
+
+def prepare(cfg: RunConfig, given_url: str | None = None,
+            say: Callable[[str], None] = print) -> Prepared:
+    """The stage's one way in for its runner: the extraction servers named (`extract_url`),
+    the plan said and checked against the disk, the rows files written once, the stage's
+    run config. Nothing is written when a check refuses."""
+    stage = StatesStage.of(cfg)
+    engines = extract_url(stage, given_url)
+    if not engines:
+        raise TokencapError("no extraction server: pass --extract-url, set "
+                            f"{EXTRACT_URL_ENV} or hidden_states.engine_url")
+    plan = disk_plan(stage)
+    for line in plan_lines(stage, plan):  # said before a refusal, which it explains
+        say(line)
+    check_disk(stage, plan, kept_bytes(stage))
+    return Prepared(stage, stage_config(stage, write_rows(stage)), engines)
+
+
+def finish(stage: StatesStage) -> int:
+    """After every row is done and the stage's workers are stopped: remove the temporary
+    files a worker killed mid-write left (its row was then done by another attempt).
+    Returns how many."""
+    removed = sum(hsfile.remove_folder_temps(states_dir(stage.spec.output_dir, name))
+                  for name in stage.budgets)
+    if removed:
+        log.info("removed %d temporary file(s) left by killed workers", removed)
+    return removed

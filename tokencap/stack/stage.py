@@ -32,9 +32,6 @@ from budget_service.keys import Keys
 from budget_service.telemetry import RunStatus
 from foundation.config import RunConfig
 from foundation.engine.api import parse_urls
-from foundation.errors import TokencapError
-from foundation.hsfile import remove_folder_temps
-from foundation.outputs import states_dir
 from foundation.redisconn import connect
 from producer.run import run_to_end
 from tokencap import extraction
@@ -208,17 +205,9 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
     producer here, its workers and writer children of `sup` (default: of this process
     alone), stopped at the end. Run it again to resume: what was kept is not asked for again.
     Returns the stage's final status."""
-    stage = extraction.StatesStage.of(cfg)
-    engines = extraction.extract_url(stage, extract_url)
-    if not engines:
-        raise TokencapError("no extraction server: pass --extract-url, set "
-                            "TOKENCAP_EXTRACT_URL or hidden_states.engine_url")
-    plan = extraction.disk_plan(stage)  # from the rows file, else the rows it will hold
-    for line in extraction.plan_lines(stage, plan):
-        say(line)
-    extraction.check_disk(stage, plan, extraction.kept_bytes(stage))
-    scfg = extraction.stage_config(stage, extraction.write_rows(stage))
-    runner = StageRun(Stage(scfg, redis_url, engines, workers, extraction.STATES_PREFIX),
+    ready = extraction.prepare(cfg, extract_url, say)
+    runner = StageRun(Stage(ready.run, redis_url, ready.engines, workers,
+                            extraction.STATES_PREFIX),
                       redis or connect(redis_url), sup or Supervisor(processes.Table(None)),
                       say=say)
     stopped = {"flag": False}
@@ -228,11 +217,6 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
         return stopped["flag"]
 
     status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
-    if not stopped["flag"]:
-        # every row is done and the workers are stopped: no temporary is still being written
-        # (one left by a worker killed mid-write, whose row was then done by another attempt)
-        removed = sum(remove_folder_temps(states_dir(stage.spec.output_dir, name))
-                      for name in stage.budgets)
-        if removed:
-            log.info("removed %d temporary file(s) left by killed workers", removed)
+    if not stopped["flag"]:  # every row done, the workers stopped: no file is being written
+        extraction.finish(ready.stage)
     return status

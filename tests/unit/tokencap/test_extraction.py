@@ -111,3 +111,42 @@ def test_the_stage_is_a_run_of_its_own_over_the_training_rows_written_once(
     monkeypatch.setenv(extraction.EXTRACT_URL_ENV, "http://a:8000,http://b:8000")
     assert extraction.extract_urls(stage) == ["http://a:8000", "http://b:8000"]
     assert extraction.extract_url(stage, "http://flag:8000") == "http://flag:8000"
+
+
+def test_prepare_is_the_stage_s_one_way_in_and_writes_nothing_when_it_refuses(
+        tmp_path, monkeypatch) -> None:
+    from foundation.errors import DiskFull, TokencapError
+    from foundation.outputs import rows_file, states_dir
+    from foundation.wire import Result, encode
+    from tokencap import extraction
+
+    cfg = load_config(config(tmp_path, 64))
+    out = tmp_path / "out" / "a"
+    out.mkdir(parents=True)
+    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3, 4, 5], prompt_tokens=2,
+                 completion_tokens=3, finish_reason="stop", text="", sampling={},
+                 counted_tokens=3)
+    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    monkeypatch.delenv(extraction.EXTRACT_URL_ENV, raising=False)
+    said: list[str] = []
+    with pytest.raises(TokencapError, match="no extraction server"):
+        extraction.prepare(cfg, None, said.append)
+    assert not rows_file(cfg.states().output_dir, "a").exists() and not said
+    huge = load_config(config(tmp_path, 2_000_000_000))  # 16 GB a token: no disk holds it
+    with pytest.raises(DiskFull):
+        extraction.prepare(huge, "http://x:8000", said.append)
+    assert said and "bytes per token" in said[0]  # the plan said, then refused
+    assert not rows_file(huge.states().output_dir, "a").exists()
+    said.clear()
+    ready = extraction.prepare(cfg, "http://x:8000", said.append)
+    assert ready.engines == "http://x:8000" and ready.run.run == "p.hs"
+    assert rows_file(cfg.states().output_dir, "a").read_bytes() == (
+        b'{"id":"s0","input_ids":[1,2,3,4,5]}\n')
+    assert any("a: 1 rows, 5 tokens" in line for line in said)
+    # its way out: the temporaries of a worker killed mid-write, and nothing else
+    folder = states_dir(cfg.states().output_dir, "a")
+    folder.mkdir(parents=True)
+    (folder / ".s0.safetensors.tmp").write_bytes(b"torn")
+    (folder / "s1.safetensors").write_bytes(b"kept")
+    assert extraction.finish(ready.stage) == 1
+    assert [p.name for p in folder.iterdir()] == ["s1.safetensors"]
