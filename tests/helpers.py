@@ -232,6 +232,19 @@ STACK_VARS = ("REDIS_URL", "SGLANG_URL", "SGLANG_API_KEY", "TOKENCAP_RUN", "TOKE
               "TOKENCAP_TOKEN", "TOKENCAP_STATE_DIR", "BUDGET_PORT")
 
 
+def ids_config(tmp: Path, extra: str = "") -> str:
+    """A run config at `tmp/run.toml` over two token-id prompts (category `a`, the engine's
+    sampling, 8 new tokens), `extra` TOML before its category, and a small `model.json` a
+    `[hidden_states]` table in `extra` may name. Returns its path."""
+    (tmp / "ids.jsonl").write_text('{"input_ids": [11, 12, 13]}\n{"input_ids": [14, 15]}\n')
+    (tmp / "model.json").write_text('{"num_hidden_layers": 8, "hidden_size": 64}')
+    (tmp / "run.toml").write_text(
+        f'run = "r"\noutput_dir = "{tmp / "out"}"\nsampling_defaults = "engine"\n{extra}\n'
+        f'[[category]]\nname = "a"\nsource = "{tmp / "ids.jsonl"}"\nformat = "input_ids"\n'
+        "sampling = { max_new_tokens = 8 }\n")
+    return str(tmp / "run.toml")
+
+
 def one_line_error(res: Any, code: int = 2) -> bool:
     """Whether click's `CliRunner` result `res` ended with exit `code` and one error line
     (click's `Error: ...` or tokencap's `tokencap: error: ...`), no traceback."""

@@ -6,21 +6,11 @@ The stack itself is `tests/unit/tokencap/stack/`'s; a whole `up` is
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from click.testing import CliRunner
 
-from tests.helpers import one_line_error
+from tests.helpers import ids_config, one_line_error
 from tokencap.cli.main import main
-
-
-def _config(tmp: Path) -> str:
-    (tmp / "ids.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
-    (tmp / "run.toml").write_text(
-        f'run = "r"\noutput_dir = "{tmp / "out"}"\nsampling_defaults = "engine"\n'
-        f'[[category]]\nname = "a"\nsource = "{tmp / "ids.jsonl"}"\nformat = "input_ids"\n'
-        "sampling = { max_new_tokens = 8 }\n")
-    return str(tmp / "run.toml")
 
 
 def _invoke(*args: str, **env: str | None) -> object:
@@ -37,7 +27,7 @@ def test_up_takes_the_connection_flags_and_the_prefixed_variables() -> None:
 def test_up_refuses_the_simulator_and_an_engine_together_before_starting_anything(
         tmp_path) -> None:
     state = tmp_path / "state"
-    res = _invoke("up", _config(tmp_path), "--sim", "--state-dir", str(state),
+    res = _invoke("up", ids_config(tmp_path), "--sim", "--state-dir", str(state),
                   SGLANG_URL="http://127.0.0.1:9")
     assert one_line_error(res, 1), res.output
     assert "--sim and SGLANG_URL both given" in res.output
@@ -46,14 +36,14 @@ def test_up_refuses_the_simulator_and_an_engine_together_before_starting_anythin
 
 def test_up_without_an_engine_or_a_stack_here_says_how_to_name_one(tmp_path) -> None:
     state = tmp_path / "state"
-    res = _invoke("up", _config(tmp_path), "--state-dir", str(state))
+    res = _invoke("up", ids_config(tmp_path), "--state-dir", str(state))
     assert one_line_error(res, 1), res.output
     assert "no engine: set SGLANG_URL" in res.output and "--sim" in res.output
     assert not state.exists()  # never the simulator by default
 
 
 def test_up_reads_the_old_variable_names_for_one_more_version_and_says_so(tmp_path) -> None:
-    args = ("up", _config(tmp_path), "--sim", "--state-dir", str(tmp_path / "state"))
+    args = ("up", ids_config(tmp_path), "--sim", "--state-dir", str(tmp_path / "state"))
     old = _invoke(*args, SGLANG_URL="http://127.0.0.1:9", WORKERS="3", TOKENCAP_WORKERS=None)
     assert "[up] WORKERS is read for one more version: set TOKENCAP_WORKERS instead" \
         in old.output

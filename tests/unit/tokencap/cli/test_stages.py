@@ -6,7 +6,6 @@ refuse in one line before they touch a run. The stages themselves run in
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -14,20 +13,11 @@ from redis import Redis
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from tests.helpers import make_cfg, one_line_error
+from tests.helpers import ids_config, make_cfg, one_line_error
 from tokencap.cli.main import main
 
 NO_REDIS = "redis://127.0.0.1:1/0"  # nothing listens there: a command that needs Redis fails
 
-
-def _config(tmp: Path, extra: str = "") -> str:
-    (tmp / "ids.jsonl").write_text('{"input_ids": [11, 12, 13]}\n{"input_ids": [14, 15]}\n')
-    (tmp / "model.json").write_text('{"num_hidden_layers": 8, "hidden_size": 64}')
-    (tmp / "run.toml").write_text(
-        f'run = "r"\noutput_dir = "{tmp / "out"}"\nsampling_defaults = "engine"\n{extra}\n'
-        f'[[category]]\nname = "a"\nsource = "{tmp / "ids.jsonl"}"\nformat = "input_ids"\n'
-        "sampling = { max_new_tokens = 8 }\n")
-    return str(tmp / "run.toml")
 
 
 @pytest.mark.parametrize(("command", "words"), [
@@ -46,7 +36,7 @@ def test_each_stage_command_says_what_it_does_and_changes(command, words) -> Non
 
 
 def test_a_dry_run_shows_the_first_prompt_and_needs_no_redis(tmp_path) -> None:
-    res = CliRunner().invoke(main, ["run", _config(tmp_path), "--dry-run",
+    res = CliRunner().invoke(main, ["run", ids_config(tmp_path), "--dry-run",
                                     "--redis-url", NO_REDIS])
     assert res.exit_code == 0, res.output
     assert res.output.startswith("=== a · ") and "prompt tokens: " in res.output
@@ -69,7 +59,7 @@ def test_a_pool_of_no_process_is_a_usage_error(argv) -> None:
 
 def test_hidden_states_without_an_extraction_server_says_where_to_name_one(tmp_path) -> None:
     hs = tmp_path / "hs"
-    path = _config(tmp_path, f'[hidden_states]\nmodel_config = "{tmp_path / "model.json"}"\n'
+    path = ids_config(tmp_path, f'[hidden_states]\nmodel_config = "{tmp_path / "model.json"}"\n'
                              f'output_dir = "{hs}"')
     res = CliRunner().invoke(main, ["hidden-states", path, "--redis-url", NO_REDIS],
                              env={"TOKENCAP_EXTRACT_URL": None})
@@ -81,7 +71,7 @@ def test_hidden_states_without_an_extraction_server_says_where_to_name_one(tmp_p
 
 def test_hidden_states_plan_says_the_bytes_and_writes_nothing(tmp_path) -> None:
     hs = tmp_path / "hs"
-    path = _config(tmp_path, f'[hidden_states]\nmodel_config = "{tmp_path / "model.json"}"\n'
+    path = ids_config(tmp_path, f'[hidden_states]\nmodel_config = "{tmp_path / "model.json"}"\n'
                              f'output_dir = "{hs}"')
     res = CliRunner().invoke(main, ["hidden-states", path, "--plan"])
     assert res.exit_code == 0, res.output

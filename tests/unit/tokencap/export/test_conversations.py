@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from foundation.config import load_config
+from foundation.config import RunConfig, load_config
 from foundation.outputs import FAILED_FILE, REJECTED_FILE, STOPPED_FILE
 from foundation.wire import DeadLetter, Outcome, Result, encode, turn_id
 from producer.render import Renderer
@@ -55,18 +55,23 @@ def load_config_text(tmp: Path, body: str):
     return load_config(tmp / "run.toml")
 
 
-@pytest.fixture
-def source_config(tmp_path):
-    return load_config_text(tmp_path, f"""
+def math_config(tmp: Path, source: Path = GSM8K) -> RunConfig:
+    """A run `t` of one category, `math`, over question/answer records at `source`."""
+    return load_config_text(tmp, f"""
 run = "t"
-output_dir = "{tmp_path / 'out'}"
+output_dir = "{tmp / 'out'}"
 tokenizer = "{QWEN}"
 [[category]]
 name = "math"
-source = "{GSM8K}"
+source = "{source}"
 format = "question_answer"
 sampling = {{ max_new_tokens = 64 }}
 """)
+
+
+@pytest.fixture
+def source_config(tmp_path):
+    return math_config(tmp_path)
 
 
 def test_the_prompt_messages_are_re_read_only_while_the_source_holds_the_rows_record(
@@ -91,16 +96,7 @@ def test_the_prompt_messages_are_re_read_only_while_the_source_holds_the_rows_re
 def test_a_source_that_cannot_be_indexed_gives_no_messages(tmp_path) -> None:
     src = tmp_path / "moved.jsonl"
     src.write_text('{"question": "q", "answer": "a"}\n')
-    cfg = load_config_text(tmp_path, f"""
-run = "t"
-output_dir = "{tmp_path / 'out'}"
-tokenizer = "{QWEN}"
-[[category]]
-name = "math"
-source = "{src}"
-format = "question_answer"
-sampling = {{ max_new_tokens = 64 }}
-""")
+    cfg = math_config(tmp_path, src)
     src.unlink()  # gone since the run
     messages = SourceMessages(cfg)
     assert messages(result("x", [1], ordinal=0)) is None and messages.unmatched == 1
