@@ -131,6 +131,9 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         return ([self.source] if self.source else []) + list(self.sources)
 
 
+StatesDtype = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
+
+
 class HiddenStates(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`[hidden_states]`: the target's hidden states of every kept row, made by an
     extraction server (vLLM's `extract_hidden_states`) through the same queue, ledger and
@@ -141,8 +144,10 @@ class HiddenStates(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     # vLLM's layer ids (k: the residual stream after k layers; the last is the pre-norm
     # target state); default (2, N//2, N-3, N) from the model's config.json
     layers: list[NonNegInt] | None = None
-    # the states' dtype as the engine writes them; default: the model's torch_dtype
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    # the kept states' dtype: the engine's (default: the model's torch_dtype), or
+    # "fp8_e4m3", speculators' FP8 layout (a scale per token: half of bf16's bytes), made by
+    # tokencap's connector on the engine, else by the worker from the engine's file
+    dtype: StatesDtype | None = None
     output_dir: str = "hidden_states"
     # the model's config.json (layers, hidden size, dtype, final norm); default: beside the
     # tokenizer
@@ -169,7 +174,7 @@ class StatesSpec(Struct, frozen=True, kw_only=True):
 
     engine_url: str | None
     layers: tuple[int, ...]  # vLLM's layer ids, rising; the last is the pre-norm target
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: StatesDtype
     output_dir: str
     model_config: str
     max_bytes: int | dict[str, int] | None

@@ -29,12 +29,25 @@ from foundation.errors import TokencapError
 if TYPE_CHECKING:
     import numpy as np
 
-# safetensors dtype name -> (numpy dtype name, bytes per element)
+# safetensors dtype name -> (numpy dtype name, bytes per element); FP8 is carried as its bytes
 DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("uint16", 2),
-          "I64": ("int64", 8), "I32": ("int32", 4)}
+          "F8_E4M3": ("uint8", 1), "I64": ("int64", 8), "I32": ("int32", 4)}
+FLOATS = ("F32", "F16", "BF16")  # what an engine writes states in
+FP8 = "F8_E4M3"
 # the config's names
-DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "fp8_e4m3": FP8}
 HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
+# speculators' FP8 layout (hs-connectors' fp8_utils): `hidden_states` float8_e4m3fn [T, L, H]
+# and one float32 scale per token, [T, 1, 1]: amax over the token's layers and dimensions
+# / 448 (at least 1e-12); states = fp8 * scale
+SCALES = "hidden_states_scales"
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1e-12
+# what tokencap's connector (`tokencap/engine_side/vllm_connector.py`) says in a file's
+# metadata: the layer ids of its slots, and for each whether it was taken before or after
+# the model's final norm (vLLM takes every id before it)
+META_LAYERS = "tokencap.layers"
+META_FINAL_NORM = "tokencap.final_norm"
 
 
 class BadFile(TokencapError):
@@ -51,12 +64,17 @@ class Tensor(NamedTuple):
     data: bytes | memoryview
 
     def array(self) -> np.ndarray:
-        """As numpy (BF16 widened to float32)."""
+        """As numpy (BF16 and FP8 widened to float32; FP8 not scaled)."""
         import numpy as np
 
         raw = np.frombuffer(self.data, dtype=DTYPES[self.dtype][0]).reshape(self.shape)
         if self.dtype == "BF16":
             return (raw.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == FP8:
+            import ml_dtypes
+
+            wide: np.ndarray = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            return wide
         return raw
 
 
@@ -194,8 +212,9 @@ def write_whole(path: str | Path, data: bytes) -> None:
 def check(path: str | Path, tensors: dict[str, Tensor], ids: list[int], layers: int,
           hidden: int | None, dtype: str | None) -> None:
     """Raise `BadFile` (with its reason) unless `tensors` hold the states of `ids`:
-    `hidden_states` [len(ids), layers, hidden] of `dtype` (None: any float), every value
-    finite, no layer all zeros; `token_ids` equal to `ids`."""
+    `hidden_states` [len(ids), layers, hidden] of `dtype` (None: any float an engine writes),
+    every value finite, no layer all zeros; `token_ids` equal to `ids`. An FP8 file
+    (speculators' layout) also has a finite, positive scale per token."""
     import numpy as np
 
     hs, tok = tensors.get("hidden_states"), tensors.get("token_ids")
@@ -210,11 +229,16 @@ def check(path: str | Path, tensors: dict[str, Tensor], ids: list[int], layers: 
     want = (len(ids), layers) + ((hidden,) if hidden else hs.shape[2:3])
     if len(hs.shape) != 3 or hs.shape != want:
         raise BadFile(path, "shape", f"hidden_states shape {list(hs.shape)}, want {list(want)}")
-    if hs.dtype not in ("F32", "F16", "BF16") or (dtype and hs.dtype != dtype):
+    if hs.dtype not in (*FLOATS, FP8) or (dtype and hs.dtype != dtype) or (
+            not dtype and hs.dtype == FP8):
         raise BadFile(path, "dtype", f"hidden_states dtype {hs.dtype}, want {dtype or 'a float'}")
-    # on the raw bits (no widening): not finite = exponent all ones; zero = all but the sign
+    if hs.dtype == FP8:
+        _check_scales(path, tensors.get(SCALES), len(ids))
+    # on the raw bits (no widening): not finite = exponent all ones (FP8 e4m3fn: no inf,
+    # NaN = all but the sign set); zero = all but the sign clear
     exp, mag, kind = {"BF16": (0x7F80, 0x7FFF, np.uint16), "F16": (0x7C00, 0x7FFF, np.uint16),
-                      "F32": (0x7F800000, 0x7FFFFFFF, np.uint32)}[hs.dtype]
+                      "F32": (0x7F800000, 0x7FFFFFFF, np.uint32),
+                      FP8: (0x7F, 0x7F, np.uint8)}[hs.dtype]
     bits = np.frombuffer(hs.data, dtype=kind).reshape(hs.shape)
     bad = (bits & exp) == exp
     if bad.any():
@@ -224,6 +248,87 @@ def check(path: str | Path, tensors: dict[str, Tensor], ids: list[int], layers: 
     if zero:
         raise BadFile(path, "zero_layer", f"layer slot(s) {zero} all zeros (the engine gave "
                       "no states: vLLM PR #46301)")
+
+
+def _check_scales(path: str | Path, scales: Tensor | None, tokens: int) -> None:
+    import numpy as np
+
+    if scales is None or scales.dtype != "F32" or scales.shape != (tokens, 1, 1):
+        raise BadFile(path, "shape", f"an FP8 file needs {SCALES} F32 [{tokens}, 1, 1]"
+                      + (f", has {scales.dtype} {list(scales.shape)}" if scales else ""))
+    values = np.frombuffer(scales.data, dtype=np.float32)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise BadFile(path, "not_finite", f"a scale of {SCALES} is not finite and positive")
+
+
+def file_layers(meta: dict[str, str]) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """The layer ids a file's slots hold and, for each, "pre" or "post" (the model's final
+    norm), where tokencap's connector wrote them; None for a file that does not say (vLLM's
+    stock connector)."""
+    raw = meta.get(META_LAYERS)
+    if raw is None:
+        return None
+    try:
+        ids = tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        return None
+    norm = tuple(x.strip() for x in meta.get(META_FINAL_NORM, "").split(",") if x.strip())
+    return ids, norm if len(norm) == len(ids) else ("pre",) * len(ids)
+
+
+def to_fp8(hs: Tensor, chunk_tokens: int = 256) -> tuple[Tensor, Tensor]:
+    """`hidden_states` as speculators stores them in FP8 (hs-connectors' `fp8_utils`): per
+    token, scale = max(amax / 448, 1e-12) over its layers and dimensions, in float32, and
+    float8_e4m3fn(states / scale) rounded to nearest even (ml_dtypes' cast, equal to torch's
+    for every value it can be given here: |states / scale| <= 448.00003). Returns the FP8
+    states and the scales [T, 1, 1]; `chunk_tokens` at a time, so a long row costs a
+    bounded float32 copy."""
+    import ml_dtypes
+    import numpy as np
+
+    tokens = hs.shape[0]
+    q = np.empty(hs.shape, dtype=np.uint8)
+    scales = np.empty((tokens, 1, 1), dtype=np.float32)
+    per = len(hs.data) // tokens if tokens else 0
+    for a in range(0, tokens, chunk_tokens):
+        b = min(tokens, a + chunk_tokens)
+        x = Tensor(hs.dtype, (b - a, *hs.shape[1:]), hs.data[a * per:b * per]).array()
+        x = x.astype(np.float32, copy=False)
+        amax = np.abs(x).max(axis=(1, 2), keepdims=True)
+        scale = np.maximum(amax / np.float32(FP8_MAX), np.float32(FP8_MIN_SCALE))
+        q[a:b] = (x / scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        scales[a:b] = scale
+    return (Tensor(FP8, hs.shape, q.tobytes()),
+            Tensor("F32", scales.shape, scales.tobytes()))
+
+
+def from_fp8(hs: Tensor, scales: Tensor) -> np.ndarray:
+    """FP8 states and their scales as speculators' trainer reads them (`fp8.to(bf16) *
+    scale.to(bf16)`, the product in bfloat16): bfloat16 bit patterns (uint16) [T, L, H]."""
+
+    prod = bf16_round(hs.array()) * bf16_round(scales.array())
+    return to_bf16_bits(prod)
+
+
+def bf16_round(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
+    import numpy as np
+
+    return (to_bf16_bits(values).astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays
+    a NaN."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(
+        np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
 
 
 def read_engine_file(path: str | Path) -> bytes:
@@ -254,5 +359,7 @@ def remove_engine_file(path: str | Path) -> None:
 
 
 def bytes_per_token(layers: int, hidden: int, dtype: str) -> int:
-    """What a token costs on disk: its states and its id (the header aside)."""
-    return layers * hidden * DTYPES[DTYPE_NAMES.get(dtype, dtype)][1] + 8
+    """What a token costs on disk: its states, its id and, in FP8, its scale (the header
+    aside)."""
+    name = DTYPE_NAMES.get(dtype, dtype)
+    return layers * hidden * DTYPES[name][1] + 8 + (4 if name == FP8 else 0)
