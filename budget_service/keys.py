@@ -60,6 +60,9 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:engines:trouble`  | hash   | record_engine_trouble (the      | status, `/metrics`,| while it  |
 |                      |        | producer's engine watch: url -> | the live page,     | lasts     |
 |                      |        | why it does not answer, since)  | `up`'s progress    |           |
+| `P:states:trouble`   | hash   | record_disk_trouble (a hidden-  | status, the live   | while it  |
+|                      |        | state stage's workers: states   | page, `up`'s and   | lasts     |
+|                      |        | folder -> why they pause, since)| the stage's lines  |           |
 | `P:series`           | stream | record_point (the budget        | `/series`, the web | last 8640 |
 |                      |        | service, every few seconds)     | page, the report   |           |
 | `prefix:refused`     | stream | refuse                          | operators          | capped    |
@@ -156,6 +159,10 @@ class Keys:
     @property
     def engine_trouble(self) -> str:
         return f"{self.base}:engines:trouble"
+
+    @property
+    def disk_trouble(self) -> str:
+        return f"{self.base}:states:trouble"
 
     @property
     def refused(self) -> str:

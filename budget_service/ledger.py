@@ -266,7 +266,8 @@ class Ledger:
                 ) -> tuple[dict[str, CategoryState], list[Any]]:
         """The categories' states, and (with `by_engine`) their raw per-engine cache hashes,
         then (with `run`; else None each) the writer lock holder, the writer's state, the
-        engines' info and their trouble (raw): the producer's tick needs none of those."""
+        engines' info, their trouble and a hidden-state stage's disk trouble (raw): the
+        producer's tick needs none of those."""
         pipe = self.redis.pipeline(transaction=False)
         for name in categories:
             ck = self._ck(name)
@@ -285,10 +286,11 @@ class Ledger:
             pipe.hgetall(self.keys.writer_state)
             pipe.hgetall(self.keys.engine_info)
             pipe.hgetall(self.keys.engine_trouble)
+            pipe.hgetall(self.keys.disk_trouble)
         raw = pipe.execute()
-        holder = wstate = engines_raw = trouble_raw = None
+        holder = wstate = engines_raw = trouble_raw = disk_raw = None
         if run:
-            *raw, holder, wstate, engines_raw, trouble_raw = raw
+            *raw, holder, wstate, engines_raw, trouble_raw, disk_raw = raw
         per = 9 if by_engine else 8
         states: dict[str, CategoryState] = {}
         extra: list[Any] = []
@@ -319,7 +321,7 @@ class Ledger:
                 reusable_tokens=int(st["reusable"]))
             if by_engine:
                 extra.append(raw[per * i + 8])
-        return states, [extra, holder, wstate, engines_raw, trouble_raw]
+        return states, [extra, holder, wstate, engines_raw, trouble_raw, disk_raw]
 
     def hist(self, category: str) -> dict[int, int]:
         raw = self.redis.hgetall(self._ck(category).hist)

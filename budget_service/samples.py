@@ -94,6 +94,15 @@ class SampleLedger(Ledger):
         self.redis.xadd(self.keys.refused, {"r": encode(record)},
                         maxlen=REFUSED_STREAM_MAXLEN, approximate=True)
 
+    def record_disk_trouble(self, folder: str, why: str | None, at_ms: int) -> int:
+        """A hidden-state stage's workers pause: its states folder has no room for the next
+        row (`why`; the first time seen is kept), or (`why` None) a file was kept again.
+        Returns since when (ms) while in trouble; when cleared, how long it lasted (-1: it
+        was not). The stage's workers are the one writer (`consumers/job.py`); status reads
+        it (`RunStatus.disk_trouble`)."""
+        return int(self.scripts.engine_trouble(keys=[self.keys.disk_trouble],
+                                               args=[folder, why or "", at_ms]))
+
     def engines_seen(self) -> dict[str, EngineInfo]:
         """What the producer's preflight found each engine serves (url -> info)."""
         raw = self.redis.hgetall(self.keys.engine_info)

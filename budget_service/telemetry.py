@@ -108,7 +108,9 @@ class WriterState(msgspec.Struct, frozen=True):
 
 
 class EngineTrouble(msgspec.Struct, frozen=True):
-    """Why an engine of the run does not answer, since when (ms since the epoch)."""
+    """Why an engine of the run does not answer (or, in `RunStatus.disk_trouble`, why a
+    hidden-state stage's workers pause on its states folder), since when (ms since the
+    epoch)."""
 
     why: str
     since_ms: int
@@ -135,6 +137,8 @@ class RunStatus(msgspec.Struct, frozen=True):
     cache: dict[str, dict[str, dict[str, int]]] = {}
     trouble: dict[str, EngineTrouble] = {}
     bytes_per_token: int | None = None
+    # a hidden-state stage's states folders too full for the next row: its workers pause
+    disk_trouble: dict[str, EngineTrouble] = {}
 
     @property
     def simulated(self) -> bool:
@@ -200,7 +204,7 @@ class TelemetryLedger(Ledger):
         cfg = self.load_config()  # read once: the categories, and a stage's bytes per token
         if categories is None:
             categories = [c.name for c in cfg.category] if cfg else []
-        states, (caches, holder, wstate, engines_raw, trouble_raw) = \
+        states, (caches, holder, wstate, engines_raw, trouble_raw, disk_raw) = \
             self._states(categories, by_engine)
         error = as_str(wstate[b"error"]) if b"error" in wstate else None
         writer = WriterState(holder=None if holder is None else as_str(holder), error=error,
@@ -212,10 +216,10 @@ class TelemetryLedger(Ledger):
         cache = ({name: cache_by_engine(raw) for name, raw in zip(categories, caches,
                                                                    strict=True)}
                  if by_engine else {})
-        trouble = {as_str(k): msgspec.json.decode(v, type=EngineTrouble)
-                   for k, v in trouble_raw.items()}
+        trouble, disk = ({as_str(k): msgspec.json.decode(v, type=EngineTrouble)
+                          for k, v in raw.items()} for raw in (trouble_raw, disk_raw))
         return RunStatus(self.keys.run, states, writer, engines, cache, trouble,
-                         _bytes_per_token(cfg))
+                         _bytes_per_token(cfg), disk)
 
     def status(self, categories: list[str] | None = None,
                by_engine: bool = False) -> dict[str, Any]:
@@ -269,6 +273,7 @@ class TelemetryLedger(Ledger):
                                                args=[url, why or "", at_ms]))
 
 
+
 def _bytes_per_token(cfg: RunConfig | None) -> int | None:
     """A hidden-state stage's bytes per counted token (None for generation)."""
     if cfg is None or cfg.stage != "hidden_states":
@@ -293,6 +298,7 @@ def status_document(snap: RunStatus) -> dict[str, Any]:
             "writer": msgspec.structs.asdict(snap.writer),
             "engines": {url: msgspec.to_builtins(e) for url, e in snap.engines.items()},
             "engine_trouble": {url: msgspec.to_builtins(t) for url, t in snap.trouble.items()},
+            "disk_trouble": {d: msgspec.to_builtins(t) for d, t in snap.disk_trouble.items()},
             "simulated": snap.simulated}
 
 

@@ -137,17 +137,20 @@ class EngineClient:
         return auto_read_timeout(max_new_tokens, decode_tok_s)
 
     def generate(self, input_ids: list[int], sampling: dict[str, Any], category: str,
-                 decode_tok_s: float = 0.0, prefer: str = "", affinity: str = "") -> Generation:
+                 decode_tok_s: float = 0.0, prefer: str = "", affinity: str = "",
+                 rid_prefix: str = "") -> Generation:
         """One generation, from the engine `EnginePool.order` puts first (`prefer`, then
-        `affinity`'s, unless loaded well above another), the next ones if it is unreachable."""
+        `affinity`'s, unless loaded well above another), the next ones if it is unreachable.
+        `rid_prefix` starts its request id (the hidden-state stage names its row there)."""
         try:
             return self._generate(input_ids, sampling, category, decode_tok_s, prefer,
-                                  affinity)
+                                  affinity, rid_prefix)
         finally:
             self.pool.done()
 
     def _generate(self, input_ids: list[int], sampling: dict[str, Any], category: str,
-                  decode_tok_s: float, prefer: str, affinity: str) -> Generation:
+                  decode_tok_s: float, prefer: str, affinity: str,
+                  rid_prefix: str = "") -> Generation:
         last: EngineError | None = None
         for url in self.pool.order(prefer, affinity):
             waits = self.pool.gate(url)
@@ -155,7 +158,8 @@ class EngineClient:
                 self.stats.gate_waits(url, waits)
             t0 = time.monotonic()
             try:
-                gen = self._generate_one(url, input_ids, sampling, category, decode_tok_s)
+                gen = self._generate_one(url, input_ids, sampling, category, decode_tok_s,
+                                         rid_prefix)
             except Unreachable as exc:
                 self.pool.mark_down(url)
                 self.stats.record(url, exc.kind.value, time.monotonic() - t0)
@@ -171,12 +175,13 @@ class EngineClient:
         raise last
 
     def _generate_one(self, url: str, input_ids: list[int], sampling: dict[str, Any],
-                      category: str, decode_tok_s: float) -> Generation:
+                      category: str, decode_tok_s: float, rid_prefix: str = "") -> Generation:
         try:
             info = self.info(url)
         except EngineUnusable as exc:
             raise Unreachable(str(exc)) from None
-        rid = uuid.uuid4().hex  # prefix-free: /abort_request matches by prefix
+        # prefix-free (/abort_request matches by prefix): a prefix is followed by a uuid
+        rid = rid_prefix + uuid.uuid4().hex
         path, body = request(info.api, input_ids, sampling, rid)
         headers = {"Content-Type": "application/json", CATEGORY_HEADER: category,
                    **self.specs[url].headers()}

@@ -30,7 +30,7 @@ from consumers import extract
 from consumers.client import EngineClient, EngineError, Generation
 from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
-from foundation.engine.api import parse_urls
+from foundation.engine.api import parse_urls, retry_delay_s
 from foundation.errors import RunNotFound
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
 from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result
@@ -227,27 +227,58 @@ def process(ref: dict[str, Any]) -> str:
 
 def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms: int) -> str:
     """The hidden-state stage's step (`consumers/extract.py`): a valid file already kept for
-    the row counts as it is; else the engine extracts it."""
+    the row counts as it is; else, where the states folder has room, the engine extracts
+    it; where it has none, the sample waits (`_pause`)."""
     spec = rc.cfg.states()
     gen = None
     try:
         path = extract.row_file(rc.cfg, cat.name, p)
-        desc = extract.kept(path, spec, p.prompt_ids, rc.cfg.output_dir)
+        row = str(p.row_id)
+        desc = extract.kept(path, spec, p.prompt_ids, rc.cfg.output_dir, row)
         if desc is None:
+            extract.room_for(path, len(p.prompt_ids), spec)
+            marker = extract.request_marker(rc.cfg, path)
             gen = rc.client.generate(p.prompt_ids, extract.EXTRACT_SAMPLING, cat.name, rate,
-                                     prefer=p.prefer_engine, affinity=p.affinity)
-            desc = extract.take(gen, path, spec, p.prompt_ids, str(p.row_id),
-                                rc.cfg.output_dir)
+                                     prefer=p.prefer_engine, affinity=p.affinity,
+                                     rid_prefix=marker)
+            desc = extract.take(gen, path, spec, p.prompt_ids, row, rc.cfg.output_dir,
+                                marker)
+    except extract.StatesDiskFull as exc:
+        return _pause(rc, cat, p, exc)
     except EngineError as exc:
         return _failed(rc, cat, p, exc)
     finally:
         _heartbeat.track(None)
         rc.client.stats.flush(rc.ledger)
+    if _disk_pauses.pop(rc.cfg.run, None) is not None:  # room again: the pause is over
+        rc.ledger.record_disk_trouble(str(path.parent), None, now_ms())
     status, used = rc.ledger.commit(extract.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
                                     0, 0.0)
     log.debug("%s/%s %s: states of %d tokens, used %d", cat.name, p.sample_id, status,
               len(p.prompt_ids), used)
     return "committed" if status == "ok" else status
+
+
+# run -> how many samples in a row this worker paused on a full states folder
+_disk_pauses: dict[str, int] = {}
+DISK_PAUSE_MAX_S = 60.0
+
+
+def _pause(rc: RunContext, cat: Category, p: Pending, exc: extract.StatesDiskFull) -> str:
+    """A full states folder: the sample goes back, not counted as a failed attempt, to be
+    taken again after a wait that doubles with each pause in a row (up to
+    DISK_PAUSE_MAX_S), and the pause is recorded where status and the stage's lines read
+    it (`TelemetryLedger.record_disk_trouble`)."""
+    n = _disk_pauses.get(rc.cfg.run, 0) + 1
+    _disk_pauses[rc.cfg.run] = n
+    wait_s = retry_delay_s(n + 1, DISK_PAUSE_MAX_S)
+    since = rc.ledger.record_disk_trouble(str(exc.folder), str(exc), now_ms())
+    if n == 1:
+        log.warning("%s/%s: the hidden-state stage pauses: %s", cat.name, p.sample_id, exc)
+    log.info("%s/%s waits %.1f s for room (paused since %d)", cat.name, p.sample_id, wait_s,
+             since)
+    rc.ledger.release(cat.name, p, now_ms() + int(wait_s * 1000))
+    return "released"
 
 
 def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:

@@ -9,9 +9,10 @@ what the engine gave (bf16 stays bf16: numpy has no bf16, so it is carried as ui
 widened to float32 only to be checked).
 
 Writes are whole or absent: a temporary name in the same folder, fsync, rename, fsync of the
-folder. A file is checked (`check`) before it counts: its shape, dtype, every value finite, no
-layer all zeros (vLLM once returned zeros for some models: vLLM PR #46301), and `token_ids`
-equal to the row's ids.
+folder. A row's file is the engine's own, checked in place and renamed (`keep_file`): each
+byte of states is written once. A file is checked (`check`) before it counts: its shape,
+dtype, every value finite, no layer all zeros (vLLM once returned zeros for some models: vLLM
+PR #46301), and `token_ids` equal to the row's ids.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import mmap
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -89,7 +92,7 @@ def read(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return decode(data, p)
 
 
-def decode(data: bytes, p: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+def decode(data: bytes | mmap.mmap, p: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """`read` of bytes already read (`p` names them in errors)."""
     if len(data) < 8:
         raise BadFile(p, "torn", "shorter than a safetensors header")
@@ -250,6 +253,36 @@ def check(path: str | Path, tensors: dict[str, Tensor], ids: list[int], layers: 
                       "no states: vLLM PR #46301)")
 
 
+class Layers(NamedTuple):
+    """The layer ids a file holds, for each "pre" or "post" the final norm, and where they
+    were read: the file's metadata (tokencap's connector) or, where it does not say, the
+    config (vLLM takes every id before the final norm)."""
+
+    ids: tuple[int, ...]
+    final_norm: tuple[str, ...]
+    read_from: str  # "file" or "config"
+
+
+def check_row_file(path: str | Path, tensors: dict[str, Tensor], meta: dict[str, str],
+                   ids: list[int], layers: tuple[int, ...], hidden: int, dtype: str,
+                   engine_file: bool) -> Layers:
+    """`check` of a row's file for a stage that keeps `layers` of `hidden` in `dtype` (a
+    safetensors name), and its layer ids: those the file says (`BadFile` "layers" when not
+    `layers`), else `layers`. An engine's file (`engine_file`) for an FP8 stage may hold
+    any float an engine writes: the worker quantizes it."""
+    said = file_layers(meta)
+    if said is not None and said[0] != tuple(layers):
+        raise BadFile(path, "layers", f"the file holds layers {list(said[0])}, the config "
+                      f"asks for {list(layers)} (hidden_states.layers): the extraction "
+                      "server was started with other eagle_aux_hidden_state_layer_ids")
+    has = tensors["hidden_states"].dtype if "hidden_states" in tensors else dtype
+    want = None if (dtype == FP8 and engine_file and has != FP8) else dtype
+    check(path, tensors, ids, len(layers), hidden, want)
+    if said is None:
+        return Layers(tuple(layers), ("pre",) * len(layers), "config")
+    return Layers(said[0], said[1], "file")
+
+
 def _check_scales(path: str | Path, scales: Tensor | None, tokens: int) -> None:
     import numpy as np
 
@@ -329,6 +362,146 @@ def to_bf16_bits(values: np.ndarray) -> np.ndarray:
     if nan.any():
         rounded[nan] = 0x7FC0
     return rounded
+
+
+def map_engine_file(path: str | Path) -> mmap.mmap | bytes:
+    """The file vLLM's hidden-state connector wrote, mapped read-only once it is whole: a
+    shared flock on `<path>.lock` waits for its writer, which holds it exclusively until the
+    file is written (no lock file: done). Checked in place, nothing copied. `OSError` when it
+    cannot be read; an empty file is b""."""
+    import fcntl
+
+    p = Path(path)
+    try:
+        lock = os.open(p.with_name(p.name + ".lock"), os.O_RDONLY)
+    except FileNotFoundError:
+        lock = -1
+    try:
+        if lock >= 0:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        fd = os.open(p, os.O_RDONLY)
+    finally:
+        if lock >= 0:
+            os.close(lock)
+    try:
+        if os.fstat(fd).st_size == 0:
+            return b""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+class Kept(NamedTuple):
+    """How `keep_file` or `keep_bytes` kept a row's file: `moved` (the engine's own file,
+    renamed: nothing written), `copied` (one streamed copy, across file systems), `written`
+    (bytes of our own: FP8 made by the worker), or `existed` (another attempt kept the row
+    first: its file stays, this one is dropped); and the kept file's size."""
+
+    how: str
+    bytes: int
+
+
+def keep_file(src: str | Path, dst: str | Path) -> Kept:
+    """The checked engine's file `src` kept at `dst`, every byte written once: on one file
+    system its data fsynced and the file renamed; across file systems one streamed copy
+    (the kernel's) under a temporary name beside `dst`, fsynced, then named. Never over an
+    existing `dst` (another attempt's: `existed`). The folder is fsynced; `src` is left for
+    the caller to remove."""
+    s, d = Path(src), Path(dst)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    if os.stat(s).st_dev == os.stat(d.parent).st_dev:
+        fd = os.open(s, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        how = "moved" if _name_new(s, d) else "existed"
+    else:
+        tmp = d.with_name(f"{_temp_prefix(d)}{os.getpid()}.tmp")
+        try:
+            shutil.copyfile(s, tmp)
+            _fsync_file(tmp)
+            how = "copied" if _name_new(tmp, d) else "existed"
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+    _fsync_dir(d.parent)
+    if how != "existed":
+        _readable(d)
+    return Kept(how, d.stat().st_size)
+
+
+def keep_bytes(dst: str | Path, data: bytes) -> Kept:
+    """`data` kept at `dst` as `keep_file` keeps a file (a temporary name, fsync, then named,
+    never over an existing `dst`)."""
+    d = Path(dst)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = d.with_name(f"{_temp_prefix(d)}{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        how = "written" if _name_new(tmp, d) else "existed"
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(d.parent)
+    return Kept(how, d.stat().st_size)
+
+
+def _name_new(src: Path, dst: Path) -> bool:
+    """`src` also named `dst` unless `dst` exists (False): a hard link, atomic; where the
+    file system has none, a rename once `dst` is seen absent."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    except OSError:
+        if dst.exists():
+            return False
+        os.rename(src, dst)
+    return True
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_UMASK: int | None = None
+
+
+def _readable(path: Path) -> None:
+    """The mode a file of ours would have: the engine's is 0600 (safetensors writes a
+    temporary file), which trainers run as another user cannot read."""
+    global _UMASK
+    if _UMASK is None:
+        _UMASK = os.umask(0)
+        os.umask(_UMASK)
+    with contextlib.suppress(OSError):  # not the file's owner: left as it is
+        os.chmod(path, 0o666 & ~_UMASK)
+
+
+def engine_files(folder: str | Path, marker: str) -> list[Path]:
+    """The engine's files (and their locks) in `folder` whose names hold `marker` (a request
+    id prefix of tokencap's), e.g. those a killed attempt left."""
+    f = Path(folder)
+    if not f.is_dir():
+        return []
+    return [p for p in f.glob(f"*{glob.escape(marker)}*")
+            if p.name.endswith((".safetensors", ".safetensors.lock"))]
 
 
 def read_engine_file(path: str | Path) -> bytes:

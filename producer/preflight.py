@@ -178,9 +178,9 @@ def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> 
             "(docs/HIDDEN_STATES.md gives the command line)")
     src = gen.hidden_states_path
     try:
-        tensors, _ = hsfile.decode(hsfile.read_engine_file(src), src)
-        hsfile.check(src, tensors, ids, len(hs.layers), hs.hidden_size,
-                     hsfile.DTYPE_NAMES[hs.dtype])
+        tensors, meta = hsfile.decode(hsfile.map_engine_file(src), src)
+        layers = hsfile.check_row_file(src, tensors, meta, ids, hs.layers, hs.hidden_size,
+                                       hsfile.DTYPE_NAMES[hs.dtype], engine_file=True)
     except OSError as exc:
         raise EngineUnusable(f"{who}: cannot read its hidden-state file {src} "
                              f"({exc.strerror or exc}): tokencap's workers must see the "
@@ -190,13 +190,22 @@ def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> 
                          f"hidden size {hs.hidden_size}: start the server with "
                          f"eagle_aux_hidden_state_layer_ids = {list(hs.layers)}",
                 "dtype": f"; the config asks for {hs.dtype}: set hidden_states.dtype to what "
-                         "the server writes (its --dtype)"}
+                         "the server writes (its --dtype), or fp8_e4m3"}
         raise EngineUnusable(f"{who}: its hidden states fail a check [{exc.reason}]: {exc}"
                              f"{hint.get(exc.reason, '')}") from None
     finally:
         hsfile.remove_engine_file(src)
-    log.info("%s: hidden states ok (layers %s, hidden size %s, %s)", who, list(hs.layers),
-             hs.hidden_size, hs.dtype)
+    engine_dtype = tensors["hidden_states"].dtype
+    log.info("%s: hidden states ok (layers %s, hidden size %s, %s%s)", who, list(hs.layers),
+             hs.hidden_size, hs.dtype,
+             f"; the workers quantize the server's {engine_dtype} to FP8" if
+             hs.dtype == "fp8_e4m3" and engine_dtype != hsfile.FP8 else "")
+    if layers.read_from != "file":
+        log.warning("%s: its files do not say which layers they hold (vLLM's stock connector): "
+                    "the layer ids %s cannot be checked, only their number; tokencap's "
+                    "connector (tokencap.engine_side.vllm_connector, docs/HIDDEN_STATES.md) "
+                    "writes them into every file, and then a server started with other ids "
+                    "is refused", who, list(hs.layers))
 
 
 def end_of_turn_ids(cfg: RunConfig, renderer: Renderer | None) -> set[int]:

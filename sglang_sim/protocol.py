@@ -220,7 +220,8 @@ def parse_completion(body: Any, config: SimConfig) -> tuple[GenerateRequest, boo
         params["max_new_tokens"] = min(asked, config.context_length - len(prompt))
     else:
         params["max_new_tokens"] = asked
-    rid = uuid.uuid4().hex
+    given = body.get("request_id")  # vLLM's: the client's, else a random one
+    rid = given if isinstance(given, str) and given else uuid.uuid4().hex
     return (GenerateRequest(rid=rid, input_ids=list(prompt), sampling_params=params),
             bool(body.get("return_token_ids")), asked if _is_int(asked) else 0)
 

@@ -33,6 +33,7 @@ import logging
 import socket
 import struct
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -264,7 +265,9 @@ async def _run(request: web.Request, parsed: Any,
         stored = list(valid.input_ids)
         if kv_transfer_params.get("include_output_tokens"):
             stored += ids[:-1]
-        hs_path = await _write_states(app, f"cmpl-{done.rid}-0", stored)
+        # vLLM's internal request id: cmpl-<the request's id>-<prompt index>-<8 random hex>
+        hs_path = await _write_states(app, f"cmpl-{done.rid}-0-{uuid.uuid4().hex[:8]}",
+                                      stored)
     if faults.should_reset():
         logger.info("simulated fault: dropping the connection of %s", done.rid)
         _drop_connection(request)

@@ -230,7 +230,9 @@ def request(api: str, input_ids: list[int], sampling: dict[str, Any], rid: str
     if api == API_OPENAI:
         body: dict[str, Any] = {OPENAI_PARAMS[k]: v for k, v in sampling.items()
                                 if k in OPENAI_PARAMS}
-        body.update(prompt=input_ids, return_token_ids=True, stream=False, n=1)
+        # request_id: vLLM's own (its hidden-state connector names the file after it)
+        body.update(prompt=input_ids, return_token_ids=True, stream=False, n=1,
+                    request_id=rid)
         return COMPLETIONS_PATH, msgspec.json.encode(body)
     return GENERATE_PATH, msgspec.json.encode(
         {"input_ids": input_ids, "sampling_params": sampling, "rid": rid})

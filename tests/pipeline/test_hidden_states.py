@@ -131,7 +131,8 @@ def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
             want = expected_states(ids, LAYERS, HIDDEN)
             got = tensors["hidden_states"].array()
             assert abs(got - want).max() <= 2 ** -7 * abs(want).max()  # bf16's rounding
-            assert meta["row"] == r.source_id
+            assert meta == {}  # the engine's file as it wrote it: the row is the result's
+            assert r.hidden_states["row"] == r.source_id
         files = list((Path(hs.output_dir) / name / "states").iterdir())
         assert len(files) == len(rows) and all(f.suffix == ".safetensors" for f in files)
     # the engine's own files are gone once copied; the probe's too
@@ -202,9 +203,10 @@ def test_a_nan_or_all_zero_file_is_never_kept(tmp_path, redis_url, generated, fa
         assert st["state"] == "exhausted"
         assert all(d.reason == "bad_hidden_states" and reason in d.message for d in dead)
         rows = kept_rows(tmp_path, name)
+        row_of = {states_file(hs.output_dir, name, r).name: r for r in rows}
         for f in (Path(hs.output_dir) / name / "states").iterdir():
-            tensors, meta = hsfile.read(f)
-            hsfile.check(f, tensors, rows[meta["row"]], len(LAYERS), HIDDEN, "BF16")
+            tensors, _ = hsfile.read(f)
+            hsfile.check(f, tensors, rows[row_of[f.name]], len(LAYERS), HIDDEN, "BF16")
         assert len(list((Path(hs.output_dir) / name / "states").iterdir())) == st["samples"]
 
 
@@ -250,9 +252,10 @@ def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
         folder = Path(hs.output_dir) / name / "states"
         assert sorted(f.name for f in folder.iterdir()) == sorted(
             states_file(hs.output_dir, name, r).name for r in rows)  # no stray temp file
+        row_of = {states_file(hs.output_dir, name, r).name: r for r in rows}
         for f in folder.iterdir():
-            tensors, meta = hsfile.read(f)  # none torn
-            hsfile.check(f, tensors, rows[meta["row"]], len(LAYERS), HIDDEN, "BF16")
+            tensors, _ = hsfile.read(f)  # none torn
+            hsfile.check(f, tensors, rows[row_of[f.name]], len(LAYERS), HIDDEN, "BF16")
 
 
 def test_a_stage_before_any_row_was_generated_extracts_nothing(tmp_path, redis_url) -> None:

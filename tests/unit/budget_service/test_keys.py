@@ -16,7 +16,7 @@ from tests.helpers import make_cfg
 
 TABLE_KEY = re.compile(r"^\| `P:([^`]+)`", re.MULTILINE)
 RUN_WIDE = ("meta", "producer_lock", "writer_lock", "writer_state", "engines", "series",
-            "engine_info", "engine_trouble")
+            "engine_info", "engine_trouble", "disk_trouble")
 
 
 def test_the_table_names_every_key_and_no_other() -> None:

@@ -4,6 +4,8 @@ model dtype beside the prompt's ids, the writer's lock, and each file fault."""
 
 from __future__ import annotations
 
+import re
+
 import fcntl
 import json
 import os
@@ -104,13 +106,23 @@ def test_encode_is_read_by_the_projects_reader(tmp_path: Path) -> None:
 # the server
 
 
+def test_the_file_is_named_after_the_client_s_request_id_as_vllm_does(tmp_path: Path) -> None:
+    with extracting(tmp_path, "float32") as sim:
+        reply = complete(sim, request_id="tcabc-row7-1f")
+    assert reply["id"] == "cmpl-tcabc-row7-1f"
+    assert re.fullmatch(r"cmpl-tcabc-row7-1f-0-[0-9a-f]{8}\.safetensors",
+                        Path(states_path(reply)).name)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reply_names_a_file_of_the_prompts_states(tmp_path: Path, dtype: str) -> None:
     with extracting(tmp_path, dtype) as sim:
         reply = complete(sim, return_token_ids=True)
     assert len(reply["choices"][0]["token_ids"]) == 1
     path = Path(states_path(reply))
-    assert path.parent == tmp_path and path.name == f"{reply['id']}-0.safetensors"
+    # vLLM's internal id: cmpl-<the request's id>-<prompt index>-<8 random hex>
+    assert path.parent == tmp_path
+    assert re.fullmatch(rf"{reply['id']}-0-[0-9a-f]{{8}}\.safetensors", path.name), path.name
     assert Path(f"{path}.lock").exists()
     tensors, _meta = hsfile.read(path)
     name = hsfile.DTYPE_NAMES[dtype]
