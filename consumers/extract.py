@@ -28,7 +28,6 @@ row pauses it (`StatesDiskFull`): the worker does not ask the engine, and the sa
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -79,16 +78,9 @@ def row_file(cfg: RunConfig, category: str, p: Pending) -> Path:
 
 
 def request_marker(cfg: RunConfig, path: Path) -> str:
-    """What the request id of every attempt at the row kept at `path` starts with: the run
-    and the row, so the engine's file of an attempt killed mid-way is found by name (vLLM
-    names its file `cmpl-<request id>-<i>-<random>.safetensors`)."""
-    run = hashlib.sha256(cfg.run.encode()).hexdigest()[:8]
-    return f"tc{run}-{path.stem}-"
-
-
-def run_marker(cfg: RunConfig) -> str:
-    """The part of `request_marker` that every row of the run shares."""
-    return f"tc{hashlib.sha256(cfg.run.encode()).hexdigest()[:8]}-"
+    """What the request id of every attempt at the row kept at `path` starts with
+    (`hsfile.row_marker`): an attempt killed mid-way leaves an engine's file found by it."""
+    return hsfile.row_marker(cfg.run, path)
 
 
 def room_for(path: Path, tokens: int, spec: StatesSpec) -> None:

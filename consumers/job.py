@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from consumers import extract
 from consumers.client import EngineClient, EngineError, Generation
 from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
-from foundation.engine.api import parse_urls, retry_delay_s
+from foundation.engine.api import BACKOFF_FACTOR_S, BACKOFF_JITTER_S, parse_urls
 from foundation.errors import RunNotFound
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
 from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result
@@ -250,8 +251,9 @@ def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms:
     finally:
         _heartbeat.track(None)
         rc.client.stats.flush(rc.ledger)
-    if _disk_pauses.pop(rc.cfg.run, None) is not None:  # room again: the pause is over
+    if gen is not None:  # a file kept: its folder has room, whoever saw it full (one call)
         rc.ledger.record_disk_trouble(str(path.parent), None, now_ms())
+        _disk_pauses.discard(rc.cfg.run)
     status, used = rc.ledger.commit(extract.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
                                     0, 0.0)
     log.debug("%s/%s %s: states of %d tokens, used %d", cat.name, p.sample_id, status,
@@ -259,25 +261,32 @@ def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms:
     return "committed" if status == "ok" else status
 
 
-# run -> how many samples in a row this worker paused on a full states folder
-_disk_pauses: dict[str, int] = {}
+# the runs whose states folder this worker found full (said once a pause)
+_disk_pauses: set[str] = set()
 DISK_PAUSE_MAX_S = 60.0
+
+
+def disk_pause_s(age_s: float, jitter: float | None = None) -> float:
+    """How long a sample waits when the states folder has been full for `age_s` (the pause's
+    age, shared by every worker through its record in Redis): half that age, at least
+    BACKOFF_FACTOR_S x 2 and at most DISK_PAUSE_MAX_S, plus the client's jitter: the
+    longer the disk stays full, the more seldom it is tried."""
+    extra = random.random() * BACKOFF_JITTER_S if jitter is None else jitter
+    return min(DISK_PAUSE_MAX_S, max(2 * BACKOFF_FACTOR_S, age_s / 2)) + extra
 
 
 def _pause(rc: RunContext, cat: Category, p: Pending, exc: extract.StatesDiskFull) -> str:
     """A full states folder: the sample goes back, not counted as a failed attempt, to be
-    taken again after a wait that doubles with each pause in a row (up to
-    DISK_PAUSE_MAX_S), and the pause is recorded where status and the stage's lines read
-    it (`TelemetryLedger.record_disk_trouble`)."""
-    n = _disk_pauses.get(rc.cfg.run, 0) + 1
-    _disk_pauses[rc.cfg.run] = n
-    wait_s = retry_delay_s(n + 1, DISK_PAUSE_MAX_S)
-    since = rc.ledger.record_disk_trouble(str(exc.folder), str(exc), now_ms())
-    if n == 1:
+    taken again after `disk_pause_s`, and the pause is recorded where status and the stage's
+    lines read it (`SampleLedger.record_disk_trouble`)."""
+    at = now_ms()
+    since = rc.ledger.record_disk_trouble(str(exc.folder), str(exc), at)
+    wait_s = disk_pause_s((at - since) / 1000)
+    if rc.cfg.run not in _disk_pauses:
         log.warning("%s/%s: the hidden-state stage pauses: %s", cat.name, p.sample_id, exc)
-    log.info("%s/%s waits %.1f s for room (paused since %d)", cat.name, p.sample_id, wait_s,
-             since)
-    rc.ledger.release(cat.name, p, now_ms() + int(wait_s * 1000))
+    _disk_pauses.add(rc.cfg.run)
+    log.info("%s/%s waits %.1f s for room", cat.name, p.sample_id, wait_s)
+    rc.ledger.release(cat.name, p, at + int(wait_s * 1000))
     return "released"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import mmap
 import os
@@ -492,6 +493,18 @@ def _readable(path: Path) -> None:
         os.umask(_UMASK)
     with contextlib.suppress(OSError):  # not the file's owner: left as it is
         os.chmod(path, 0o666 & ~_UMASK)
+
+
+def run_marker(run: str) -> str:
+    """What the request id of every hidden-state request of the run `run` (a stage's run)
+    starts with, so the engine's files of its attempts are found by name (vLLM names a file
+    `cmpl-<request id>-<i>-<random>.safetensors`)."""
+    return f"tc{hashlib.sha256(run.encode()).hexdigest()[:8]}-"
+
+
+def row_marker(run: str, path: str | Path) -> str:
+    """`run_marker` and the row kept at `path` (its file's stem): every attempt at the row."""
+    return f"{run_marker(run)}{Path(path).stem}-"
 
 
 def engine_files(folder: str | Path, marker: str) -> list[Path]:

@@ -25,8 +25,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import msgspec
 import requests
 
 from foundation import hsfile
@@ -75,8 +77,8 @@ def preflight(cfg: RunConfig, urls: list[str], renderer: Renderer | None,
                     f"engine {spec.url} is SGLang: stock SGLang returns the last layer's "
                     "state only (return_hidden_states), not EAGLE-3's three layers and the "
                     "pre-norm last one; extract with vLLM (docs/HIDDEN_STATES.md)")
-            _probe(spec, info, renderer, cfg)
-            return info
+            folder = _probe(spec, info, renderer, cfg)
+            return msgspec.structs.replace(info, states_folder=folder) if folder else info
 
         info = until_ready(spec.url, check, cfg.preflight_wait_s, cfg.backoff_max_s, sleep)
         log.info("engine %s: %s API, model %r, version %s, context %s%s", spec.url, info.api,
@@ -114,8 +116,11 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None, cfg: RunConfig) -> None:
-    """One generation, sent as samples are, checked against the tokenizer."""
+def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None,
+           cfg: RunConfig) -> str | None:
+    """One generation, sent as samples are, checked against the tokenizer; for a
+    hidden-state stage, its file checked, and the folder the server writes files in
+    returned."""
     ids = renderer.render(PROBE_MESSAGES)[1] if renderer is not None else PROBE_IDS
     path, body = request(info.api, ids, PROBE_SAMPLING, f"tokencap-probe-{uuid.uuid4().hex}")
     who = f"engine {spec.url} ({info.api} {info.version or 'version ?'}, model " \
@@ -137,10 +142,9 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None, cfg: R
     except EngineError as exc:
         raise EngineUnusable(f"{who}: {exc}") from None
     if cfg.stage == "hidden_states":
-        _probe_states(who, gen, ids, cfg)
-        return
+        return _probe_states(who, gen, ids, cfg)
     if renderer is None:
-        return
+        return None
     n = int(renderer.vocab_size)
     tok = cfg.tokenizer
     outside = [t for t in gen.output_ids if t >= n]
@@ -163,12 +167,13 @@ def _probe(spec: EngineSpec, info: EngineInfo, renderer: Renderer | None, cfg: R
                              "served model's tokenizer (or the engine at the tokenizer's "
                              "model).")
     log.info("%s: probe ok (%d ids, finish %s)", who, len(gen.output_ids), gen.finish)
+    return None
 
 
-def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> None:
+def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> str:
     """The extraction server's file for the probe, checked before any row is sent: the
     blocker named when it cannot extract (not vLLM's extract_hidden_states, the connector
-    not loaded, other layers, states all zero)."""
+    not loaded, other layers, states all zero). Returns the folder it writes files in."""
     hs = cfg.states()
     if not gen.hidden_states_path:
         raise EngineUnusable(
@@ -206,6 +211,7 @@ def _probe_states(who: str, gen: Generation, ids: list[int], cfg: RunConfig) -> 
                     "connector (tokencap.engine_side.vllm_connector, docs/HIDDEN_STATES.md) "
                     "writes them into every file, and then a server started with other ids "
                     "is refused", who, list(hs.layers))
+    return str(Path(src).parent)
 
 
 def end_of_turn_ids(cfg: RunConfig, renderer: Renderer | None) -> set[int]:

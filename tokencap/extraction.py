@@ -24,12 +24,13 @@ runner runs it (`tokencap/stack/stage.py`: `run_hidden_states`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -49,6 +50,9 @@ from foundation.outputs import (
 )
 from foundation.units import size_text
 from foundation.wire import Outcome
+
+if TYPE_CHECKING:
+    from budget_service.telemetry import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +282,46 @@ def prepare(cfg: RunConfig, given_url: str | None = None,
         say(line)
     check_disk(stage, plan, kept_bytes(stage))
     return Prepared(stage, stage_config(stage, write_rows(stage)), engines)
+
+
+def finished(ready: Prepared, status: RunStatus) -> bool:
+    """Whether the stage has nothing to ask (`status`: its run's, read from Redis): its run
+    exists, every category ended and wrote everything, and none has rows it has not taken
+    (its rows file grown since: a cap raised, a run resumed) unless its byte budget closed
+    it. Then a rerun asks the engine for nothing, not even its probe."""
+    if not status.ended:
+        return False
+    for name in ready.stage.budgets:
+        st = status.categories.get(name)
+        if st is None or not st.ended:
+            return False
+        if st.state != "closed" and st.samples + st.failed + st.rejected < _lines(
+                rows_file(ready.stage.spec.output_dir, name)):
+            return False
+    return True
+
+
+def _lines(path: Path) -> int:
+    if not path.is_file():
+        return 0
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def sweep_engine_files(stage: StatesStage, folders: Iterable[str]) -> int:
+    """The engine's files (and locks) that attempts of the stage's run left in the
+    extraction servers' `folders` (a worker killed between the engine's write and its keep):
+    removed. Call it only when no worker of the stage works. Returns how many."""
+    marker = hsfile.run_marker(stage.cfg.run + STAGE_SUFFIX)
+    removed = 0
+    for folder in {f for f in folders if f}:
+        for path in hsfile.engine_files(folder, marker):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    if removed:
+        log.info("removed %d engine file(s) and lock(s) left by killed workers", removed)
+    return removed
 
 
 def finish(stage: StatesStage) -> int:

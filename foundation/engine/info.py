@@ -42,6 +42,9 @@ class EngineInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     context_length: int | None = None
     simulated: bool = False
     metrics: bool = True
+    # an extraction server's: the folder its hidden-state connector writes files in (the
+    # preflight's probe file's), where the stage's end looks for files a killed worker left
+    states_folder: str = ""
 
 
 def _get(spec: EngineSpec, path: str, timeout: tuple[float, float] = INFO_TIMEOUT_S

@@ -132,13 +132,14 @@ STATES_HIDDEN = 64
 
 
 def states_config(tmp: Path, run: str, rows: int, attempts: int = 4,
-                  lease_s: float = 1.0) -> Path:
+                  lease_s: float = 1.0, hidden: int = STATES_HIDDEN,
+                  states_out: Path | None = None) -> Path:
     """Two categories ("a", "b") of `rows` token-id prompts each, generated on the simulator,
-    with a `[hidden_states]` section (a model of 8 layers, hidden size 64, bf16) whose
-    states go to `<tmp>/hs`; returns the config's path."""
+    with a `[hidden_states]` section (a model of 8 layers, hidden size `hidden`, bf16) whose
+    states go to `states_out` (default `<tmp>/hs`); returns the config's path."""
     model = tmp / "model" / "config.json"
     model.parent.mkdir()
-    model.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": STATES_HIDDEN,
+    model.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": hidden,
                                  "torch_dtype": "bfloat16"}))
     a = ids_source(tmp, rows, "a.jsonl", base=300)
     b = ids_source(tmp, rows, "b.jsonl", base=300 + rows)
@@ -156,6 +157,6 @@ output_dir = "{tmp / 'out'}"
 {knobs}
 [hidden_states]
 model_config = "{model}"
-output_dir = "{tmp / 'hs'}"
+output_dir = "{states_out or tmp / 'hs'}"
 {cats}""")
     return tmp / "run.toml"

@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -113,6 +115,12 @@ def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
         rerun_asked = len(sim.requests()) - rerun_sim_before
     finally:
         sim.stop()
+    # with no server at all, the finished stage's rerun exits 0 having asked nothing
+    gone = subprocess.run([sys.executable, "-m", "tokencap.cli", "hidden-states", str(path),
+                           "--extract-url", sim.url, "--redis-url", redis_url],
+                          capture_output=True, text=True, timeout=120)
+    assert gone.returncode == 0, gone.stderr
+    assert "nothing to extract" in gone.stdout + gone.stderr
     hs = _hs(tmp_path)
     for name in ("a", "b"):
         st = status["categories"][name]
@@ -137,8 +145,8 @@ def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
         assert len(files) == len(rows) and all(f.suffix == ".safetensors" for f in files)
     # the engine's own files are gone once copied; the probe's too
     assert list((tmp_path / "engine-files").glob("*.safetensors")) == []
-    # a rerun of a finished stage: the probe only
-    assert rerun_asked == 1
+    # a rerun of a finished stage asks nothing, not even a probe
+    assert rerun_asked == 0
     assert again["categories"]["a"]["samples"] == status["categories"]["a"]["samples"]
 
 

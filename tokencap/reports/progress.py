@@ -21,11 +21,15 @@ def since_text(since_ms: int, now_ms: int | None = None) -> str:
             f"{time.strftime('%H:%M:%S', time.localtime(since_ms / 1000))})")
 
 
-def engine_trouble_lines(status: RunStatus, now_ms: int | None = None) -> list[str]:
-    """The engines that do not answer (the producer's engine watch records them), each with
-    why and since when: "engine URL: WHY, for N s (since HH:MM:SS)"."""
-    return [f"engine {url}: {t.why}, {since_text(t.since_ms, now_ms)}"
-            for url, t in sorted(status.trouble.items())]
+def trouble_lines(status: RunStatus, now_ms: int | None = None) -> list[str]:
+    """The engines that do not answer (the producer's engine watch records them), then the
+    states folders a hidden-state stage pauses on (its workers record them), each with why
+    and since when: "engine URL: WHY, for N s (since HH:MM:SS)", "states paused, FOLDER:
+    WHY, for N s (since ...)"."""
+    return ([f"engine {url}: {t.why}, {since_text(t.since_ms, now_ms)}"
+             for url, t in sorted(status.trouble.items())]
+            + [f"states paused, {t.why}, {since_text(t.since_ms, now_ms)}"
+               for _folder, t in sorted(status.disk_trouble.items())])
 
 
 def writer_trouble_lines(status: RunStatus, now_ms: int | None = None) -> list[str]:
@@ -41,7 +45,8 @@ class ProgressPrinter:
     """Prints one line per category every call, with tok/s since the previous call, and what
     holds the end back once every category is done (the writer); a line that would repeat
     the previous one is not printed. An engine that does not answer (the status's
-    `trouble`) is in every line until it answers again, with since when."""
+    `trouble`), or a full states folder a stage pauses on, is in every line until it is
+    over, with since when."""
 
     def __init__(self, out: TextIO = sys.stdout,
                  clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
@@ -60,7 +65,7 @@ class ProgressPrinter:
                 self.out.write(f"[progress] engine {url} answers again, after "
                                f"{max(0, now - since) // 1000} s\n")
         self._down = down
-        return "; ".join(engine_trouble_lines(status, now))
+        return "; ".join(trouble_lines(status, now))
 
     def __call__(self, status: RunStatus) -> None:
         now = time.monotonic()
@@ -178,7 +183,7 @@ def summary_table(status: RunStatus) -> str:
         if b is not None:
             rows.append(f"hidden states {n}: {size_text(b.used)}"
                         + (f" of {size_text(b.cap)}" if b.cap is not None else ""))
-    rows += engine_trouble_lines(status) + writer_trouble_lines(status)
+    rows += trouble_lines(status) + writer_trouble_lines(status)
     if status.simulated:
         rows.append(SIMULATED_TEXT)
     return "\n".join(rows)

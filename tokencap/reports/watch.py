@@ -32,7 +32,7 @@ from budget_service.telemetry import RunStatus, SeriesPoint
 from foundation.engine.api import engine_spec
 from foundation.engine.load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
-from tokencap.reports.progress import SIMULATED_TEXT, engine_trouble_lines, gate_lines, since_text
+from tokencap.reports.progress import SIMULATED_TEXT, gate_lines, since_text, trouble_lines
 from tokencap.reports.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
 
 ENGINE_TIMEOUT_S = 2.0
@@ -142,7 +142,7 @@ def plain_lines(status: RunStatus, rates: Mapping[str, CategoryRate],
         )
     engine_part = " | ".join(_engine_text(e) for e in engines) or "none"
     lines.append(f"engines: {engine_part}; workers={workers}")
-    lines += engine_trouble_lines(status)
+    lines += trouble_lines(status)
     lines.append(writer_text(status))
     if status.simulated:
         lines.append(SIMULATED_TEXT)
@@ -239,7 +239,7 @@ def _footer(status: RunStatus, engines: list[EngineLoad], workers: int) -> Text:
         footer.append("\n")
     if not engines:
         footer.append("engines: none configured\n")
-    for line in engine_trouble_lines(status):  # what the producer's engine watch found
+    for line in trouble_lines(status):  # the engine watch's finds, a stage's full disk
         footer.append(line + "\n", style="bold red")
     footer.append(f"workers: {workers}\n")
     for line in gate_lines(status):  # what of the budget a trainer can use

@@ -210,6 +210,12 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
                             extraction.STATES_PREFIX),
                       redis or connect(redis_url), sup or Supervisor(processes.Table(None)),
                       say=say)
+    before = runner.budget.telemetry.snapshot()
+    if extraction.finished(ready, before):  # a rerun: nothing to ask, not even a probe
+        say(f"the hidden-state stage {ready.run.run} has every row it can take: nothing to "
+            "extract")
+        _end_stage(ready, before)
+        return before
     stopped = {"flag": False}
 
     def stop() -> bool:
@@ -218,5 +224,13 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
 
     status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
     if not stopped["flag"]:  # every row done, the workers stopped: no file is being written
-        extraction.finish(ready.stage)
+        _end_stage(ready, runner.budget.telemetry.snapshot())
     return status
+
+
+def _end_stage(ready: extraction.Prepared, status: RunStatus) -> None:
+    """The stage's end: what killed workers left removed (their temporaries, and their
+    engine's files in the folders the preflight found the servers write in)."""
+    extraction.finish(ready.stage)
+    extraction.sweep_engine_files(ready.stage,
+                                  (e.states_folder for e in status.engines.values()))

@@ -239,3 +239,19 @@ def test_engine_counts_add_up(budget: Budget) -> None:
     budget.samples.add_engine_counts({"http://e|requests|ok": 1})
     assert budget.telemetry.engine_counts() == {"http://e|requests|ok": 3,
                                                 "http://e|latency_sum_ms": 150}
+
+
+# -- engine_trouble, as the stage's workers record a full states folder ----------------------
+
+def test_disk_trouble_is_the_workers_record_of_a_pause_shown_in_status(budget: Budget) -> None:
+    s = budget.samples
+    assert s.record_disk_trouble("/hs/a/states", None, 1_000) == -1  # none to clear
+    assert s.record_disk_trouble("/hs/a/states", "0.00 GB free", 5_000) == 5_000
+    assert s.record_disk_trouble("/hs/a/states", "0.01 GB free", 9_000) == 5_000  # its start
+    snap = budget.telemetry.snapshot()
+    assert snap.disk_trouble["/hs/a/states"].why == "0.01 GB free"
+    assert budget.telemetry.status()["disk_trouble"] == {
+        "/hs/a/states": {"why": "0.01 GB free", "since_ms": 5_000}}
+    assert snap.trouble == {}  # not an engine's
+    assert s.record_disk_trouble("/hs/a/states", None, 12_000) == 7_000
+    assert budget.telemetry.snapshot().disk_trouble == {}

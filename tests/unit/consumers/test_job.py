@@ -130,3 +130,11 @@ def test_unpark_sends_the_prompt_tokens_in_the_job_without_reading_each_sample(
     [ref] = _queued(producer)
     assert (ref.sample_id, ref.seq, ref.prompt_tokens) == ("a", 1, PROMPT) and calls == []
     assert jobs.JOB_FUNC == "consumers.job.process"
+
+
+def test_a_full_states_folder_is_tried_more_seldom_the_longer_it_stays_full() -> None:
+    from consumers.job import DISK_PAUSE_MAX_S, disk_pause_s
+
+    waits = [disk_pause_s(age, jitter=0.0) for age in (0, 1, 10, 60, 3600)]
+    assert waits == sorted(waits) and waits[0] == 1.0 and waits[-1] == DISK_PAUSE_MAX_S
+    assert disk_pause_s(10, jitter=0.25) == 5.25

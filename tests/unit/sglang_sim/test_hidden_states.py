@@ -4,11 +4,10 @@ model dtype beside the prompt's ids, the writer's lock, and each file fault."""
 
 from __future__ import annotations
 
-import re
-
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 

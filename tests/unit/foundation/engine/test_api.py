@@ -112,7 +112,7 @@ def test_each_api_is_asked_in_its_own_words() -> None:
     assert path == COMPLETIONS_PATH
     assert json.loads(body) == {"max_tokens": 8, "seed": 3, "include_stop_str_in_output": True,
                                 "top_k": 5, "prompt": [1, 2], "return_token_ids": True,
-                                "stream": False, "n": 1}
+                                "stream": False, "n": 1, "request_id": "rid-1"}
 
 
 def test_retries_back_off_as_urllib3_does_within_the_bound() -> None:

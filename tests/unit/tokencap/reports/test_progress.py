@@ -70,3 +70,14 @@ def test_the_summary_breaks_the_rejected_and_failed_down_by_reason() -> None:
     assert ("agent: rejected 240, failed 3: duplicate_prompt 151, tool_divergence 89, "
             "server_error 3") in lines
     assert not any(line.startswith("clean:") for line in lines)  # nothing to break down
+
+
+def test_a_stage_paused_on_a_full_states_folder_is_said_in_every_line_until_it_is_over() -> None:
+    out = io.StringIO()
+    p = ProgressPrinter(out, clock_ms=lambda: 65_000)
+    paused = EngineTrouble("/hs/a/states has 0.00 GB free, a row of 0.003 GB needs more", 5_000)
+    p(run_status({"a": category_state()}, disk_trouble={"/hs/a/states": paused}))
+    p(run_status({"a": category_state(used=10)}))
+    first, second = out.getvalue().splitlines()
+    assert "states paused, /hs/a/states has 0.00 GB free" in first and "for 60 s" in first
+    assert "states paused" not in second
