@@ -1,7 +1,8 @@
 """The hidden-state stage through the whole pipeline (`tokencap hidden-states`: producer,
 ledger, worker processes, writer) against the simulator playing vLLM's extraction server
 (`sglang_sim.hidden`: states a pure function of the ids): every training row's states kept
-once, in a checked file equal to what the engine computed; a byte budget closes a category;
+once, in a checked file equal to what the engine computed, proven by the manifest written at
+the stage's end; a byte budget closes a category;
 a NaN or all-zero file is never kept (asked again, then dead with its reason; refused at
 the preflight when every file is bad); workers killed mid-stage and the stage rerun leave no
 file twice and none torn; a finished stage rerun asks the engine for nothing."""
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from budget_service.telemetry import status_document
-from foundation import hsfile
+from foundation import hsfile, states_manifest
 from foundation.errors import EngineUnusable
 from foundation.outputs import read_dead_letters, read_results, rows_file, states_file
 from sglang_sim.hidden import states as expected_states
@@ -134,6 +135,11 @@ def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
             assert meta["row"] == r.source_id
         files = list((Path(hs.output_dir) / name / "states").iterdir())
         assert len(files) == len(rows) and all(f.suffix == ".safetensors" for f in files)
+        # the category's manifest, written at the stage's end: every kept file, proven
+        doc = states_manifest.read(states_manifest.manifest_path(hs.output_dir, name), name)
+        assert sorted(f.row for f in doc.files) == sorted(rows) and doc.run == "hs.hs"
+        assert all(f.crc32 and f.header_crc32 is not None for f in doc.files)
+        assert states_manifest.verify(hs.output_dir, name).problems == []
     # the engine's own files are gone once copied; the probe's too
     assert list((tmp_path / "engine-files").glob("*.safetensors")) == []
     # a rerun of a finished stage: the probe only
@@ -164,6 +170,9 @@ def test_a_byte_budget_closes_a_category(tmp_path, redis_url, generated) -> None
     assert b["state"] == "exhausted" and b["bytes_cap"] is None
     kept = list((Path(_hs(tmp_path).output_dir) / "a" / "states").iterdir())
     assert len(kept) == a["samples"]
+    # closed by its budget is an end too: its manifest names what it kept
+    proven = states_manifest.verify(_hs(tmp_path).output_dir, "a")
+    assert proven.files == a["samples"] and proven.problems == []
 
 
 @pytest.mark.parametrize("fault,reason", [("hs_nan_rate", "not_finite"),

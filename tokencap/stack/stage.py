@@ -218,5 +218,5 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
 
     status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s)
     if not stopped["flag"]:  # every row done, the workers stopped: no file is being written
-        extraction.finish(ready.stage)
+        extraction.finish(ready.stage, [n for n, st in status.categories.items() if st.ended])
     return status
