@@ -1,6 +1,7 @@
-"""`tokencap export`, `tokencap plan` and `tokencap preview`: wiring only.
+"""`tokencap export`, `plan`, `preview`, `init`, `audit` and `verify`: wiring only.
 
-The logic lives in `tokencap.export` and `tokencap.prepare.plan`. These commands need no Redis.
+The logic lives in `tokencap.export` and `tokencap.prepare` (`plan`, `init`, `audit`,
+`verify`). These commands need no Redis.
 Each command ends an expected error as one line (`tokencap.cli.errors.Command`), registered
 on the `tokencap` group or invoked alone.
 """
@@ -540,3 +541,33 @@ def audit_cmd(rows: tuple[str, ...], tokenizer: str | None, config_path: str | N
                 click.echo(f"    {example}")
     if report["reasons"]:
         sys.exit(1)
+
+
+@click.command("verify", cls=Command)
+@click.argument("states_dir", metavar="STATES_DIR", type=click.Path(file_okay=True))
+@click.option("--category", "categories", multiple=True,
+              help="Verify only this category (repeatable). Default: every folder of "
+              "STATES_DIR with states or a manifest.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_cmd(states_dir: str, categories: tuple[str, ...], as_json: bool) -> None:
+    """Reread the hidden-state files of STATES_DIR (the config's [hidden_states] output_dir)
+    against the manifest each category's stage wrote at its end: every file's size and the
+    CRC32 of each tensor and of its header. Names every missing, extra, torn, changed or
+    swapped file (one line each); exits 2 when any, or when a category has states and no
+    manifest (its stage has not ended). Reads only; a progress line every few seconds on
+    stderr. Needs no Redis.
+    """
+    from tokencap.prepare.verify import report_lines, verify_states
+
+    root = Path(states_dir)
+    checks = verify_states(root, list(categories) or None,
+                           lambda line: click.echo(line, err=True))
+    if as_json:
+        doc = {"states_dir": str(root), "clean": all(c.clean for c in checks),
+               "categories": {c.category: c.document() for c in checks}}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        for line in report_lines(checks):
+            click.echo(line)
+    if not all(c.clean for c in checks):
+        sys.exit(2)

@@ -17,26 +17,15 @@ from foundation import hsfile
 from foundation import states_manifest as sm
 from foundation.outputs import states_file
 from foundation.wire import Result
-from sglang_sim.hidden import file_bytes
+from tests.helpers import STATES_HIDDEN, STATES_LAYERS, keep_states
 
-LAYERS, HIDDEN = [2, 4, 5, 8], 16
+LAYERS, HIDDEN = STATES_LAYERS, STATES_HIDDEN
 ROWS = ["r0", "r1", "r2"]
 
 
 def keep(root: Path, row: str, ids: list[int], fp8: bool = False) -> sm.StatesFile:
-    """The file the stage keeps for `row` (the simulator's bf16 states of `ids`, or them in
-    FP8 as speculators stores them) and its description as the worker gives it."""
-    tensors, _ = hsfile.decode(file_bytes(ids, LAYERS, HIDDEN, "bfloat16"), row)
-    if fp8:
-        q, scales = hsfile.to_fp8(tensors["hidden_states"])
-        tensors = {"hidden_states": q, hsfile.SCALES: scales, "token_ids": tensors["token_ids"]}
-    data = hsfile.encode(tensors, {"row": row})
-    path = states_file(root, "code", row)
-    hsfile.write_whole(path, data)
-    return sm.StatesFile(file=os.path.relpath(path, root), tokens=len(ids), bytes=len(data),
-                         dtype=tensors["hidden_states"].dtype, hidden_size=HIDDEN,
-                         layers=LAYERS, final_norm=["pre"] * 4, row=row,
-                         crc32=sm.crc32s(tensors), header_crc32=sm.header_crc32(data))
+    entry: sm.StatesFile = keep_states(root, "code", row, ids, fp8)
+    return entry
 
 
 def stage(root: Path) -> list[sm.StatesFile]:
