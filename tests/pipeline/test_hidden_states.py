@@ -288,13 +288,22 @@ def test_the_speculators_export_holds_each_row_s_states_by_its_index(
     finally:
         sim.stop()
     kept = sum(st["samples"] for st in status["categories"].values())
-    # one row of category b without states: left out of every format, counted
+    # one row of category b the stage kept nothing for (no file, not in the manifest): left
+    # out of every format, counted; another whose kept file is lost since: the export stops
+    # naming it, or with --skip-bad-states leaves it out, counted
     hs = _hs(tmp_path)
-    lost = next(iter(kept_rows(tmp_path, "b")))
+    never, lost = list(kept_rows(tmp_path, "b"))[:2]
+    states_file(hs.output_dir, "b", never).unlink()
+    doc = states_manifest.read(states_manifest.manifest_path(hs.output_dir, "b"))
+    states_manifest.write(hs.output_dir, "b", doc.run, [f for f in doc.files if f.row != never])
     states_file(hs.output_dir, "b", lost).unlink()
     dest = tmp_path / "train"
     args = ["export", str(path), "--dest", str(dest), "--merged", "--hidden-states",
             "--max-length", "40", "--allow-simulated", "--draft-vocab-size", "0", "--json"]
+    res = CliRunner().invoke(main, [*args, "--format", "speculators"])
+    rel = os.path.relpath(states_file(hs.output_dir, "b", lost), hs.output_dir)
+    assert res.exit_code == 2 and f"b: {rel}: missing" in res.output, res.output
+    args.append("--skip-bad-states")
     if importlib.util.find_spec("torch") is None:
         # SpecForge's .ckpt files need torch (make test-engine writes them in the trainers'
         # venv): without it, one line saying how to get it, nothing written
@@ -304,13 +313,15 @@ def test_the_speculators_export_holds_each_row_s_states_by_its_index(
     res = CliRunner().invoke(main, [*args, "--format", "speculators"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
-    assert summary["total"]["dropped_no_states"] == 1
-    assert summary["total"]["rows"] == kept - 1
+    assert summary["total"]["dropped_no_states"] == summary["total"]["dropped_bad_states"] == 1
+    assert summary["total"]["rows"] == kept - 2
+    assert summary["hidden_states"]["trainers"]["speculators"]["args"] == (
+        "--target-layer-ids 2 4 5")
     with pa.ipc.open_stream(str(dest / "speculators" / "data-00000-of-00001.arrow")) as r:
         table = r.read_all()
     ids = table.column("input_ids").to_pylist()
     names = table.column("id").to_pylist()
-    assert len(ids) == kept - 1 and f"b/{lost}" not in names
+    assert len(ids) == kept - 2 and f"b/{lost}" not in names and f"b/{never}" not in names
     cut = 0
     for i, row_ids in enumerate(ids):
         f = dest / "speculators" / "hidden_states" / f"hs_{i}.safetensors"
