@@ -238,6 +238,8 @@ def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
     try:
         stage_run(path, redis_url, sim, should_stop=kill_some)
         assert killed.is_set()
+        # stopped before its end: no manifest proves a half-kept category
+        assert not states_manifest.manifest_path(hs.output_dir, "a").exists()
         # a kill mid-write leaves a temporary beside the row's name: planted for a row kept
         # and a row not yet done, whatever the kill's timing hit
         done = {r for r in kept_rows(tmp_path, "a")
@@ -262,6 +264,9 @@ def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
         for f in folder.iterdir():
             tensors, meta = hsfile.read(f)  # none torn
             hsfile.check(f, tensors, rows[meta["row"]], len(LAYERS), HIDDEN, "BF16")
+        # the stopped run wrote no manifest, the rerun to the end one naming every file
+        proven = states_manifest.verify(hs.output_dir, name)
+        assert proven.files == len(rows) and proven.problems == []
 
 
 def test_a_stage_before_any_row_was_generated_extracts_nothing(tmp_path, redis_url) -> None:
