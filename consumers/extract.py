@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -107,14 +108,15 @@ def kept(path: Path, spec: StatesSpec, ids: list[int], output_dir: str, row_id: 
     if not path.is_file():
         return None
     try:
-        tensors, meta = hsfile.decode(hsfile.map_engine_file(path), path)
+        data = hsfile.map_engine_file(path)
+        tensors, meta = hsfile.decode(data, path)
         layers = _check(path, tensors, meta, ids, spec, engine_file=False)
     except (hsfile.BadFile, OSError) as exc:
         log.warning("%s: redone (%s)", path, exc)
         return None
     hsfile.remove_temps(path)  # an earlier attempt killed while writing it
-    return _description(path, spec, ids, tensors, layers, path.stat().st_size, output_dir,
-                        row_id, "")
+    return _description(path, spec, ids, tensors, data, layers, path.stat().st_size,
+                        output_dir, row_id, "")
 
 
 def _check(path: Path, tensors: dict[str, hsfile.Tensor], meta: dict[str, str],
@@ -124,17 +126,19 @@ def _check(path: Path, tensors: dict[str, hsfile.Tensor], meta: dict[str, str],
 
 
 def _description(path: Path, spec: StatesSpec, ids: list[int],
-                 tensors: dict[str, hsfile.Tensor],
+                 tensors: dict[str, hsfile.Tensor], data: bytes | mmap.mmap,
                  layers: hsfile.Layers, size: int,
                  output_dir: str, row_id: str, engine: str) -> StatesFile:
-    """What the result row (and then the manifest) says of a kept file."""
+    """What the result row (and then the manifest) says of a kept file (`data`: its bytes,
+    for the header's CRC32)."""
     hs = tensors["hidden_states"]
     return msgspec.convert({
         "file": os.path.relpath(path, output_dir), "tokens": len(ids), "bytes": size,
         "dtype": hs.dtype, "hidden_size": hs.shape[2], "layers": list(layers.ids),
         "final_norm": list(layers.final_norm), "row": row_id,
-        "crc32": states_manifest.crc32s(tensors), "layers_from": layers.read_from,
-        "engine": engine}, StatesFile)
+        "crc32": states_manifest.crc32s(tensors),
+        "header_crc32": states_manifest.header_crc32(memoryview(data)),
+        "layers_from": layers.read_from, "engine": engine}, StatesFile)
 
 
 def take(gen: Generation, path: Path, spec: StatesSpec, ids: list[int], row_id: str,
@@ -177,7 +181,8 @@ def _keep(src: Path, gen: Generation, path: Path, spec: StatesSpec, ids: list[in
             q, scales = hsfile.to_fp8(tensors["hidden_states"])
             tensors = {"hidden_states": q, hsfile.SCALES: scales,
                        "token_ids": tensors["token_ids"]}
-            done = hsfile.keep_bytes(path, hsfile.encode(tensors, meta))
+            data = hsfile.encode(tensors, meta)
+            done = hsfile.keep_bytes(path, data)
         else:
             done = hsfile.keep_file(src, path)
     except OSError as exc:
@@ -192,8 +197,8 @@ def _keep(src: Path, gen: Generation, path: Path, spec: StatesSpec, ids: list[in
         raise BadStates(f"{path}: another attempt's file is there and fails its check")
     hsfile.remove_temps(path)  # an earlier attempt killed while writing it
     log.debug("%s: %s (%d bytes)", path, done.how, done.bytes)
-    return _description(path, spec, ids, tensors, layers, done.bytes, output_dir, row_id,
-                        gen.engine)
+    return _description(path, spec, ids, tensors, data, layers, done.bytes, output_dir,
+                        row_id, gen.engine)
 
 
 def _disk_full_instead(src: Path, tokens: int, spec: StatesSpec) -> None:

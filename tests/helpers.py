@@ -6,6 +6,7 @@
   `testing.harness`'s `ledger_state`, `ledger_entry`, `final_marks`);
 - a run's status made by hand for a board (`category_state`, `run_status`);
 - a run's output folder written by hand (`row_result`, `write_run`): what an export reads;
+  a hidden-state stage's kept file (`keep_states`), what a manifest names;
 - a record's first prompt (`to_prompt`), the conversations fixture's records by id
   (`conversation_records`), and the budget service's HTTP face served from a thread
   (`serve_in_thread`);
@@ -224,6 +225,37 @@ def write_run(out: Path, rows: dict[str, list[Result]]) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         (d / "part-00001.jsonl").write_bytes(b"".join(encode(r) + b"\n" for r in results))
     return out
+
+
+# -- a hidden-state stage's kept files ------------------------------------------------------------
+
+STATES_LAYERS, STATES_HIDDEN = [2, 4, 5, 8], 16
+
+
+def keep_states(root: Path, category: str, row: str, ids: list[int], fp8: bool = False
+                ) -> Any:
+    """The file a hidden-state stage keeps for `row` under `root` (its output folder): the
+    simulator's bf16 states of `ids` (layers `STATES_LAYERS`, hidden size `STATES_HIDDEN`),
+    or them in FP8 as speculators stores them; returns its manifest entry
+    (`foundation.states_manifest.StatesFile`) as a worker describes it."""
+    import os
+
+    from foundation import hsfile
+    from foundation import states_manifest as sm
+    from foundation.outputs import states_file
+    from sglang_sim.hidden import file_bytes
+
+    tensors, _ = hsfile.decode(file_bytes(ids, STATES_LAYERS, STATES_HIDDEN, "bfloat16"), row)
+    if fp8:
+        q, scales = hsfile.to_fp8(tensors["hidden_states"])
+        tensors = {"hidden_states": q, hsfile.SCALES: scales, "token_ids": tensors["token_ids"]}
+    data = hsfile.encode(tensors, {"row": row})
+    path = states_file(root, category, row)
+    hsfile.write_whole(path, data)
+    return sm.StatesFile(file=os.path.relpath(path, root), tokens=len(ids), bytes=len(data),
+                         dtype=tensors["hidden_states"].dtype, hidden_size=STATES_HIDDEN,
+                         layers=STATES_LAYERS, final_norm=["pre"] * len(STATES_LAYERS),
+                         row=row, crc32=sm.crc32s(tensors), header_crc32=sm.header_crc32(data))
 
 
 # -- the stack's shell --------------------------------------------------------------------------

@@ -20,6 +20,9 @@ runner runs it (`tokencap/stack/stage.py`: `run_hidden_states`).
 - Disk as a budget: `disk_plan` gives the bytes per category (the rows' tokens, up to each
   budget); `check_disk` refuses a stage whose bytes still to write exceed the free space of
   the output folder (`DiskFull`). `--plan` prints the plan and writes nothing.
+- Its end (`finish`): each ended category's manifest, written last
+  (`<hidden_states.output_dir>/<category>/manifest.json`, `foundation.states_manifest`):
+  every kept file with its bytes and CRC32s, what `tokencap verify` and the export check.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
-from foundation import hsfile
+from foundation import hsfile, states_manifest
 from foundation.config import UNCAPPED, Category, RunConfig, SamplingParams, StatesSpec
 from foundation.engine.api import parse_urls
 from foundation.errors import DiskFull, TokencapError
@@ -324,12 +327,50 @@ def sweep_engine_files(stage: StatesStage, folders: Iterable[str]) -> int:
     return removed
 
 
-def finish(stage: StatesStage) -> int:
+def finish(stage: StatesStage, ended: Iterable[str] = ()) -> int:
     """After every row is done and the stage's workers are stopped: remove the temporary
-    files a worker killed mid-write left (its row was then done by another attempt).
-    Returns how many."""
+    files a worker killed mid-write left (its row was then done by another attempt), then
+    write the manifest of each category in `ended` (the categories whose state the stage
+    ended in: `CategoryState.ended`), last (`write_manifest`). Returns how many temporaries
+    were removed."""
     removed = sum(hsfile.remove_folder_temps(states_dir(stage.spec.output_dir, name))
                   for name in stage.budgets)
     if removed:
         log.info("removed %d temporary file(s) left by killed workers", removed)
+    for name in ended:
+        if name in stage.budgets:
+            write_manifest(stage, name)
     return removed
+
+
+def write_manifest(stage: StatesStage, name: str) -> Path:
+    """The category's manifest (`foundation.states_manifest`): one entry per file its stage's
+    committed result rows name, with the CRC32s a row of an earlier version does not give
+    (taken from the manifest an earlier end wrote, else read from the file once). A line
+    that is not a result row, or whose `hidden_states` is no file's description, is logged
+    and left out: `tokencap verify` then names its file as extra. Returns its path."""
+    root = stage.spec.output_dir
+    earlier: dict[str, states_manifest.StatesFile] = {}
+    path = states_manifest.manifest_path(root, name)
+    if path.is_file():
+        try:
+            earlier = states_manifest.read(path, name).by_file()
+        except states_manifest.ManifestError as exc:
+            log.warning("%s: the earlier manifest is not read (%s): written anew", name, exc)
+    entries = []
+    for item in read_committed(category_dir(Path(root), name)):
+        if isinstance(item, BadLine):
+            log.warning("%s: %s: not a result row (%s): its states file stays out of the "
+                        "manifest", name, item.where, item.error)
+            continue
+        try:
+            entry = states_manifest.from_result(item)
+        except states_manifest.ManifestError as exc:
+            log.warning("%s: %s: its states file stays out of the manifest", name, exc)
+            continue
+        if entry is not None:
+            entries.append(states_manifest.complete(
+                root, entry, earlier.get(os.path.normpath(entry.file))))
+    written = states_manifest.write(root, name, stage.cfg.run + STAGE_SUFFIX, entries)
+    log.info("%s: manifest of %d states files written (%s)", name, len(entries), written)
+    return written

@@ -115,7 +115,7 @@ def _holding_engine_file(pid: int, storage: Path) -> bool:
 
 def test_workers_killed_between_the_check_and_the_keep_leave_no_file_twice_nor_engine_file(
         tmp_path, redis_url) -> None:
-    """Workers SIGKILLed while they hold the engine's file mapped (checked or being checked,
+    """A worker SIGKILLed while it holds the engine's file mapped (checked or being checked,
     not yet renamed to the row's name): found by stopping them (SIGSTOP) and reading their
     memory maps. The engine's files they held stay behind; the stage's rerun asks only for
     the rows without a kept file, and ends with every row's file once, none torn, and no
@@ -132,7 +132,7 @@ def test_workers_killed_between_the_check_and_the_keep_leave_no_file_twice_nor_e
     stop_hunt = threading.Event()
 
     def hunt() -> None:  # stop every worker, kill those holding a file, let the rest go on
-        while not stop_hunt.is_set() and len(killed) < 2:
+        while not stop_hunt.is_set() and not killed:
             pids = [c.pid for n, c in list(sup.table.children.items())
                     if "worker" in n and c.poll() is None and c.pid not in killed]
             for pid in pids:
@@ -154,12 +154,12 @@ def test_workers_killed_between_the_check_and_the_keep_leave_no_file_twice_nor_e
         hunter.start()
         try:
             first = run_hidden_states(cfg, redis_url, WORKERS, extract_url=ex.url, sup=sup,
-                                      should_stop=lambda: len(killed) >= 2, progress_s=0.2,
+                                      should_stop=lambda: bool(killed), progress_s=0.2,
                                       say=lambda line: None)
         finally:
             stop_hunt.set()
             hunter.join(10)
-        assert len(killed) == 2, "no worker was caught holding an engine's file"
+        assert killed, "no worker was caught holding an engine's file"
         left = [p for p in storage.glob("*.safetensors")]
         assert left, "the killed workers' engine files should still be there"
         asked_before = len(ex.requests())

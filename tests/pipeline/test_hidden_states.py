@@ -1,7 +1,8 @@
 """The hidden-state stage through the whole pipeline (`tokencap hidden-states`: producer,
 ledger, worker processes, writer) against the simulator playing vLLM's extraction server
 (`sglang_sim.hidden`: states a pure function of the ids): every training row's states kept
-once, in a checked file equal to what the engine computed; a byte budget closes a category;
+once, in a checked file equal to what the engine computed, proven by the manifest written at
+the stage's end; a byte budget closes a category;
 a NaN or all-zero file is never kept (asked again, then dead with its reason; refused at
 the preflight when every file is bad); workers killed mid-stage and the stage rerun leave no
 file twice and none torn; a finished stage rerun asks the engine for nothing."""
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from budget_service.telemetry import status_document
-from foundation import hsfile
+from foundation import hsfile, states_manifest
 from foundation.errors import EngineUnusable
 from foundation.outputs import read_dead_letters, read_results, rows_file, states_file
 from sglang_sim.hidden import states as expected_states
@@ -143,6 +144,11 @@ def test_every_training_row_s_states_are_kept_once_and_equal_the_engine_s(
             assert r.hidden_states["row"] == r.source_id
         files = list((Path(hs.output_dir) / name / "states").iterdir())
         assert len(files) == len(rows) and all(f.suffix == ".safetensors" for f in files)
+        # the category's manifest, written at the stage's end: every kept file, proven
+        doc = states_manifest.read(states_manifest.manifest_path(hs.output_dir, name), name)
+        assert sorted(f.row for f in doc.files) == sorted(rows) and doc.run == "hs.hs"
+        assert all(f.crc32 and f.header_crc32 is not None for f in doc.files)
+        assert states_manifest.verify(hs.output_dir, name).problems == []
     # the engine's own files are gone once copied; the probe's too
     assert list((tmp_path / "engine-files").glob("*.safetensors")) == []
     # a rerun of a finished stage asks nothing, not even a probe
@@ -173,6 +179,9 @@ def test_a_byte_budget_closes_a_category(tmp_path, redis_url, generated) -> None
     assert b["state"] == "exhausted" and b["bytes_cap"] is None
     kept = list((Path(_hs(tmp_path).output_dir) / "a" / "states").iterdir())
     assert len(kept) == a["samples"]
+    # closed by its budget is an end too: its manifest names what it kept
+    proven = states_manifest.verify(_hs(tmp_path).output_dir, "a")
+    assert proven.files == a["samples"] and proven.problems == []
 
 
 @pytest.mark.parametrize("fault,reason", [("hs_nan_rate", "not_finite"),
@@ -239,6 +248,8 @@ def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
     try:
         stage_run(path, redis_url, sim, should_stop=kill_some)
         assert killed.is_set()
+        # stopped before its end: no manifest proves a half-kept category
+        assert not states_manifest.manifest_path(hs.output_dir, "a").exists()
         # a kill mid-write leaves a temporary beside the row's name: planted for a row kept
         # and a row not yet done, whatever the kill's timing hit
         done = {r for r in kept_rows(tmp_path, "a")
@@ -264,6 +275,9 @@ def test_workers_killed_mid_stage_and_a_rerun_leave_no_file_twice_and_none_torn(
         for f in folder.iterdir():
             tensors, _ = hsfile.read(f)  # none torn
             hsfile.check(f, tensors, rows[row_of[f.name]], len(LAYERS), HIDDEN, "BF16")
+        # the stopped run wrote no manifest, the rerun to the end one naming every file
+        proven = states_manifest.verify(hs.output_dir, name)
+        assert proven.files == len(rows) and proven.problems == []
 
 
 def test_a_stage_before_any_row_was_generated_extracts_nothing(tmp_path, redis_url) -> None:
@@ -290,13 +304,22 @@ def test_the_speculators_export_holds_each_row_s_states_by_its_index(
     finally:
         sim.stop()
     kept = sum(st["samples"] for st in status["categories"].values())
-    # one row of category b without states: left out of every format, counted
+    # one row of category b the stage kept nothing for (no file, not in the manifest): left
+    # out of every format, counted; another whose kept file is lost since: the export stops
+    # naming it, or with --skip-bad-states leaves it out, counted
     hs = _hs(tmp_path)
-    lost = next(iter(kept_rows(tmp_path, "b")))
+    never, lost = list(kept_rows(tmp_path, "b"))[:2]
+    states_file(hs.output_dir, "b", never).unlink()
+    doc = states_manifest.read(states_manifest.manifest_path(hs.output_dir, "b"))
+    states_manifest.write(hs.output_dir, "b", doc.run, [f for f in doc.files if f.row != never])
     states_file(hs.output_dir, "b", lost).unlink()
     dest = tmp_path / "train"
     args = ["export", str(path), "--dest", str(dest), "--merged", "--hidden-states",
             "--max-length", "40", "--allow-simulated", "--draft-vocab-size", "0", "--json"]
+    res = CliRunner().invoke(main, [*args, "--format", "speculators"])
+    rel = os.path.relpath(states_file(hs.output_dir, "b", lost), hs.output_dir)
+    assert res.exit_code == 2 and f"b: {rel}: missing" in res.output, res.output
+    args.append("--skip-bad-states")
     if importlib.util.find_spec("torch") is None:
         # SpecForge's .ckpt files need torch (make test-engine writes them in the trainers'
         # venv): without it, one line saying how to get it, nothing written
@@ -306,13 +329,15 @@ def test_the_speculators_export_holds_each_row_s_states_by_its_index(
     res = CliRunner().invoke(main, [*args, "--format", "speculators"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
-    assert summary["total"]["dropped_no_states"] == 1
-    assert summary["total"]["rows"] == kept - 1
+    assert summary["total"]["dropped_no_states"] == summary["total"]["dropped_bad_states"] == 1
+    assert summary["total"]["rows"] == kept - 2
+    assert summary["hidden_states"]["trainers"]["speculators"]["args"] == (
+        "--target-layer-ids 2 4 5")
     with pa.ipc.open_stream(str(dest / "speculators" / "data-00000-of-00001.arrow")) as r:
         table = r.read_all()
     ids = table.column("input_ids").to_pylist()
     names = table.column("id").to_pylist()
-    assert len(ids) == kept - 1 and f"b/{lost}" not in names
+    assert len(ids) == kept - 2 and f"b/{lost}" not in names and f"b/{never}" not in names
     cut = 0
     for i, row_ids in enumerate(ids):
         f = dest / "speculators" / "hidden_states" / f"hs_{i}.safetensors"

@@ -344,6 +344,9 @@ def child_speculators(layout: Path, target: Path, work: Path) -> dict:
             "--train-data-ratio", str(TRAIN_RATIO), "--total-seq-len", str(seq),
             "--seed", "0", "--epochs", str(epochs), "--max-steps", str(STEPS),
             "--save-path", str(work / "ckpt"), "--log-dir", str(work / "logs")]
+    # the flags the export manifest says for the states' layers (and an FP8 backend)
+    manifest = json.loads((layout / "export-manifest.json").read_text())
+    argv += manifest["hidden_states"]["trainers"]["speculators"]["args"].split()
     cli.main(TrainConfig.resolve(argv))
     return {"losses": losses, "rows_dropped": sum(dropped), "val_losses": val, "argv": argv}
 

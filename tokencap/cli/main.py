@@ -79,14 +79,21 @@ def main(log_level: str) -> None:
 
 
 def _register_commands() -> None:
-    from tokencap.cli.offline import audit_cmd, export_cmd, init_cmd, plan_cmd, preview_cmd
+    from tokencap.cli.offline import (
+        audit_cmd,
+        export_cmd,
+        init_cmd,
+        plan_cmd,
+        preview_cmd,
+        verify_cmd,
+    )
     from tokencap.cli.ops import cap, report, retry, status
     from tokencap.cli.stack import add_workers, down, rq_info, sim, token, up
     from tokencap.cli.stages import hidden_states, run, serve, worker, writer
 
     for cmd in (sim, up, down, add_workers, token, rq_info, run, worker, writer, status, serve, cap,
-                report, retry, export_cmd, plan_cmd, preview_cmd, audit_cmd, init_cmd,
-                hidden_states):
+                report, retry, export_cmd, plan_cmd, preview_cmd, audit_cmd, verify_cmd,
+                init_cmd, hidden_states):
         main.add_command(cmd)
     _help_names(main)
 

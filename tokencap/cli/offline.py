@@ -1,6 +1,7 @@
-"""`tokencap export`, `tokencap plan` and `tokencap preview`: wiring only.
+"""`tokencap export`, `plan`, `preview`, `init`, `audit` and `verify`: wiring only.
 
-The logic lives in `tokencap.export` and `tokencap.prepare.plan`. These commands need no Redis.
+The logic lives in `tokencap.export` and `tokencap.prepare` (`plan`, `init`, `audit`,
+`verify`). These commands need no Redis.
 Each command ends an expected error as one line (`tokencap.cli.errors.Command`), registered
 on the `tokencap` group or invoked alone.
 """
@@ -169,7 +170,14 @@ def _export_table(summary: dict[str, Any]) -> str:
 @click.option("--hidden-states", "with_states", is_flag=True,
               help="Add the hidden states the config's [hidden_states] stage kept (`tokencap "
               "hidden-states`): speculators' hs_<i> files in its folder, SpecForge's offline "
-              ".ckpt files (torch) beside specforge.jsonl; rows without states are left out.")
+              ".ckpt files (torch) beside specforge.jsonl; rows without states are left out. "
+              "Each category's files are checked against the manifest its stage wrote at its "
+              "end: one that disagrees (or no manifest) stops the export, exit 2.")
+@click.option("--skip-bad-states", is_flag=True,
+              help="With --hidden-states: leave out the rows whose states file disagrees with "
+              "its category's manifest (or every row with states of a category without one), "
+              "counted as dropped_bad_states, instead of stopping (`tokencap verify` lists "
+              "them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | None,
                tokenizer: str | None, dest: str,
@@ -178,7 +186,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                consistent_only: bool, exact_tool_args: bool, eval_fraction: float, seed: int,
                max_length: int | None, over_length: str, min_loss_tokens: int,
                draft_vocab_size: int, target_vocab_size: int | None, with_states: bool,
-               as_json: bool) -> None:
+               skip_bad_states: bool, as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet,
     speculators' prepared dataset), with what the trainers would otherwise prepare in a
     GPU pass: an eval split by conversation, length limits, the draft vocabulary.
@@ -225,6 +233,8 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
     limits = Limits(max_length, "drop" if over_length == "drop" else "truncate",
                     min_loss_tokens)
     states = None
+    if skip_bad_states and not with_states:
+        raise TokencapError("--skip-bad-states is for --hidden-states: give both")
     if with_states:
         if cfg is None or cfg.hidden_states is None:
             raise TokencapError("--hidden-states needs CONFIG with a [hidden_states] section "
@@ -234,7 +244,8 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
     try:
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
-                         exact_tool_args, eval_fraction, seed, limits, vocab, states)
+                         exact_tool_args, eval_fraction, seed, limits, vocab, states,
+                         skip_bad_states)
     finally:
         if messages is not None:
             messages.close()
@@ -266,11 +277,22 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
         if st["dropped_no_states"]:
             click.echo(f"{name}: left out {st['dropped_no_states']} rows without kept hidden "
                        "states (run `tokencap hidden-states` to make them)", err=True)
+        if st["dropped_bad_states"]:
+            click.echo(f"{name}: left out {st['dropped_bad_states']} rows whose states file "
+                       "disagrees with the category's manifest (--skip-bad-states; `tokencap "
+                       "verify` names them)", err=True)
         if st["dropped_too_few_loss_tokens"]:
             click.echo(f"{name}: left out {st['dropped_too_few_loss_tokens']} rows with fewer "
                        f"than {min_loss_tokens} loss tokens", err=True)
     for name in summary["missing"]:
         click.echo(f"{name}: no part files, nothing exported", err=True)
+    hs = summary.get("hidden_states")
+    if hs:
+        trainers = hs["trainers"]
+        click.echo(f"hidden states: train speculators with {trainers['speculators']['args']}; "
+                   "SpecForge's draft config: eagle_config.eagle_aux_hidden_state_layer_ids = "
+                   f"{trainers['specforge']['eagle_aux_hidden_state_layer_ids']} "
+                   "(export-manifest.json says why)", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
 
 
@@ -540,3 +562,33 @@ def audit_cmd(rows: tuple[str, ...], tokenizer: str | None, config_path: str | N
                 click.echo(f"    {example}")
     if report["reasons"]:
         sys.exit(1)
+
+
+@click.command("verify", cls=Command)
+@click.argument("states_dir", metavar="STATES_DIR", type=click.Path(file_okay=True))
+@click.option("--category", "categories", multiple=True,
+              help="Verify only this category (repeatable). Default: every folder of "
+              "STATES_DIR with states or a manifest.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_cmd(states_dir: str, categories: tuple[str, ...], as_json: bool) -> None:
+    """Reread the hidden-state files of STATES_DIR (the config's [hidden_states] output_dir)
+    against the manifest each category's stage wrote at its end: every file's size and the
+    CRC32 of each tensor and of its header. Names every missing, extra, torn, changed or
+    swapped file (one line each); exits 2 when any, or when a category has states and no
+    manifest (its stage has not ended). Reads only; a progress line every few seconds on
+    stderr. Needs no Redis.
+    """
+    from tokencap.prepare.verify import report_lines, verify_states
+
+    root = Path(states_dir)
+    checks = verify_states(root, list(categories) or None,
+                           lambda line: click.echo(line, err=True))
+    if as_json:
+        doc = {"states_dir": str(root), "clean": all(c.clean for c in checks),
+               "categories": {c.category: c.document() for c in checks}}
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        for line in report_lines(checks):
+            click.echo(line)
+    if not all(c.clean for c in checks):
+        sys.exit(2)

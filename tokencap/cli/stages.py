@@ -94,7 +94,9 @@ def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, wo
     extraction server, through the same queue, ledger, workers and writer as generation:
     each row's states once, in a checked file named by the row, under a byte budget per
     category (`[hidden_states]` in the config; docs/HIDDEN_STATES.md). The same command
-    resumes: a row whose file is kept is not asked for again."""
+    resumes: a row whose file is kept is not asked for again. At its end, each category's
+    manifest.json is written beside its states (`tokencap verify` rereads the files against
+    it; the export checks it)."""
     from tokencap import extraction
     from tokencap.reports.progress import ProgressPrinter, summary_table
     from tokencap.stack.stage import run_hidden_states

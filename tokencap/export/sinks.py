@@ -54,8 +54,10 @@ class CategoryStats:
     dropped_after_truncated: int = 0
     dropped_inconsistent: int = 0
     dropped_tool_args: int = 0
-    # an export with hidden states: rows the stage kept no states file for
+    # an export with hidden states: rows the stage kept no states file for, and rows whose
+    # file disagrees with its category's manifest, left out (--skip-bad-states)
     dropped_no_states: int = 0
+    dropped_bad_states: int = 0
     duplicates: int = 0
     bad_lines: int = 0
     conversations: int = 0
@@ -75,7 +77,7 @@ class CategoryStats:
         self.made_by = sorted({*self.made_by, *other.made_by})
         for name in ("rows", "tokens", "output_tokens", "dropped_truncated",
                      "dropped_after_truncated", "dropped_inconsistent", "dropped_tool_args",
-                     "dropped_no_states", "duplicates",
+                     "dropped_no_states", "dropped_bad_states", "duplicates",
                      "bad_lines", "conversations", "conversations_complete",
                      "conversations_in_progress", "truncated_to_limit",
                      "dropped_over_length", "dropped_too_few_loss_tokens", "loss_tokens",

@@ -230,7 +230,8 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
 
 def _end_stage(ready: extraction.Prepared, status: RunStatus) -> None:
     """The stage's end: what killed workers left removed (their temporaries, and their
-    engine's files in the folders the preflight found the servers write in)."""
-    extraction.finish(ready.stage)
+    engine's files in the folders the preflight found the servers write in), and the
+    manifest of each category that ended written."""
+    extraction.finish(ready.stage, [n for n, st in status.categories.items() if st.ended])
     extraction.sweep_engine_files(ready.stage,
                                   (e.states_folder for e in status.engines.values()))

@@ -150,3 +150,51 @@ def test_prepare_is_the_stage_s_one_way_in_and_writes_nothing_when_it_refuses(
     (folder / "s1.safetensors").write_bytes(b"kept")
     assert extraction.finish(ready.stage) == 1
     assert [p.name for p in folder.iterdir()] == ["s1.safetensors"]
+
+
+def test_finish_writes_the_manifest_of_each_ended_category_from_its_result_rows(
+        tmp_path) -> None:
+    """The stage's end: each ended category's manifest from its committed result rows, the
+    CRC32s a row of an earlier version does not give read from its file once (or taken from
+    the manifest an earlier end wrote); a category not ended gets none."""
+    import os
+
+    from foundation import hsfile
+    from foundation import states_manifest as sm
+    from foundation.outputs import states_file
+    from foundation.wire import Result, encode
+    from sglang_sim.hidden import file_bytes
+    from tokencap import extraction
+
+    cfg = load_config(config(tmp_path, 64, extra='max_bytes = { a = 1_000_000_000 }'))
+    stage = extraction.StatesStage.of(cfg)
+    root = cfg.states().output_dir
+    lines = []
+    for i in range(3):
+        ids = list(range(10 * i, 10 * i + 4))
+        data = file_bytes(ids, list(stage.spec.layers), 64, "bfloat16")
+        path = states_file(root, "a", f"row{i}")
+        hsfile.write_whole(path, data)
+        # what a worker of this version says of a kept file: no row, no CRC32
+        desc = {"file": os.path.relpath(path, root), "tokens": 4, "bytes": len(data),
+                "layers": list(stage.spec.layers), "hidden_size": 64, "dtype": "BF16"}
+        lines.append(encode(Result(
+            id=str(i), category="a", prompt_ids=[], output_ids=[], prompt_tokens=4,
+            completion_tokens=0, finish_reason="stop", text="", sampling={},
+            counted_tokens=4, source_id=f"row{i}", hidden_states=desc)) + b"\n")
+    (tmp_path / "hs" / "a" / "part-00000.jsonl").write_bytes(b"".join(lines) + b"{torn\n")
+    assert extraction.finish(stage) == 0 and not sm.manifest_path(root, "a").exists()
+    extraction.finish(stage, ["a"])
+    doc = sm.read(sm.manifest_path(root, "a"), "a")
+    assert doc.run == "p.hs" and sorted(f.row for f in doc.files) == ["row0", "row1", "row2"]
+    assert all(f.crc32 and f.header_crc32 is not None for f in doc.files)
+    assert all(f.final_norm == ["pre"] * 4 and f.layers == [2, 18, 33, 36] for f in doc.files)
+    assert sm.verify(root, "a").problems == []
+    # a later end reuses the CRC32s it wrote: a file changed since is not certified anew
+    changed = tmp_path / "hs" / doc.files[0].file
+    raw = bytearray(changed.read_bytes())
+    raw[-1] ^= 0x01
+    changed.write_bytes(bytes(raw))
+    extraction.finish(stage, ["a"])
+    [p] = sm.verify(root, "a").problems
+    assert (p.kind, p.file) == ("changed", doc.files[0].file)

@@ -85,6 +85,7 @@ def test_an_unreadable_source_is_a_clear_error_with_exit_2(tmp_path, argv) -> No
                                   ["preview", "/nope.toml"], ["up", "/nope.toml", "--sim"],
                                   ["export", "--config", "/nope.toml", "--dest", "/tmp/x"],
                                   ["audit", "/nope.jsonl"], ["plan", "x.toml", "--tok-s", "x"],
+                                  ["verify", "/nope-states"],
                                   ["up", "x.toml", "--workers", "many"],
                                   ["export", "--out", "o", "--dest", "d", "--format", "csv"]])
 def test_a_missing_file_or_a_bad_value_is_exit_2_in_one_line(argv) -> None:

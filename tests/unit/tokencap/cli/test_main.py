@@ -22,6 +22,7 @@ COMMANDS = {
     "add-workers": "consumers",
     "cap": "cap",
     "sim": "simulator",
+    "verify": "manifest",
 }
 
 

@@ -1,5 +1,5 @@
 """The commands on files only, no Redis (`tokencap/cli/offline.py`: `export`, `plan`,
-`preview`, `init`, `audit`): the wiring around the modules they call (whose own tests are
+`preview`, `init`, `audit`, `verify`): the wiring around the modules they call (whose own tests are
 `tests/unit/tokencap/export/`, `prepare/`): which arguments go together, what is said beside
 the result, and the mistakes refused in one line."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from tests.conftest import QWEN
-from tests.helpers import one_line_error, row_result, write_run
+from tests.helpers import keep_states, one_line_error, row_result, write_run
 from tokencap.cli.main import main
 
 
@@ -86,3 +86,31 @@ def test_init_on_a_file_that_is_not_utf8_is_exit_2_naming_the_file_and_line(tmp_
                                     "--out", str(tmp_path / "run.toml")])
     assert one_line_error(res), res.output
     assert f"{bad}:1: invalid_utf8" in res.output
+
+
+def test_verify_exits_0_on_clean_states_and_2_naming_each_problem(tmp_path) -> None:
+    from foundation import states_manifest as sm
+
+    hs = tmp_path / "hs"
+    files = [keep_states(hs, "code", f"r{i}", [i, i + 1, i + 2]) for i in range(3)]
+    sm.write(hs, "code", "r.hs", files)
+    res = CliRunner().invoke(main, ["verify", str(hs)])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0].startswith("code: 3 files, ")
+    assert res.stdout.splitlines()[0].endswith("every file as the manifest says")
+    (hs / files[1].file).unlink()
+    res = CliRunner().invoke(main, ["verify", str(hs), "--category", "code"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.stdout.splitlines()[1] == f"missing: {files[1].file}: row r1: no such file"
+    doc = json.loads(CliRunner().invoke(main, ["verify", str(hs), "--json"]).stdout)
+    assert doc["clean"] is False and doc["categories"]["code"]["problems"] == [
+        {"kind": "missing", "file": files[1].file, "detail": "row r1: no such file"}]
+    # a category whose stage has not ended: states, no manifest
+    keep_states(hs, "chat", "c0", [1, 2])
+    res = CliRunner().invoke(main, ["verify", str(hs), "--category", "chat"])
+    assert res.exit_code == 2 and "its stage has not ended" in res.stdout
+
+
+def test_verify_of_a_folder_that_is_not_there_is_one_line_exit_2(tmp_path) -> None:
+    res = CliRunner().invoke(main, ["verify", str(tmp_path / "nope")])
+    assert one_line_error(res) and f"{tmp_path / 'nope'}: no such folder" in res.output
