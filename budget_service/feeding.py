@@ -32,7 +32,7 @@ from foundation.wire import (
 
 class FeedingLedger(Ledger):
     """The producer's calls: the run created, samples fed with their leases, next turns, leases
-    renewed or given back, parked samples sent, cut records, the source used up."""
+    renewed or given back, parked samples sent, cut records, the source used up or grown."""
 
     def init_run(self, cfg: RunConfig) -> bool:
         """Create the run's keys where absent. Returns True if the run was created now.
@@ -214,6 +214,13 @@ class FeedingLedger(Ledger):
         its next turn and everything is written: the category is done. False (nothing
         marked) otherwise, e.g. when Redis's cursor is not `cursor` (it lost feeds)."""
         return self._close(self.scripts.exhausted, category, cursor)[1]
+
+    def source_size(self, category: str, records: int) -> bool:
+        """The category's source has `records` records now (the producer says so whenever it
+        opens the source): when that is not the number its cursor walked (the source grew),
+        the cursor goes back to 0 (the feed skips what is final or pending) and an exhausted
+        category opens again. True when it did."""
+        return bool(self.scripts.source_size(keys=self._ck(category), args=[records]))
 
     def cursor(self, category: str) -> int:
         return int(self.redis.hget(self._ck(category).state, "cursor") or 0)

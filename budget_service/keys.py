@@ -77,7 +77,10 @@ waste, closed (0/1), exhausted (0/1), rate (EWMA of per-request decode tok/s), d
 oov (committed samples with output ids past the tokenizer's vocabulary), prompt, cached and
 reusable (the committed samples' prompt tokens, those the engine served from its prefix
 cache, and those shared with the turn before: what a cache could have served),
-cursor (the producer's position in the shuffled order; moved only by feed, compare-and-set).
+cursor (the producer's position in the shuffled order; moved only by feed, compare-and-set,
+and back to 0 by source_size), records (the number of source records that order is of:
+source_size, when the producer opens the source; another number, a grown source, sends the
+cursor back to 0 and opens an exhausted category again).
 `final` values: `c:<counted>`, `r:<reason>`, `d:<kind>` (a sample held back by a closed
 category is not final: it waits parked, a conversation's next turn in `follow`).
 RQ queue names: `P.<category>` (so `rq info` shows one queue per category, under the prefix).

@@ -18,7 +18,7 @@ LUA_DIR = Path(__file__).with_name("lua")
 CATEGORY_SCRIPTS = (
     "init_category", "feed", "admit", "heartbeat", "commit", "fail", "release", "requeue",
     "lease", "unpark", "set_cap", "exhausted", "reconcile", "acknowledge",
-    "restore", "feed_follow", "cut", "retry",
+    "restore", "feed_follow", "cut", "retry", "source_size",
 )  # fmt: skip
 OTHER_SCRIPTS = ("init_run", "engine_counts", "engine_info", "engine_trouble", "series")
 PRELUDE = "_lib.lua"
@@ -54,6 +54,7 @@ class Scripts:
     feed_follow: Script
     cut: Script
     retry: Script
+    source_size: Script
     init_run: Script
     engine_counts: Script
     engine_info: Script

@@ -6,7 +6,9 @@ and the points and counters recorded for them.
 producer hands its boards (progress lines, summary, watch, report). Its one JSON face, the
 status document (`status_document`, what `tokencap status --json` and `/status` give), and
 the `/metrics` page (`render_metrics`) are both made from it here, so a field shows the same
-in both. The run's time series is typed too (`SeriesPoint`), stored and read as JSON.
+in both. A run whose hidden-state stage exists (the run `<run>.hs`: `TelemetryLedger.stage`)
+shows it beside: the status document under `hidden_states`, its bytes in `/metrics`. The
+run's time series is typed too (`SeriesPoint`), stored and read as JSON.
 
 Metrics (every series has a `run` label; per category also `category`):
 
@@ -38,7 +40,7 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_engine_gate_waits_total{engine}` | counter | waits at the adaptive gate |
 | `tokencap_workers` | gauge | workers registered on the run's queues |
 | `tokencap_writer_up` / `_error` | gauge | a writer holds the run / it cannot write |
-| `tokencap_hidden_state_bytes` | gauge | a hidden-state stage: bytes of states kept |
+| `tokencap_hidden_state_bytes` | gauge | bytes of states kept (a stage's, or its run's `.hs`) |
 | `tokencap_engine_down{engine}` | gauge | 1 while the engine does not answer (engine watch) |
 | `tokencap_engine_down_since_seconds{engine}` | gauge | since when (Unix time) |
 """
@@ -58,6 +60,7 @@ from prometheus_client.core import (
 )
 
 from budget_service import jobs
+from budget_service.keys import Keys
 from budget_service.ledger import (
     SERIES_POINTS,
     CategoryState,
@@ -66,7 +69,7 @@ from budget_service.ledger import (
     cache_by_engine,
     run_ended,
 )
-from foundation.config import RunConfig
+from foundation.config import STATES_RUN_SUFFIX, RunConfig
 from foundation.engine.info import EngineInfo
 from foundation.wire import encode
 
@@ -223,8 +226,23 @@ class TelemetryLedger(Ledger):
 
     def status(self, categories: list[str] | None = None,
                by_engine: bool = False) -> dict[str, Any]:
-        """The `tokencap status --json` document: `status_document` of `snapshot`."""
-        return status_document(self.snapshot(categories, by_engine))
+        """The `tokencap status --json` document: `status_document` of `snapshot`, with the
+        run's hidden-state stage's under `hidden_states` when it exists (`stage`)."""
+        doc = status_document(self.snapshot(categories, by_engine))
+        stage = self.stage()
+        if stage is not None:
+            doc["hidden_states"] = status_document(stage.snapshot(by_engine=by_engine))
+        return doc
+
+    def stage(self) -> TelemetryLedger | None:
+        """The telemetry of the run's hidden-state stage, the run `<run>.hs`, when it exists
+        in Redis (None for a stage itself)."""
+        if self.keys.run.endswith(STATES_RUN_SUFFIX):
+            return None
+        stage = TelemetryLedger(self.redis, Keys(self.keys.prefix,
+                                                 self.keys.run + STATES_RUN_SUFFIX),
+                                self.scripts)
+        return stage if stage.has_run() else None
 
     def workers(self) -> int:
         """Workers registered on the run's queues (RQ's registry)."""
@@ -310,10 +328,11 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         snap = self.ledger.snapshot(by_engine=True)
+        stage = self.ledger.stage()
         yield from _category_metrics(snap)
         yield from _writer_metrics(snap.run, snap.writer)
         yield from _trouble_metrics(snap.run, snap.trouble)
-        yield from _bytes_metrics(snap)
+        yield from _bytes_metrics([snap] + ([stage.snapshot()] if stage is not None else []))
         yield from _engine_metrics(snap.run, self.ledger.engine_counts(), self.ledger.workers())
 
 
@@ -396,14 +415,17 @@ def _writer_metrics(run: str, writer: WriterState) -> Iterator[Metric]:
     yield g
 
 
-def _bytes_metrics(snap: RunStatus) -> Iterator[Metric]:
+def _bytes_metrics(snaps: Sequence[RunStatus]) -> Iterator[Metric]:
+    """The bytes of states kept, of each of `snaps` that is a hidden-state stage (a run's
+    page has its stage's, under the stage's run label)."""
     g = GaugeMetricFamily("tokencap_hidden_state_bytes",
                           "Bytes of hidden states kept (a hidden-state stage)",
                           labels=["run", "category"])
-    for name, st in snap.categories.items():
-        size = snap.state_bytes(st)
-        if size is not None:
-            g.add_metric([snap.run, name], size.used)
+    for snap in snaps:
+        for name, st in snap.categories.items():
+            size = snap.state_bytes(st)
+            if size is not None:
+                g.add_metric([snap.run, name], size.used)
     yield g
 
 

@@ -37,6 +37,9 @@ DEFAULT_CAP_TOKENS = 10_000_000
 DEFAULT_KEY_PREFIX = "tokencap"
 # the budget service's port: `tokencap serve`, `tokencap up` and the stack's run file
 DEFAULT_BUDGET_PORT = 8321
+# a run's hidden-state stage is the run `<run>.hs` (`RunConfig.stage`, tokencap/extraction.py):
+# status, the live page and the report find it beside the run by that name
+STATES_RUN_SUFFIX = ".hs"
 NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 Name = Annotated[str, Meta(pattern=NAME_RE)]
 PositiveInt = Annotated[int, Meta(ge=1)]

@@ -15,6 +15,13 @@ The run ends when every category is closed (holding back only what a raised cap 
 or exhausted, and the writer has written every result (`Producer.finished`, on the rule of
 `budget_service.ledger.run_ended`); `producer.loop` ticks until then.
 
+A run's sources are opened when it starts, or, for a run given `arriving` (a hidden-state
+stage beside generation), as they arrive: each tick first opens the categories whose source
+arrived or grew since the last (`Arriving.arrived`), and the run cannot end before no source
+will arrive or grow any more (`Arriving.settled`). Opening a source tells the ledger its
+number of records (`FeedingLedger.source_size`): a grown source is walked again from the
+top of its new order, the feed skipping what is final or pending.
+
 The repairs (reap, a Redis restart, the end's registry cleanup) are `producer.recovery`; a
 feed Redis lost is fed again from Redis's cursor (`Producer.resync`). The category states it
 steers on are `Ledger.states` (typed, the same fields `tokencap status --json` shows).
@@ -32,7 +39,8 @@ import math
 import time
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 from redis import Redis
@@ -43,7 +51,9 @@ from budget_service.estimator import LengthModel, admission
 from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms, run_ended
 from foundation.config import Category, RunConfig
+from foundation.errors import ConfigError, SourceError
 from producer.followups import FollowUps
+from producer.readers.index import SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
 
@@ -97,13 +107,46 @@ class CategoryFeed:
         return self.cursor >= len(self.source.order)
 
 
+def index_source(cfg: RunConfig, cat: Category) -> SourceIndex:
+    """The category's source indexed (`ConfigError` naming its field when it cannot be)."""
+    t0 = time.monotonic()
+    try:
+        index = SourceIndex.build([Path(p) for p in cat.paths])
+    except SourceError as exc:
+        raise ConfigError(f"$.category[{cfg.category.index(cat)}].source", str(exc)) from None
+    log.info("%s: indexed %d records in %.1f s", cat.name, len(index), time.monotonic() - t0)
+    return index
+
+
+class Arriving(Protocol):
+    """Sources that arrive while the run goes on (a hidden-state stage beside generation:
+    a category's rows file once its generation ended, grown when it ends again after a
+    raised cap)."""
+
+    def arrived(self) -> list[str]:
+        """The categories whose source arrived or grew since the last call (cheap when
+        nothing did: the producer asks at every tick)."""
+        ...
+
+    def settled(self) -> bool:
+        """Every category's source arrived, and none will arrive or grow any more."""
+        ...
+
+
 class Producer:
     """Feeds one run, a tick at a time (`producer.loop.FeedLoop` ticks it to the run's end).
-    `renderer` is None when every category is pre-tokenized."""
+    `renderer` is None when every category is pre-tokenized; `context_len` the engines'
+    context (None: unknown); `arriving`: the run's sources arrive while it goes on (module
+    docstring), else they are opened before it starts (`open_category`)."""
 
-    def __init__(self, cfg: RunConfig, redis: Redis, renderer: Renderer | None) -> None:
+    def __init__(self, cfg: RunConfig, redis: Redis, renderer: Renderer | None,
+                 context_len: int | None = None, arriving: Arriving | None = None) -> None:
         self.cfg = cfg
         self.redis = redis
+        self.renderer = renderer
+        self.context_len = context_len
+        self.arriving = arriving
+        self._to_open: dict[str, None] = {}  # arrived, not opened yet (in arrival order)
         self.keys = Keys(cfg.key_prefix, cfg.run)
         self.budget = Budget(redis, self.keys)
         self.feeds: dict[str, CategoryFeed] = {}
@@ -122,9 +165,40 @@ class Producer:
                                            self._affinity)
 
     # -- setup -------------------------------------------------------------------------
+    def open_category(self, name: str, index: SourceIndex | None = None) -> None:
+        """Open the category's source (indexed here unless `index` is given) and feed it
+        from where the ledger's cursor is; one opened again (it grew) replaces the old."""
+        cat = next(c for c in self.cfg.category if c.name == name)
+        source = CategorySource(self.cfg, cat, index or index_source(self.cfg, cat),
+                                self.renderer, self.context_len)
+        old = self.feeds.get(name)
+        self.add_feed(CategoryFeed(source))
+        if old is not None:
+            old.source.close()
+
     def add_feed(self, feed: CategoryFeed) -> None:
-        self.feeds[feed.cat.name] = feed
-        feed.resync(self.budget.feeding.cursor(feed.cat.name))
+        """Feed `feed` from the ledger's cursor, once the ledger knows its source's size (a
+        grown source is walked again from the top: `FeedingLedger.source_size`)."""
+        name = feed.cat.name
+        if self.budget.feeding.source_size(name, len(feed.source)):
+            log.info("%s: its source holds %d records, not the number its cursor walked: fed "
+                     "again from the top of its order, what is done skipped", name,
+                     len(feed.source))
+        self.feeds[name] = feed
+        feed.resync(self.budget.feeding.cursor(name))
+
+    def arrive(self) -> int:
+        """Open the sources that arrived or grew since the last look (`arriving`); returns
+        how many. One not opened (Redis went away meanwhile) is opened at the next tick."""
+        if self.arriving is None:
+            return 0
+        self._to_open.update(dict.fromkeys(self.arriving.arrived()))
+        opened = 0
+        for name in list(self._to_open):
+            self.open_category(name)
+            del self._to_open[name]
+            opened += 1
+        return opened
 
     def resync(self, feed: CategoryFeed) -> None:
         """Redis's cursor is not ours: it lost our last feeds (a restart from an AOF without
@@ -142,7 +216,7 @@ class Producer:
     # -- the tick ----------------------------------------------------------------------
     def tick(self) -> int:
         """One pass over every category. Returns how much work was done (0 = idle)."""
-        work = 0
+        work = self.arrive()
         status = self.budget.states(list(self.feeds))
         self.last_states = status
         self._feedable = sum(1 for name, st in status.items() if self._can_feed(name, st))
@@ -173,7 +247,10 @@ class Producer:
     def finished(self) -> bool:
         """The run's end (`run_ended`) as of the last tick: every category closed (what it
         still holds is held back by its cap) or exhausted with nothing pending; and every
-        result written by the writer, as of now."""
+        result written by the writer, as of now. A run whose sources arrive has not ended
+        before they all did and none will grow (`Arriving.settled`)."""
+        if self.arriving is not None and (self._to_open or not self.arriving.settled()):
+            return False
         states = self.last_states or self.budget.states(list(self.feeds))
         return run_ended(states, self.writer_lag())
 

@@ -5,7 +5,6 @@ category is done (`producer.loop`). `tokencap run` and `tokencap up` both call `
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,16 +19,14 @@ from budget_service.telemetry import RunStatus
 from foundation.config import RunConfig, with_stop_ids
 from foundation.engine.api import engine_specs
 from foundation.engine.info import EngineInfo
-from foundation.errors import ConfigError, SourceError
+from foundation.errors import ConfigError
 from producer.engine_watch import EngineWatch
-from producer.feeder import CategoryFeed, Producer
+from producer.feeder import Arriving, Producer, index_source
 from producer.loop import PROGRESS_S, FeedLoop
 from producer.manifest import write_manifest
 from producer.preflight import preflight
-from producer.readers.index import SourceIndex
 from producer.reconcile import reconcile
 from producer.reply_parser import reply_parser
-from producer.source import CategorySource
 
 if TYPE_CHECKING:
     from producer.render import Renderer
@@ -42,9 +39,11 @@ def build_producer(
     context_len: int | None,
     renderer: Renderer | None = None,
     engines: Sequence[EngineInfo] = (),
+    arriving: Arriving | None = None,
 ) -> Producer:
-    """Create/check the run in Redis, reconcile with the output files, index every source;
-    write the run's manifest (`producer.manifest`: what made its rows) beside them."""
+    """Create/check the run in Redis, reconcile with the output files, index every source
+    (with `arriving`, none: they are opened as they arrive, `producer.feeder`); write the
+    run's manifest (`producer.manifest`: what made its rows) beside them."""
     # everything that can be wrong with the config is checked before Redis is touched
     if renderer is None:
         renderer = load_renderer(cfg)
@@ -57,15 +56,8 @@ def build_producer(
             cfg = msgspec.structs.replace(cfg, reply_markers=replies.markers())
         if cfg.vocab_size is None:  # workers flag output ids past it
             cfg = msgspec.structs.replace(cfg, vocab_size=int(renderer.vocab_size))
-    indexes = {}
-    for i, cat in enumerate(cfg.category):
-        t0 = time.monotonic()
-        try:
-            indexes[cat.name] = SourceIndex.build([Path(p) for p in cat.paths])
-        except SourceError as exc:
-            raise ConfigError(f"$.category[{i}].source", str(exc)) from None
-        log.info("%s: indexed %d records in %.1f s", cat.name, len(indexes[cat.name]),
-                 time.monotonic() - t0)
+    indexes = {} if arriving is not None else {
+        cat.name: index_source(cfg, cat) for cat in cfg.category}
     made_by, path = write_manifest(cfg, renderer, engines)
     cfg = msgspec.structs.replace(cfg, made_by=made_by)
     log.info("rows name %s (%s)", made_by, path)
@@ -76,10 +68,9 @@ def build_producer(
     added = reconcile(budget, out, [c.name for c in cfg.category])
     if created and any(added.values()):
         log.warning("run %s was not in Redis; rebuilt from %s: %s", cfg.run, out, added)
-    producer = Producer(cfg, redis, renderer)
-    for cat in cfg.category:
-        producer.add_feed(CategoryFeed(CategorySource(cfg, cat, indexes[cat.name], renderer,
-                                                      context_len)))
+    producer = Producer(cfg, redis, renderer, context_len, arriving)
+    for name, index in indexes.items():
+        producer.open_category(name, index)
     return producer
 
 
@@ -119,13 +110,16 @@ def run_to_end(
     before_feed: Callable[[Producer], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     progress_s: float = PROGRESS_S,
+    arriving: Arriving | None = None,
 ) -> RunStatus:
     """Check the engines (`producer.preflight`: nothing is fed to an engine that is
     unreachable, too old or serves another model than the tokenizer's), take the run's lock,
     build the producer (config, tokenizer and sources checked, run created or resumed,
     counters rebuilt from the files), call `before_feed` (the launcher starts its processes
     there), then feed until every category is closed or exhausted and every result is
-    written, or until `should_stop()`. Returns the final status."""
+    written, or until `should_stop()`. With `arriving`, the sources are opened as they
+    arrive (`producer.feeder.Arriving`: a hidden-state stage beside generation), and the
+    run ends only once they all have. Returns the final status."""
     renderer = load_renderer(cfg)
     infos = preflight(cfg, engine_urls, renderer)
     lock = producer_lease(redis, Keys(cfg.key_prefix, cfg.run), cfg.lock_ttl_s)
@@ -133,7 +127,7 @@ def run_to_end(
     try:
         known = [i.context_length for i in infos if i.context_length]
         ctx = cfg.context_length or (min(known) if known else None)
-        producer = build_producer(cfg, redis, ctx, renderer, infos)
+        producer = build_producer(cfg, redis, ctx, renderer, infos, arriving)
         producer.budget.telemetry.record_engines(infos)
         watch = EngineWatch(producer.budget.telemetry, engine_specs(engine_urls))
         if before_feed is not None:

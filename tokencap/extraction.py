@@ -1,15 +1,23 @@
-"""The hidden-state stage: the target's hidden states of every training row of a finished
-generation run, extracted once per row by a vLLM server (`extract_hidden_states`), checked,
-kept in a file named by the row, under a byte budget per category. Its home: what the stage
-is (its rows, its run, its disk plan and the lines that say it, `plan_summary` for
-`--plan`), and its one way in and out for the runner (`prepare`, `finish`); the one stage
-runner runs it (`tokencap/stack/stage.py`: `run_hidden_states`).
+"""The hidden-state stage: the target's hidden states of every training row of a generation
+run (after it, or beside it category by category), extracted once per row by a vLLM server
+(`extract_hidden_states`), checked, kept in a file named by the row, under a byte budget per
+category. Its home: what the stage is (its rows and their arrival, its run, its disk plan
+and the lines that say it, `plan_summary` for `--plan`), and its one way in and out for the
+runner (`prepare`, `finish`); the one stage runner runs it (`tokencap/stack/stage.py`:
+`run_hidden_states`, `StatesBeside`).
 
 - Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`
   (`foundation.outputs.rows_file`): one `StatesRow` (`id`: the training row, `input_ids`:
   prompt + output) for every training row of the generation output
-  (`foundation.outputs.training_rows`, what `export` writes), written once when the stage
-  first runs (frozen: the stage's sample ids are its line numbers).
+  (`foundation.outputs.training_rows`, what `export` writes). The stage's sample ids are its
+  line numbers, so it only grows: each stage run appends the rows generated since the last
+  (`append_rows`: a cap raised, a run resumed), and a line once written never changes.
+- Its categories arrive (`Arrivals`, the producer's `Arriving`): a category's rows are
+  listed, and the stage feeds it, once its generation has ended; all at once when generation
+  is over (`tokencap hidden-states`), one by one as each ends when the stage runs beside
+  generation (`tokencap up`), and again when a category's generation ends again with more
+  rows (a raised cap). A plan counts the training rows not yet in a rows file
+  (`RowTokens.missing`) and says them.
 - It is the run `<run>.hs` (`stage_config`), fed, admitted, sent once, committed and written
   by the same producer, ledger, workers and writer as generation (`RunConfig.stage =
   "hidden_states"`: the workers ask the extraction server and keep a checked file per row,
@@ -31,14 +39,23 @@ import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
+from budget_service.ledger import CategoryState
 from foundation import hsfile, states_manifest
-from foundation.config import UNCAPPED, Category, RunConfig, SamplingParams, StatesSpec
+from foundation.config import (
+    STATES_RUN_SUFFIX,
+    UNCAPPED,
+    Category,
+    RunConfig,
+    SamplingParams,
+    StatesSpec,
+)
 from foundation.engine.api import parse_urls
 from foundation.errors import DiskFull, TokencapError
 from foundation.outputs import (
@@ -47,6 +64,7 @@ from foundation.outputs import (
     category_dir,
     read_committed,
     read_dead_letters,
+    repair_tail,
     rows_file,
     states_dir,
     training_rows,
@@ -60,8 +78,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXTRACT_URL_ENV = "TOKENCAP_EXTRACT_URL"
-STAGE_SUFFIX = ".hs"  # the stage's run is `<run>.hs`
+STAGE_SUFFIX = STATES_RUN_SUFFIX  # the stage's run is `<run>.hs`
 STATES_PREFIX = "hs-"  # its processes' names beside a stack's
+ARRIVALS_EVERY_S = 0.5  # how often a stage beside generation looks at generation's states
 
 
 class CategoryPlan(NamedTuple):
@@ -69,6 +88,7 @@ class CategoryPlan(NamedTuple):
     tokens: int  # of the rows the budget takes
     bytes: int
     budget: int | None  # bytes; None: none
+    missing: int = 0  # rows not in the rows file yet (`RowTokens.missing`)
 
 
 class StatesStage(NamedTuple):
@@ -99,13 +119,16 @@ def extract_urls(stage: StatesStage, given: str | None = None) -> list[str]:
 
 class RowTokens(NamedTuple):
     """A category's training rows on disk: how many, their tokens (prompt + output: what the
-    stage extracts states of), their output tokens, and the samples already final (rows,
-    replies the gate kept out, dead letters: what a plan counts as done)."""
+    stage extracts states of), their output tokens, the samples already final (rows,
+    replies the gate kept out, dead letters: what a plan counts as done), and of the rows
+    those not yet in the category's rows file (generated since a stage ran: the next stage
+    run appends them; 0 when no stage wrote one)."""
 
     rows: int
     tokens: int
     output: int
     final: int
+    missing: int = 0
 
     @property
     def ratio(self) -> float | None:
@@ -113,11 +136,36 @@ class RowTokens(NamedTuple):
         return self.tokens / self.output if self.output else None
 
 
+class _Listed(msgspec.Struct):
+    """A rows file's line, its row id alone (the ids are not decoded)."""
+
+    id: str
+
+
+def _listed(path: Path, with_tokens: bool) -> dict[str, int]:
+    """The rows a rows file lists: row id -> its tokens (0 unless `with_tokens`); a partial
+    last line (a crash mid-append) is not a row."""
+    out: dict[str, int] = {}
+    if not path.is_file():
+        return out
+    full, ids = msgspec.json.Decoder(StatesRow), msgspec.json.Decoder(_Listed)
+    with path.open("rb") as f:
+        for line in f:
+            if not line.endswith(b"\n") or not line.strip():
+                continue
+            if with_tokens:
+                row = full.decode(line)
+                out[row.id] = len(row.input_ids)
+            else:
+                out[ids.decode(line).id] = 0
+    return out
+
+
 def rows_on_disk(stage: StatesStage) -> dict[str, RowTokens]:
-    """Per category, its training rows on disk (`RowTokens`): the rows file's when a stage
-    wrote one, else the training rows it would write. Writes nothing."""
+    """Per category, its training rows on disk (`RowTokens`): those its rows file lists (when
+    a stage wrote one), and the training rows it does not list yet, which the next stage
+    run appends (every one when there is no rows file yet). Writes nothing."""
     out = {}
-    decoder = msgspec.json.Decoder(StatesRow)
     for name in stage.budgets:
         cat_dir = category_dir(Path(stage.cfg.output_dir), name)
         rows = list(training_rows(cat_dir))
@@ -126,17 +174,25 @@ def rows_on_disk(stage: StatesStage) -> dict[str, RowTokens]:
             1 for d in read_dead_letters(cat_dir)
             if isinstance(d, BadLine) or d.outcome != Outcome.CUT)
         path = rows_file(stage.spec.output_dir, name)
-        if path.is_file():
-            lengths = [len(decoder.decode(line).input_ids)
-                       for line in path.read_bytes().splitlines() if line.strip()]
-        else:
-            lengths = [len(r.prompt_ids) + len(r.output_ids) for r in rows]
-        out[name] = RowTokens(len(lengths), sum(lengths), output, final)
+        listed = _listed(path, with_tokens=True)
+        new = [len(r.prompt_ids) + len(r.output_ids) for r in rows if r.id not in listed]
+        lengths = [*listed.values(), *new]
+        out[name] = RowTokens(len(lengths), sum(lengths), output, final,
+                              len(new) if path.is_file() else 0)
     return out
 
 
+class RowPlan(NamedTuple):
+    """The rows a stage will extract in a category, their tokens, and of them those not yet
+    in its rows file (`RowTokens.missing`)."""
+
+    rows: int
+    tokens: int
+    missing: int = 0
+
+
 def row_token_plan(stage: StatesStage, planned: dict[str, tuple[int, float, float]]
-                   ) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+                   ) -> tuple[dict[str, RowPlan], dict[str, str]]:
     """The rows and row tokens the stage will extract per category: those on disk, plus
     for each sample a generation plan still expects (`planned`: its samples, mean output
     tokens and mean prompt tokens per sample) as many row tokens as its output times the
@@ -152,36 +208,47 @@ def row_token_plan(stage: StatesStage, planned: dict[str, tuple[int, float, floa
         ratio = m.ratio if m.ratio is not None else (output + prompt) / output if output else 1.0
         how[name] = (f"{ratio:.2f} row tokens per output token, "
                      + ("measured" if m.ratio is not None else "assumed: prompt + output"))
-        out[name] = (m.rows + todo, m.tokens + round(todo * output * ratio))
+        out[name] = RowPlan(m.rows + todo, m.tokens + round(todo * output * ratio), m.missing)
     return out, how
 
 
-def write_rows(stage: StatesStage) -> dict[str, Path]:
-    """Each category's rows file, written once (an existing one is the stage's source as
-    it is: its line numbers are the stage's sample ids)."""
-    out = {}
-    for name in stage.budgets:
-        path = rows_file(stage.spec.output_dir, name)
-        if not path.is_file():
-            rows = [StatesRow(r.id, list(r.prompt_ids) + list(r.output_ids)) for r in
-                    training_rows(category_dir(Path(stage.cfg.output_dir), name))]
-            hsfile.write_whole(path, b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
-            log.info("%s: %d training rows to extract (%s)", name, len(rows), path)
-        out[name] = path
-    return out
+def append_rows(stage: StatesStage, name: str) -> int:
+    """Append to the category's rows file every training row it does not list yet, in the
+    order they were written (the file made whole the first time, even empty: the stage's
+    source). Its lines are the stage's sample ids: one once written never changes, so the
+    file only grows. A partial last line (a crash mid-append; never read: the stage opens
+    the file only once an append has ended) is cut first. Returns how many were appended."""
+    path = rows_file(stage.spec.output_dir, name)
+    existed = path.is_file()
+    if existed:
+        repair_tail(path)
+    have = set(_listed(path, with_tokens=False))
+    lines = []
+    for r in training_rows(category_dir(Path(stage.cfg.output_dir), name)):
+        if r.id not in have:
+            have.add(r.id)
+            lines.append(msgspec.json.encode(StatesRow(r.id, [*r.prompt_ids, *r.output_ids])))
+    data = b"".join(line + b"\n" for line in lines)
+    if not existed:
+        hsfile.write_whole(path, data)
+    elif data:
+        with path.open("ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    return len(lines)
 
 
-def plan_of(stage: StatesStage, row_tokens: dict[str, tuple[int, int]]
-            ) -> dict[str, CategoryPlan]:
-    """Per category, from its (rows, tokens of those rows): the tokens and bytes its byte
-    budget takes of them."""
+def plan_of(stage: StatesStage, row_tokens: Mapping[str, RowPlan]) -> dict[str, CategoryPlan]:
+    """Per category, from its rows (`RowPlan`): the tokens and bytes its byte budget takes
+    of them."""
     bpt = stage.bytes_per_token
     out = {}
-    for name, (rows, tokens) in row_tokens.items():
+    for name, (rows, tokens, missing) in row_tokens.items():
         budget = stage.budgets.get(name)
         if budget is not None:
             tokens = min(tokens, budget // bpt)
-        out[name] = CategoryPlan(rows, tokens, tokens * bpt, budget)
+        out[name] = CategoryPlan(rows, tokens, tokens * bpt, budget, missing)
     return out
 
 
@@ -218,24 +285,32 @@ def check_disk(stage: StatesStage, plan: dict[str, CategoryPlan],
     return need
 
 
-def plan_lines(stage: StatesStage, plan: dict[str, CategoryPlan]) -> list[str]:
-    """The plan for people: bytes per token, then per category and in all."""
+def plan_lines(stage: StatesStage, plan: dict[str, CategoryPlan],
+               generating: Collection[str] = ()) -> list[str]:
+    """The plan for people: bytes per token, then per category (those whose generation
+    still goes on, `generating`, said so: their rows so far) and in all."""
     spec = stage.spec
     lines = [f"hidden states: layers {list(spec.layers)} of {spec.num_layers}, hidden size "
              f"{spec.hidden_size}, {spec.dtype}: {stage.bytes_per_token:,} bytes per token"]
     for name, p in plan.items():
         cap = "no byte budget" if p.budget is None else f"budget {size_text(p.budget)}"
+        so_far = " so far, its generation goes on" if name in generating else ""
         lines.append(f"  {name}: {p.rows:,} rows, {p.tokens:,} tokens -> "
-                     f"{size_text(p.bytes)} ({cap})")
+                     f"{size_text(p.bytes)} ({cap}{so_far})")
+        if p.missing:
+            lines.append(f"    {name}: {p.missing:,} of them generated since the stage last "
+                         "ran, not in its rows file yet: the next stage run adds them")
     total = sum(p.bytes for p in plan.values())
     lines.append(f"  in all: {size_text(total)} in {spec.output_dir}")
     return lines
 
 
-def stage_config(stage: StatesStage, sources: dict[str, Path]) -> RunConfig:
-    """The run `<run>.hs` that extracts the config's rows (module docstring)."""
+def stage_config(stage: StatesStage) -> RunConfig:
+    """The run `<run>.hs` that extracts the config's rows (module docstring): its sources
+    are the rows files, which need not exist before their category arrives."""
     cfg, bpt = stage.cfg, stage.bytes_per_token
-    cats = [Category(name=name, source=str(sources[name]), format="input_ids",
+    cats = [Category(name=name, source=str(rows_file(stage.spec.output_dir, name)),
+                     format="input_ids",
                      sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
                      cap_tokens=UNCAPPED if budget is None else budget // bpt,
                      expected_tokens=1)
@@ -263,52 +338,103 @@ def plan_summary(cfg: RunConfig) -> str:
 
 
 class Prepared(NamedTuple):
-    """A stage ready to run: its run config (`<run>.hs`) and its extraction servers."""
+    """A stage ready to run: its run config (`<run>.hs`), its extraction servers, and its
+    plan (per category the rows on disk: listed, and not listed yet)."""
 
     stage: StatesStage
     run: RunConfig
     engines: str  # SGLANG_URL's form
+    plan: Mapping[str, CategoryPlan] = {}
 
 
 def prepare(cfg: RunConfig, given_url: str | None = None,
-            say: Callable[[str], None] = print) -> Prepared:
+            say: Callable[[str], None] = print, generating: Collection[str] = ()) -> Prepared:
     """The stage's one way in for its runner: the extraction servers named (`extract_url`),
-    the plan said and checked against the disk, the rows files written once, the stage's
-    run config. Nothing is written when a check refuses."""
+    the plan said (the categories whose generation goes on, `generating`, said so) and
+    checked against the disk, the stage's run config. Nothing is written here: the rows
+    files grow as the categories arrive (`Arrivals`)."""
     stage = StatesStage.of(cfg)
     engines = extract_url(stage, given_url)
     if not engines:
         raise TokencapError("no extraction server: pass --extract-url, set "
                             f"{EXTRACT_URL_ENV} or hidden_states.engine_url")
     plan = disk_plan(stage)
-    for line in plan_lines(stage, plan):  # said before a refusal, which it explains
+    for line in plan_lines(stage, plan, generating):  # said before a refusal, which it explains
         say(line)
     check_disk(stage, plan, kept_bytes(stage))
-    return Prepared(stage, stage_config(stage, write_rows(stage)), engines)
+    return Prepared(stage, stage_config(stage), engines, plan)
+
+
+class Arrivals:
+    """The stage's categories as their rows are there (the producer's `Arriving`). A
+    category arrives once its generation has ended (`generation`: generation's category
+    states; ended, and everything of it written): its new training rows are appended to its
+    rows file (`append_rows`) and the stage feeds it. It arrives again when its generation
+    ends again with more rows (a cap raised while the stage runs). Once `over()` (generation
+    will make no more rows: it ended, or it is not running at all, `generation` None), every
+    category is listed one last time and the arrivals are settled."""
+
+    def __init__(self, stage: StatesStage,
+                 generation: Callable[[], Mapping[str, CategoryState]] | None = None,
+                 over: Callable[[], bool] = lambda: True,
+                 say: Callable[[str], None] = print,
+                 every_s: float = ARRIVALS_EVERY_S) -> None:
+        self.stage = stage
+        self.generation = generation
+        self.over = over
+        self.say = say
+        self.every_s = every_s
+        # per category arrived, generation's committed samples when its rows were listed
+        self.listed: dict[str, int] = {}
+        self._settled = False
+        self._looked_at = float("-inf")
+
+    def arrived(self) -> list[str]:
+        if self._settled or time.monotonic() - self._looked_at < self.every_s:
+            return []
+        self._looked_at = time.monotonic()
+        over = self.over()  # before the states: rows made before it are read below
+        states = {} if self.generation is None else dict(self.generation())
+        out = []
+        for name in self.stage.budgets:
+            st = states.get(name)
+            done = st is not None and st.ended and st.unwritten == 0
+            samples = st.samples if st is not None else -1
+            if not (over or done) or (not over and self.listed.get(name) == samples):
+                continue
+            added = append_rows(self.stage, name)
+            if name not in self.listed or added:
+                out.append(name)
+                if added or not over:
+                    self.say(f"hidden states of {name}"
+                             + ("" if over else f" (its generation {st.state if st else '?'})")
+                             + f": {added:,} training row(s) added to "
+                             f"{rows_file(self.stage.spec.output_dir, name)}")
+            self.listed[name] = samples
+        self._settled = over
+        return out
+
+    def settled(self) -> bool:
+        return self._settled
 
 
 def finished(ready: Prepared, status: RunStatus) -> bool:
     """Whether the stage has nothing to ask (`status`: its run's, read from Redis): its run
     exists, every category ended and wrote everything, and none has rows it has not taken
-    (its rows file grown since: a cap raised, a run resumed) unless its byte budget closed
-    it. Then a rerun asks the engine for nothing, not even its probe."""
+    (those its rows file lists, and the training rows it does not list yet: generated
+    since, a cap raised, a run resumed; `ready.plan`) unless its byte budget closed it.
+    Then a rerun asks the engine for nothing, not even its probe."""
     if not status.ended:
         return False
     for name in ready.stage.budgets:
         st = status.categories.get(name)
         if st is None or not st.ended:
             return False
-        if st.state != "closed" and st.samples + st.failed + st.rejected < _lines(
-                rows_file(ready.stage.spec.output_dir, name)):
+        plan = ready.plan.get(name)
+        rows = plan.rows if plan is not None else 0
+        if st.state != "closed" and st.samples + st.failed + st.rejected < rows:
             return False
     return True
-
-
-def _lines(path: Path) -> int:
-    if not path.is_file():
-        return 0
-    with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
 
 
 def sweep_engine_files(stage: StatesStage, folders: Iterable[str]) -> int:

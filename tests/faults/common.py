@@ -133,16 +133,17 @@ STATES_HIDDEN = 64
 
 def states_config(tmp: Path, run: str, rows: int, attempts: int = 4,
                   lease_s: float = 1.0, hidden: int = STATES_HIDDEN,
-                  states_out: Path | None = None) -> Path:
-    """Two categories ("a", "b") of `rows` token-id prompts each, generated on the simulator,
-    with a `[hidden_states]` section (a model of 8 layers, hidden size `hidden`, bf16) whose
-    states go to `states_out` (default `<tmp>/hs`); returns the config's path."""
+                  states_out: Path | None = None, rows_b: int | None = None) -> Path:
+    """Two categories ("a", "b") of `rows` token-id prompts each (b `rows_b` when given),
+    generated on the simulator, with a `[hidden_states]` section (a model of 8 layers, hidden
+    size `hidden`, bf16) whose states go to `states_out` (default `<tmp>/hs`); returns the
+    config's path."""
     model = tmp / "model" / "config.json"
     model.parent.mkdir()
     model.write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": hidden,
                                  "torch_dtype": "bfloat16"}))
     a = ids_source(tmp, rows, "a.jsonl", base=300)
-    b = ids_source(tmp, rows, "b.jsonl", base=300 + rows)
+    b = ids_source(tmp, rows if rows_b is None else rows_b, "b.jsonl", base=300 + rows)
     knobs = FAULT_KNOBS.replace("lease_s = 1.0", f"lease_s = {lease_s}").replace(
         "max_attempts = 4", f"max_attempts = {attempts}")
     cats = "".join(f"""[[category]]

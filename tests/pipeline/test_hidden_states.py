@@ -5,7 +5,9 @@ once, in a checked file equal to what the engine computed, proven by the manifes
 the stage's end; a byte budget closes a category;
 a NaN or all-zero file is never kept (asked again, then dead with its reason; refused at
 the preflight when every file is bad); workers killed mid-stage and the stage rerun leave no
-file twice and none torn; a finished stage rerun asks the engine for nothing."""
+file twice and none torn; a finished stage rerun asks the engine for nothing; rows generated
+after a stage ran (a raised cap, the run resumed) are said by the plans, appended to the rows
+file after its lines, and extracted by the next stage run."""
 
 from __future__ import annotations
 
@@ -367,3 +369,67 @@ def test_plan_and_the_stage_s_plan_give_one_figure_for_the_states_bytes(
     assert figures[0] == figures[1]
     assert "B in" in figures[0] and not figures[0].startswith("in all: 0 B")
     assert not (tmp_path / "hs" / "a" / "rows.jsonl").exists()  # --plan writes nothing
+
+
+def test_rows_generated_after_a_stage_ran_are_appended_and_extracted_by_the_next_run(
+        tmp_path, redis_url) -> None:
+    from click.testing import CliRunner
+
+    from budget_service.budget import Budget
+    from budget_service.keys import Keys
+    from foundation.config import load_config
+    from foundation.redisconn import connect
+    from tokencap.cli.main import main
+
+    # Given a run whose category a closed at its cap, and a stage that extracted its rows
+    path = states_config(tmp_path, "grow", 30, lease_s=10.0)
+    path.write_text(path.read_text().replace('cap_tokens = "none"', "cap_tokens = 2000", 1))
+    cfg = load_config(path)
+    hs = _hs(tmp_path)
+    rows_a = rows_file(hs.output_dir, "a")
+    sim, ex = SimServer(time_scale=1000.0), extractor(tmp_path)
+    sim.start()
+    try:
+        with started(cfg, redis_url, [sim.url], 2) as pipe:
+            assert pipe.run()["categories"]["a"]["state"] == "closed"
+        stage_run(path, redis_url, ex)
+        before = rows_a.read_bytes()
+        listed = len(before.splitlines())
+        assert listed == len(training_row_ids(cfg, "a")) > 0
+        # When the cap is raised and the run resumed: a makes more rows
+        Budget(connect(redis_url), Keys(cfg.key_prefix, cfg.run)).operating.set_cap(
+            "a", None, by="test")
+        with started(cfg, redis_url, [sim.url], 2) as pipe:
+            pipe.check_invariants(pipe.run())
+        total = len(training_row_ids(cfg, "a"))
+        assert total > listed
+        # Then both plans say the rows not yet in the rows file, and write nothing
+        for argv in (["hidden-states", str(path), "--plan"], ["plan", str(path)]):
+            res = CliRunner().invoke(main, argv)
+            assert res.exit_code == 0, res.output
+            assert f"a: {total:,} rows, " in res.output
+            assert (f"a: {total - listed:,} of them generated since the stage last ran, not "
+                    "in its rows file yet") in res.output
+            assert not any(ln.strip().startswith("b: ") and "generated since" in ln
+                           for ln in res.output.splitlines())  # b has none
+        assert rows_a.read_bytes() == before
+        # and the next stage run appends them after the lines there, and extracts them
+        status = stage_run(path, redis_url, ex)
+    finally:
+        sim.stop()
+        ex.stop()
+    after = rows_a.read_bytes()
+    assert after.startswith(before) and len(after.splitlines()) == total
+    for name in ("a", "b"):
+        rows = kept_rows(tmp_path, name)
+        assert sorted(rows) == sorted(r for r, _ in training_row_ids(cfg, name))
+        st = status["categories"][name]
+        assert st["state"] == "exhausted" and st["samples"] == len(rows)
+        results = [r for r in read_results(Path(hs.output_dir) / name)
+                   if not isinstance(r, hsfile.BadFile)]
+        assert sorted(r.source_id for r in results) == sorted(rows)  # once each
+        for row_id, ids in rows.items():
+            f = states_file(hs.output_dir, name, row_id)
+            hsfile.check(f, hsfile.read(f)[0], ids, len(LAYERS), HIDDEN, "BF16")
+        assert len(list((Path(hs.output_dir) / name / "states").iterdir())) == len(rows)
+

@@ -2,7 +2,7 @@
 
 `make test-engine` (tests/engine/run.py) starts vLLM's CPU build serving an 8-layer tiny
 Qwen2 with the `extract_hidden_states` speculative method and tokencap's CPU connector
-(`tokencap.engine_side.vllm_cpu_connector`), and names it here: TOKENCAP_EXTRACT_URL, _MODEL
+(`tokencap.engine_side.vllm_connector`), and names it here: TOKENCAP_EXTRACT_URL, _MODEL
 (the model folder), _STORAGE (where the files go), _LAYERS (vLLM's layer ids), and
 TOKENCAP_ENGINE_PYTHON (a Python with torch and transformers, for the oracle,
 tests/engine/hs_oracle.py). Without TOKENCAP_EXTRACT_URL these are skipped, except under

@@ -135,8 +135,10 @@ def looked_where(redis_url: str, prefix: str) -> str:
 
 
 def _resolve_run(redis: Any, redis_url: str, prefix: str, run_name: str | None) -> str:
-    """`run_name`, else the only run under `prefix` in this Redis."""
+    """`run_name`, else the only run under `prefix` in this Redis (its hidden-state stage
+    beside it)."""
     from budget_service.keys import Keys
+    from foundation.config import STATES_RUN_SUFFIX
 
     if run_name:
         return run_name
@@ -144,8 +146,11 @@ def _resolve_run(redis: Any, redis_url: str, prefix: str, run_name: str | None) 
         Keys.run_of_meta(prefix, k.decode())
         for k in redis.scan_iter(match=Keys.runs_pattern(prefix), count=1000)
     )
-    if len(runs) == 1:
-        return runs[0]
+    # a run's hidden-state stage (`<run>.hs`) is shown with the run: not another run
+    alone = [r for r in runs
+             if not (r.endswith(STATES_RUN_SUFFIX) and r.removesuffix(STATES_RUN_SUFFIX) in runs)]
+    if len(alone) == 1:
+        return alone[0]
     if not runs:
         raise RunNotFound(f"no tokencap run: {looked_where(redis_url, prefix)}")
     raise TokencapError(f"several runs in Redis ({', '.join(runs)}): pick one with --run")

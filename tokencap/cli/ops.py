@@ -46,8 +46,8 @@ SERIES_FOR_RATES = 30  # the series' last points a board reads (a minute at one 
               "who, tokens used then; the last 1,000 per category).")
 def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str, prefix: str,
            as_json: bool, watch_flag: bool, interval: float, events_flag: bool) -> None:
-    """Show each category's cap, used, reserved, samples and state."""
-    from budget_service.telemetry import status_document
+    """Show each category's cap, used, reserved, samples and state; the run's hidden-state
+    stage (`<run>.hs`) beside it when it exists (under `hidden_states` in --json)."""
     from tokencap.reports.progress import summary_table
 
     budget = open_budget(redis_url, prefix, run_name)
@@ -60,12 +60,22 @@ def status(state_dir: str, run_name: str | None, redis_url: str, sglang_url: str
         from foundation.engine.api import parse_urls
         from tokencap.reports.watch import watch
 
+        def fetch_stage() -> Any:
+            stage = budget.telemetry.stage()
+            return None if stage is None else stage.snapshot()
+
         watch(budget.telemetry.snapshot, parse_urls(sglang_url), budget.telemetry.workers,
               interval_s=interval,
-              fetch_series=lambda: budget.telemetry.series(count=SERIES_FOR_RATES))
+              fetch_series=lambda: budget.telemetry.series(count=SERIES_FOR_RATES),
+              fetch_stage=fetch_stage)
         return
-    st = budget.telemetry.snapshot(by_engine=True)
-    click.echo(json.dumps(status_document(st), indent=2) if as_json else summary_table(st))
+    if as_json:
+        click.echo(json.dumps(budget.telemetry.status(by_engine=True), indent=2))
+        return
+    click.echo(summary_table(budget.telemetry.snapshot(by_engine=True)))
+    stage = budget.telemetry.stage()
+    if stage is not None:
+        click.echo("\n" + summary_table(stage.snapshot()))
 
 
 def _event_line(ev: dict[str, Any]) -> str:

@@ -83,8 +83,9 @@ def run(config: RunConfig, redis_url: str, sglang_url: str, progress_s: float,
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
               help="Worker processes this command runs for the stage.")
 @click.option("--plan", "plan_only", is_flag=True,
-              help="Print the bytes per token, per category and in all, check them against "
-              "the free disk, and exit: nothing is sent.")
+              help="Print the bytes per token, per category and in all (with the rows not "
+              "yet in the stage's rows files), check them against the free disk, and exit: "
+              "nothing is sent or written.")
 @click.option("--progress-s", default=2.0, show_default=True,
               help="Seconds between progress lines.")
 def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, workers: int,
@@ -94,9 +95,11 @@ def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, wo
     extraction server, through the same queue, ledger, workers and writer as generation:
     each row's states once, in a checked file named by the row, under a byte budget per
     category (`[hidden_states]` in the config; docs/HIDDEN_STATES.md). The same command
-    resumes: a row whose file is kept is not asked for again. At its end, each category's
-    manifest.json is written beside its states (`tokencap verify` rereads the files against
-    it; the export checks it)."""
+    resumes: a row whose file is kept is not asked for again, and the rows generated since
+    the last stage run (a raised cap, a resumed run) are added to its rows files and
+    extracted. `tokencap up` runs it beside generation, each category as it ends. At a
+    category's end, its manifest.json is written beside its states (`tokencap verify`
+    rereads the files against it; the export checks it)."""
     from tokencap import extraction
     from tokencap.reports.progress import ProgressPrinter, summary_table
     from tokencap.stack.stage import run_hidden_states

@@ -46,12 +46,15 @@ class ProgressPrinter:
     holds the end back once every category is done (the writer); a line that would repeat
     the previous one is not printed. An engine that does not answer (the status's
     `trouble`), or a full states folder a stage pauses on, is in every line until it is
-    over, with since when."""
+    over, with since when. Each line starts with `[tag]` (`up` tags the hidden-state
+    stage's beside generation's)."""
 
     def __init__(self, out: TextIO = sys.stdout,
-                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
+                 clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+                 tag: str = "progress") -> None:
         self.out = out
         self.clock_ms = clock_ms
+        self.tag = f"[{tag}]"
         self._last: dict[str, tuple[float, int]] = {}
         self._line = ""
         self._down: dict[str, int] = {}  # engine -> since (ms)
@@ -62,7 +65,7 @@ class ProgressPrinter:
         down = {url: t.since_ms for url, t in status.trouble.items()}
         for url, since in self._down.items():
             if url not in down:
-                self.out.write(f"[progress] engine {url} answers again, after "
+                self.out.write(f"{self.tag} engine {url} answers again, after "
                                f"{max(0, now - since) // 1000} s\n")
         self._down = down
         return "; ".join(trouble_lines(status, now))
@@ -86,13 +89,13 @@ class ProgressPrinter:
                 pct = 100.0 * st.used / st.cap if st.cap else 100.0
                 parts.append(f"{name} {st.used}/{st.cap} ({pct:.0f}%){size} {rate:.0f} "
                              f"tok/s {st.state}")
-        line = "[progress] " + " | ".join(parts)
+        line = f"{self.tag} " + " | ".join(parts)
         writer = status.writer
         unwritten = writer.unwritten
         trouble = writer.error or ("" if writer.holder else "no writer runs")
         if cats and all(st.state in ("closed", "exhausted") for st in cats.values()) \
                 and unwritten:
-            line = f"[progress] waiting for the writer ({unwritten} results unwritten)"
+            line = f"{self.tag} waiting for the writer ({unwritten} results unwritten)"
         if unwritten and trouble:
             line += f"; writer: {trouble}"
         if engines:

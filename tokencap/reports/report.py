@@ -18,7 +18,10 @@ What it shows, and where each number comes from:
 - the run's event log (cap changes);
 - the prefix cache per category and engine (the rows' `prompt_tokens`, `cached_tokens` and
   `reusable_tokens`): the prompt tokens the engine served from its cache, against those a
-  conversation's turn shares with the turn before (what a cache could have served).
+  conversation's turn shares with the turn before (what a cache could have served);
+- the run's hidden-state stage when it exists (the run `<run>.hs`,
+  `TelemetryLedger.stage`): per category its rows with states, bytes kept against the
+  budget, rows failed, its state (`table#hidden-states`, the numbers in `data-` attributes).
 
 Figures are drawn with matplotlib (Agg, no display). Each `<figure>` has an id
 (`fig-lengths`, ...) and the numbers it was drawn from in `data-` attributes, which the
@@ -39,6 +42,7 @@ from budget_service.budget import Budget
 from budget_service.ledger import CategoryState, cap_text
 from budget_service.telemetry import RunStatus, SeriesPoint
 from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
+from foundation.units import size_text
 from tokencap.reports.rates import tok_s
 
 FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
@@ -118,6 +122,26 @@ class _Freq:
 def _kept_out(c: CategoryState) -> str:
     """The output tokens the reply gate kept out of training, by reason ("none")."""
     return ", ".join(f"{reason} {n:,}" for reason, n in c.rejected_tokens.items()) or "none"
+
+
+def _stage_section(stage: RunStatus | None) -> str:
+    """The hidden-state stage's table ("" when the run has none)."""
+    if stage is None:
+        return ""
+    rows = []
+    for name, c in stage.categories.items():
+        b = stage.state_bytes(c)
+        used, cap = (b.used, b.cap) if b is not None else (c.used, c.cap)
+        rows.append(
+            f'<tr data-category="{_esc(name)}" data-rows="{c.samples}" data-bytes="{used}" '
+            f'data-state="{_esc(c.state)}"><td>{_esc(name)}</td><td>{c.samples:,}</td>'
+            f"<td>{_esc(size_text(used))}</td>"
+            f"<td>{_esc('none' if cap is None else size_text(cap))}</td>"
+            f"<td>{c.failed:,}</td><td>{_esc(c.state)}</td></tr>")
+    return (f"<h2>Hidden states (run {_esc(stage.run)})</h2>\n"
+            '<table id="hidden-states"><tr><th>category</th><th>rows with states</th>'
+            "<th>bytes kept</th><th>byte budget</th><th>failed</th><th>state</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 def _png(fig: Any) -> bytes:
@@ -317,6 +341,8 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         for n, f in freqs.items())
     simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
                  "outputs are synthetic.</p>") if status.simulated else ""
+    stage = budget.telemetry.stage()
+    states = _stage_section(stage.snapshot() if stage is not None else None)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -332,6 +358,7 @@ figure{{margin:16px 0}}img{{max-width:100%}}.warn{{color:#b54708;font-weight:600
 <th>overshoot</th><th>state</th><th>skipped/failed/rejected</th>
 <th>output tokens in training rows</th><th>kept out of training (tokens, by reason)</th></tr>
 {rows}</table>
+{states}
 <h2>Engines</h2><ul>{engines}</ul>
 <h2>Prefix cache</h2>
 <p>Prompt tokens the engine served from its prefix cache, and those a conversation's turn

@@ -9,6 +9,11 @@ printed each interval, one per category and one for the engines and workers.
 Token rates come from a `tokencap.reports.rates.RateTracker`, which keeps the `used` counter of each
 category over the last minute, so tok/s and ETA follow what the run does now, not its
 average since start.
+
+When the run's hidden-state stage exists (the run `<run>.hs`, `fetch_stage`), the board
+shows it below the run: per category its rows with states, the bytes kept against its
+budget, the row tokens per second, the ETA and its state (one `hidden states` line per
+category in plain text).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from budget_service.telemetry import RunStatus, SeriesPoint
 from foundation.engine.api import engine_spec
 from foundation.engine.load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
+from foundation.units import size_text
 from tokencap.reports.progress import SIMULATED_TEXT, gate_lines, since_text, trouble_lines
 from tokencap.reports.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
 
@@ -123,9 +129,23 @@ def _no_rate() -> CategoryRate:
     return CategoryRate(0.0, None)
 
 
+def stage_lines(stage: RunStatus, rates: Mapping[str, CategoryRate]) -> list[str]:
+    """A hidden-state stage in plain text: one line per category (exact numbers)."""
+    lines = []
+    for name, st in stage.categories.items():
+        r = rates.get(name) or _no_rate()
+        b = stage.state_bytes(st)
+        size = "" if b is None else f"bytes={b.used}" + ("" if b.cap is None else f"/{b.cap}")
+        lines.append(f"hidden states {name} rows={st.samples} {size} tok_s={r.tok_s:.1f} "
+                     f"eta={format_eta(r.eta_s)} state={st.state} failed={st.failed}")
+    return lines
+
+
 def plain_lines(status: RunStatus, rates: Mapping[str, CategoryRate],
-                engines: list[EngineLoad], workers: int) -> list[str]:
-    """The board as plain text: one line per category, then one line for engines and workers.
+                engines: list[EngineLoad], workers: int, stage: RunStatus | None = None,
+                stage_rates: Mapping[str, CategoryRate] | None = None) -> list[str]:
+    """The board as plain text: one line per category, then one line for engines and workers
+    (and the hidden-state stage's lines, `stage_lines`, when it exists).
 
     Numbers are exact (no k/M suffixes) so a log can be grepped and parsed.
     """
@@ -144,6 +164,8 @@ def plain_lines(status: RunStatus, rates: Mapping[str, CategoryRate],
     lines.append(f"engines: {engine_part}; workers={workers}")
     lines += trouble_lines(status)
     lines.append(writer_text(status))
+    if stage is not None:
+        lines += stage_lines(stage, stage_rates or {})
     if status.simulated:
         lines.append(SIMULATED_TEXT)
     return lines
@@ -177,15 +199,44 @@ LEVELS: tuple[tuple[frozenset[str], int], ...] = (
 
 
 def render_board(status: RunStatus, rates: Mapping[str, CategoryRate],
-                 engines: list[EngineLoad], workers: int, width: int = 120) -> Group:
+                 engines: list[EngineLoad], workers: int, width: int = 120,
+                 stage: RunStatus | None = None,
+                 stage_rates: Mapping[str, CategoryRate] | None = None) -> Group:
     """The board for a terminal of `width` columns: a table with one row per category (the
-    richest of `LEVELS` that fits), then a footer with engines, workers and the writer."""
+    richest of `LEVELS` that fits), then a footer with engines, workers and the writer; the
+    hidden-state stage's table below when it exists."""
     measure = Console(width=10_000)
     for shown, bar_width in LEVELS:
         table = _table(status, rates, shown, bar_width)
         if measure.measure(table).maximum <= width:
             break
-    return Group(table, _footer(status, engines, workers))
+    if stage is None:
+        return Group(table, _footer(status, engines, workers))
+    return Group(table, _footer(status, engines, workers),
+                 _stage_table(stage, stage_rates or {}, bar_width))
+
+
+def _stage_table(stage: RunStatus, rates: Mapping[str, CategoryRate],
+                 bar_width: int) -> Table:
+    """The hidden-state stage: per category its rows with states, bytes kept of its budget
+    (a bar), row tokens per second, ETA, state."""
+    table = Table(title=f"hidden states: run {stage.run}", title_justify="left", expand=False)
+    for col, right in (("category", False), ("budget", False), ("bytes / budget", True),
+                       ("rows", True), ("tok/s (1m)", True), ("ETA", True), ("state", False),
+                       ("failed", True)):
+        table.add_column(col, justify="right" if right else "left", no_wrap=True)
+    for name, st in stage.categories.items():
+        r = rates.get(name) or _no_rate()
+        b = stage.state_bytes(st)
+        used, cap = (b.used, b.cap) if b is not None else (st.used, st.cap)
+        bar = ProgressBar(total=None if cap is None and st.state == "open" else max(cap or 1, 1),
+                          completed=min(used, cap) if cap else 1, width=bar_width,
+                          complete_style="cyan")
+        size = size_text(used) + ("" if cap is None else f" / {size_text(cap)}")
+        table.add_row(name, bar, size, _si(st.samples), f"{r.tok_s:,.0f}",
+                      format_eta(r.eta_s), Text(st.state, style=_STATE_STYLE.get(st.state, "")),
+                      str(st.failed))
+    return table
 
 
 def _table(status: RunStatus, rates: Mapping[str, CategoryRate], shown: frozenset[str],
@@ -255,11 +306,14 @@ def _footer(status: RunStatus, engines: list[EngineLoad], workers: int) -> Text:
 def watch(fetch_status: Callable[[], RunStatus], engine_urls: list[str],
           count_workers: Callable[[], int], *, interval_s: float = 2.0,
           console: Console | None = None, iterations: int | None = None,
-          fetch_series: Callable[[], Sequence[SeriesPoint]] | None = None) -> None:
+          fetch_series: Callable[[], Sequence[SeriesPoint]] | None = None,
+          fetch_stage: Callable[[], RunStatus | None] | None = None) -> None:
     """Show the board every `interval_s` until Ctrl-C (or after `iterations` boards).
 
     Rates come from the run's time series (`fetch_series`: the budget service records it)
-    when there is one, else from what this watcher has seen since it started.
+    when there is one, else from what this watcher has seen since it started. The run's
+    hidden-state stage (`fetch_stage`: its status, None while there is none) is shown below
+    it, its rates from what this watcher has seen.
 
     On a terminal the board is redrawn in place (`rich.live.Live`, no alternate screen, so
     the last board stays on screen afterwards); elsewhere plain lines are printed each time.
@@ -269,20 +323,26 @@ def watch(fetch_status: Callable[[], RunStatus], engine_urls: list[str],
     if iterations is not None and iterations < 1:
         raise TokencapError(f"iterations must be None or >= 1, got {iterations}")
     console = console if console is not None else Console()
-    tracker = RateTracker()
+    tracker, stage_tracker = RateTracker(), RateTracker()
     stop = threading.Event()
     engine_timeout_s = min(ENGINE_TIMEOUT_S, max(interval_s, 0.1))
     loads = LoadReader()
 
-    def frame() -> tuple[RunStatus, dict[str, CategoryRate], list[EngineLoad], int]:
+    def frame() -> tuple[RunStatus, dict[str, CategoryRate], list[EngineLoad], int,
+                         RunStatus | None, dict[str, CategoryRate]]:
         status = fetch_status()
         points = fetch_series() if fetch_series else []
         rates = series_rates(points, status, time.time()) if points else \
             tracker.update(status)
-        return status, rates, engine_load(engine_urls, engine_timeout_s, loads), count_workers()
+        stage = fetch_stage() if fetch_stage else None
+        stage_rates = stage_tracker.update(stage) if stage is not None else {}
+        return (status, rates, engine_load(engine_urls, engine_timeout_s, loads),
+                count_workers(), stage, stage_rates)
 
     def board() -> Group:
-        return render_board(*frame(), width=console.width)
+        status, rates, engines, workers, stage, stage_rates = frame()
+        return render_board(status, rates, engines, workers, width=console.width,
+                            stage=stage, stage_rates=stage_rates)
 
     def done(n: int) -> bool:
         return iterations is not None and n >= iterations

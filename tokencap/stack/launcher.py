@@ -13,8 +13,10 @@ stack's data folder), so after the whole stack was killed at once (a node that r
 ran out of memory) the same `up` starts everything again, Redis on its port from its AOF.
 `up` runs the config through the one stage runner (`tokencap/stack/stage.py`): while it
 feeds, a writer, budget service, simulator or worker that died is started again (the
-stack's supervisor, `tokencap/stack/supervisor.py`); then the hidden-state stage when the
-config names an extraction server.
+stack's supervisor, `tokencap/stack/supervisor.py`). When the config names an extraction
+server the hidden-state stage runs beside it (`StatesBeside`): from the moment a category
+of generation ends, each category's states as its generation ends, the rest still
+generating; `up` ends when both have.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from redis import Redis
-
 from foundation.config import DEFAULT_BUDGET_PORT, RunConfig
 from foundation.errors import SIGNALLED, RunNotFound, SourceError, StackBusy, TokencapError
 from foundation.redisconn import connect, redact
@@ -40,7 +40,7 @@ from tokencap.stack import processes
 from tokencap.stack.localredis import free_port, free_port_of, port_free
 from tokencap.stack.runfile import RUN_FILE, run_file, stop_hint
 from tokencap.stack.services import PROGRAMS, START_TIMEOUT_S, Services, sim_family
-from tokencap.stack.stage import Stage, StageRun, run_hidden_states
+from tokencap.stack.stage import Stage, StageRun, StatesBeside
 from tokencap.stack.supervisor import Supervisor, tokencap_argv
 
 log = logging.getLogger(__name__)
@@ -225,51 +225,73 @@ class Stack:
         gen = StageRun(Stage(cfg, rurl, eurl, n_workers, whose="this stack's"),
                        redis, self.sup, keep=True, say=say, also_tend=also_tend,
                        guard=self._tending)
+        beside = self._states_beside(cfg, rurl, n_workers, stopped)
         with catching:
-            status = gen.run(on_progress=ProgressPrinter(), should_stop=lambda: bool(stopped),
-                             before_start=before_start)
+            try:
+                status = gen.run(on_progress=ProgressPrinter(),
+                                 should_stop=lambda: bool(stopped), before_start=before_start,
+                                 on_states=beside.poll if beside else None)
+            except BaseException:
+                if beside is not None:
+                    beside.abort()
+                raise
             print(summary_table(status), flush=True)
             if stopped:
+                if beside is not None:
+                    beside.abort()
                 say(f"stopped ({stopped.by}) before the end: nothing more is fed; the stack "
                     "still runs (workers finish the samples they hold, the writer writes "
                     f"them). The same command resumes; {stop_hint(self.dir)} stops the stack.")
                 return SIGNALLED
-            self._report(gen, Path(cfg.output_dir), cfg.run)
+            failed: TokencapError | None = None
+            if beside is not None:  # every category's rows listed, the stage to its end
+                try:
+                    states = beside.wait()
+                except TokencapError as exc:  # said when it happened; its exit code below
+                    failed = exc
+                else:
+                    if states is not None:
+                        print(summary_table(states), flush=True)
+            self._report(gen, cfg)
             say(f"results in {cfg.output_dir}; {stop_hint(self.dir)} stops the stack")
             why = nothing_usable(status, cfg.output_dir)
             if why:
                 say(why)
                 return SourceError.exit_code
-            if cfg.hidden_states is not None:
-                code = self._hidden_states(cfg, redis, rurl, n_workers, stopped)
-                if code:
-                    return code
+            if failed is not None:
+                raise failed
+            if stopped:  # during the hidden-state stage
+                return SIGNALLED
         return 0 if status.ended else 1
 
-    def _hidden_states(self, cfg: RunConfig, redis: Redis, redis_url: str, n_workers: int,
-                       stopped: StopFlag) -> int:
-        """The config's hidden-state stage, once generation has ended (its own workers and
-        writer, as many workers as the stack's, stopped at its end): skipped, saying how to
-        run it, when no extraction server is named."""
+    def _states_beside(self, cfg: RunConfig, redis_url: str, n_workers: int,
+                       stopped: StopFlag) -> StatesBeside | None:
+        """The config's hidden-state stage, to run beside generation (its own workers and
+        writer, as many workers as the stack's, stopped at its end); None, saying how to
+        run it later, when the config has none or names no extraction server."""
+        if cfg.hidden_states is None:
+            return None
         urls = extraction.extract_urls(extraction.StatesStage.of(cfg))
         if not urls:
             say("[hidden_states] has no engine_url (nor TOKENCAP_EXTRACT_URL): no states "
-                "extracted; `tokencap hidden-states CONFIG --extract-url URL` does it")
-            return 0
-        say(f"hidden states of {cfg.run}'s rows from {', '.join(urls)}")
-        status = run_hidden_states(cfg, redis_url, n_workers, redis=redis, sup=self.sup,
-                                on_progress=ProgressPrinter(), should_stop=lambda: bool(stopped),
-                                say=say)
-        print(summary_table(status), flush=True)
-        return SIGNALLED if stopped else 0
+                "extracted; `tokencap hidden-states CONFIG --extract-url URL` does it after")
+            return None
+        say(f"hidden states of {cfg.run}'s rows from {', '.join(urls)}: each category's as "
+            "its generation ends")
+        return StatesBeside(cfg, redis_url, n_workers, self.sup, say=say,
+                            should_stop=lambda: bool(stopped),
+                            on_progress=ProgressPrinter(tag="hidden states"))
 
     @staticmethod
-    def _report(gen: StageRun, out: Path, run: str) -> None:
-        """Write the run's report, unless the one there is newer than every output file (a
-        rerun of a finished run: drawing it again takes seconds of matplotlib)."""
+    def _report(gen: StageRun, cfg: RunConfig) -> None:
+        """Write the run's report (its hidden-state stage's with it), unless the one there is
+        newer than every output file (a rerun of a finished run: drawing it again takes
+        seconds of matplotlib)."""
+        out, run = Path(cfg.output_dir), cfg.run
         report = out / f"{run}-report.html"
         try:
-            files = [p.stat().st_mtime for p in out.glob("*/*.jsonl")]
+            outs = [out] + ([Path(cfg.hidden_states.output_dir)] if cfg.hidden_states else [])
+            files = [p.stat().st_mtime for o in outs for p in o.glob("*/*.jsonl")]
             if report.exists() and report.stat().st_mtime >= max(files, default=0.0):
                 say(f"report: {report} (no new results since it was written)")
                 return

@@ -152,7 +152,8 @@ class Table:
         """The processes' names that start with `prefix` (pid files, else this process's
         children), in numeric order of their tail (worker-2 before worker-10)."""
         if self.pids is None:
-            found = [n for n in self.children if n.startswith(prefix)]
+            # a copy first: a stage beside generation starts children from another thread
+            found = [n for n in list(self.children) if n.startswith(prefix)]
         elif not self.pids.exists():
             return []
         else:

@@ -1,7 +1,7 @@
 """`budget_service/feeding.py`, the producer's role: each of its Lua scripts called directly
 against a real Redis through its method (`init_run`, `feed`, `requeue`, `lease`, `unpark`,
-`exhausted`, `reconcile`, `restore`, `feed_follow`, `cut`); the tests of a script are named
-`test_<script>_...` (`test_scripts.py::test_every_script_has_a_direct_test`)."""
+`exhausted`, `source_size`, `reconcile`, `restore`, `feed_follow`, `cut`); the tests of a
+script are named `test_<script>_...` (`test_scripts.py::test_every_script_has_a_direct_test`)."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_unpark_hard_guard_counts_what_each_taken_sample_can_add(budget: Budget)
     assert budget.feeding.unpark("code", 10, 0, 300, 0.0, now_ms(), 100).leased == []
 
 
-# -- exhausted, reconcile --------------------------------------------------------------
+# -- exhausted, source_size, reconcile ------------------------------------------------
 
 def test_exhausted_waits_for_pending_followups_and_the_writer(budget: Budget) -> None:
     budget.redis.zadd(ck(budget).follow, {"c#t2": 0})
@@ -219,6 +219,39 @@ def test_exhausted_waits_for_pending_followups_and_the_writer(budget: Budget) ->
     [(_, entries)] = budget.redis.xreadgroup(WRITER_GROUP, "w", {ck(budget).results: ">"})
     budget.writing.acknowledge("code", False, [e for e, _ in entries], {"a": 5})
     assert budget.feeding.mark_exhausted("code", 1) is True
+
+
+def test_source_size_sends_the_cursor_back_and_reopens_when_the_source_grew(
+        budget: Budget) -> None:
+    # a new source: its size recorded, nothing moved
+    assert budget.feeding.source_size("code", 2) is False
+    feed(budget, "a")
+    feed(budget, "b")
+    budget.samples.commit(result("a", 5), 0, 0.0)
+    budget.samples.commit(result("b", 5), 0, 0.0)
+    [(_, entries)] = budget.redis.xreadgroup(WRITER_GROUP, "w", {ck(budget).results: ">"})
+    budget.writing.acknowledge("code", False, [e for e, _ in entries], {"a": 5, "b": 5})
+    assert budget.feeding.mark_exhausted("code", 2) is True
+    # the same source opened again (a resume): nothing changes
+    assert budget.feeding.source_size("code", 2) is False
+    assert budget.feeding.cursor("code") == 2
+    assert budget.telemetry.status()["categories"]["code"]["state"] == "exhausted"
+    # the source grew: its order is another one, so the cursor starts over (what is final
+    # is skipped by the feed) and the category is open again, its counts kept
+    assert budget.feeding.source_size("code", 5) is True
+    assert budget.feeding.cursor("code") == 0
+    st = budget.telemetry.status()["categories"]["code"]
+    assert (st["state"], st["samples"], st["used"]) == ("open", 2, 10)
+    assert feed(budget, "a") == 0 and feed(budget, "c") == 1
+    # a run older than the field, its cursor past 0: started over once, to be safe
+    budget.redis.hdel(ck(budget).state, "records")
+    assert budget.feeding.source_size("code", 5) is True
+    assert budget.feeding.cursor("code") == 0
+    # a closed category stays closed (its cap holds it)
+    budget.operating.set_cap("code", 1)
+    feed(budget, "d")
+    assert budget.feeding.source_size("code", 9) is True
+    assert budget.telemetry.status()["categories"]["code"]["state"] == "closed"
 
 
 def test_reconcile_adds_only_missing_and_forgets_what_is_on_disk(budget: Budget) -> None:

@@ -1,8 +1,9 @@
 """The run's typed status and its one JSON face: the run's end (`RunStatus.ended`, on
-`budget_service.ledger.run_ended`), a hidden-state stage's bytes in the status document, and
-the time series' points stored and read back typed. The telemetry's Lua scripts called
-directly through its methods (`engine_info`, `engine_trouble`, `series`), named
-`test_<script>_...` (`test_scripts.py::test_every_script_has_a_direct_test`)."""
+`budget_service.ledger.run_ended`), a hidden-state stage's bytes in the status document, a
+run's stage beside it in its document, and the time series' points stored and read back
+typed. The telemetry's Lua scripts called directly through its methods (`engine_info`,
+`engine_trouble`, `series`), named `test_<script>_...`
+(`test_scripts.py::test_every_script_has_a_direct_test`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import msgspec
 import pytest
 
 from budget_service.budget import Budget
+from budget_service.keys import Keys
 from budget_service.telemetry import (
     PointCategory,
     PointEngine,
@@ -18,7 +20,7 @@ from budget_service.telemetry import (
     status_document,
 )
 from foundation.engine.info import EngineInfo
-from tests.helpers import category_state, run_status
+from tests.helpers import category_state, make_cfg, run_status
 
 
 @pytest.mark.parametrize(("states", "unwritten", "ended"), [
@@ -46,6 +48,20 @@ def test_a_hidden_state_stage_s_document_says_its_bytes_and_a_generation_s_does_
     assert "bytes_per_token" not in stage
     plain = status_document(run_status(cats))
     assert all("bytes_used" not in c for c in plain["categories"].values())
+
+
+def test_a_run_s_hidden_state_stage_is_in_its_status_document_when_it_exists(
+        budget: Budget) -> None:
+    assert budget.telemetry.stage() is None and "hidden_states" not in budget.telemetry.status()
+    stage = Budget(budget.redis, Keys(budget.keys.prefix, "t.hs"))
+    stage.feeding.init_run(msgspec.structs.replace(make_cfg(), run="t.hs"))
+    found = budget.telemetry.stage()
+    assert found is not None and found.keys.run == "t.hs"
+    doc = budget.telemetry.status()
+    assert doc["run"] == "t" and doc["hidden_states"]["run"] == "t.hs"
+    assert list(doc["hidden_states"]["categories"]) == ["code"]
+    assert stage.telemetry.stage() is None  # a stage has none of its own
+    assert "hidden_states" not in stage.telemetry.status()
 
 
 def test_a_point_is_stored_as_it_was_and_read_back_typed_with_its_id(budget: Budget) -> None:

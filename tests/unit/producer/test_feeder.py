@@ -1,4 +1,7 @@
-"""The producer loop's pacing: leases are checked on an interval, not on every tick."""
+"""The producer loop's pacing: leases are checked on an interval, not on every tick. Sources
+that arrive while the run goes on (`Arriving`): opened at the tick that hears of them (again,
+with the ledger told their size, when they grew), one not opened for Redis's sake opened at
+the next, the run not finished before they settled."""
 
 from __future__ import annotations
 
@@ -33,6 +36,56 @@ def test_leases_are_checked_on_an_interval_and_again_while_some_expired(tmp_path
     producer.tick()
     producer.tick()
     assert calls == ["a", "b", "a", "b"]  # nothing found: wait for the interval
+
+
+class Arrivals:
+    """An `Arriving` a test steers: the names it says next, and whether it settled."""
+
+    def __init__(self) -> None:
+        self.next: list[str] = []
+        self.done = False
+
+    def arrived(self) -> list[str]:
+        out, self.next = self.next, []
+        return out
+
+    def settled(self) -> bool:
+        return self.done
+
+
+def test_sources_that_arrive_are_opened_as_they_do_and_the_run_waits_for_them(
+        tmp_path, redis_url) -> None:
+    from redis.exceptions import ConnectionError as RedisDown
+
+    from producer.feeder import Producer
+
+    cfg = two_category_config(tmp_path, prompts=8)
+    pipe = Pipeline(cfg, redis_url, ["http://127.0.0.1:9"])
+    pipe.budget.feeding.init_run(cfg)
+    arriving = Arrivals()
+    producer = Producer(cfg, pipe.redis, None, arriving=arriving)
+    producer.tick()
+    assert producer.feeds == {} and not producer.finished()  # nothing arrived: nothing fed
+    arriving.next = ["b"]
+    producer.tick()
+    assert list(producer.feeds) == ["b"] and producer.feeds["b"].cursor > 0
+    # a arrives while Redis is away: not lost, opened at the next tick
+    size = producer.budget.feeding.source_size
+    gone = {"once": True}
+
+    def away(name: str, records: int) -> bool:
+        if gone.pop("once", False):
+            raise RedisDown("away")
+        return size(name, records)
+
+    producer.budget.feeding.source_size = away  # type: ignore[method-assign]
+    arriving.next = ["a"]
+    with pytest.raises(RedisDown):
+        producer.tick()
+    assert "a" not in producer.feeds
+    producer.tick()
+    assert list(producer.feeds) == ["b", "a"]
+    assert not producer.finished()  # not settled: more may come
 
 
 def snapshot(redis) -> dict:

@@ -2,12 +2,14 @@
 `[hidden_states]`, `hidden-states --plan`): bytes per token from the model's config, per
 category under its byte budget and in all; `plan --check` refuses (exit 10) states that would
 not fit the free space; the config refuses layer ids the model does not have. Its rows,
-written once from the training rows, and its run `<run>.hs`. The stage run is
-`tests/pipeline/test_hidden_states.py`'s."""
+listed from the training rows and only ever appended to (the rows generated since said by
+the plan), its categories arriving as their generation ends, and its run `<run>.hs`. The
+stage run is `tests/pipeline/test_hidden_states.py`'s."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -66,7 +68,7 @@ def test_layer_ids_the_model_does_not_have_are_refused(tmp_path, layers, extra) 
         load_config(config(tmp_path, 64, layers, extra))
 
 
-def test_the_stage_is_a_run_of_its_own_over_the_training_rows_written_once(
+def test_the_stage_is_a_run_of_its_own_over_the_training_rows_appended_only(
         tmp_path, monkeypatch) -> None:
     import msgspec
 
@@ -88,18 +90,29 @@ def test_the_stage_is_a_run_of_its_own_over_the_training_rows_written_once(
     # (3 samples final: the cut one is a committed reply too; its 2 output tokens not a row's)
     assert extraction.rows_on_disk(stage) == {"a": extraction.RowTokens(2, 10, 4, 3)}
     assert not rows_file(stage.spec.output_dir, "a").exists()
-    sources = extraction.write_rows(stage)
-    path = sources["a"]
-    assert path.read_bytes().splitlines() == [
+    assert extraction.append_rows(stage, "a") == 2
+    path = rows_file(stage.spec.output_dir, "a")
+    first = path.read_bytes()
+    assert first.splitlines() == [
         b'{"id":"s0","input_ids":[1,2,3,4]}', b'{"id":"s2","input_ids":[1,2,3,4,4,4]}']
-    # written once: more rows later leave the stage's source (its sample ids) as it was
+    assert extraction.append_rows(stage, "a") == 0 and path.read_bytes() == first
+    # rows generated later (a raised cap, a resume): the plan counts them, not yet listed
     (out / "part-00002.jsonl").write_bytes(encode(msgspec.structs.replace(rows[0], id="s9"))
                                            + b"\n")
-    assert extraction.write_rows(stage)["a"].read_bytes() == path.read_bytes()
+    assert extraction.rows_on_disk(stage) == {"a": extraction.RowTokens(3, 14, 5, 4, 1)}
     plan = extraction.disk_plan(stage)
-    assert plan["a"] == extraction.CategoryPlan(2, 10, 10 * stage.bytes_per_token, 10_000)
+    assert plan["a"] == extraction.CategoryPlan(3, 14, 14 * stage.bytes_per_token, 10_000, 1)
+    assert any("1 of them generated since the stage last ran, not in its rows file yet"
+               in line for line in extraction.plan_lines(stage, plan))
+    # appended after the lines there, which stay as they were (the stage's sample ids); a
+    # partial line a crash left mid-append is cut first
+    with path.open("ab") as f:
+        f.write(b'{"id":"s9","inp')
+    assert extraction.append_rows(stage, "a") == 1
+    assert path.read_bytes() == first + b'{"id":"s9","input_ids":[1,2,3,4]}\n'
+    assert extraction.rows_on_disk(stage)["a"].missing == 0
     # its run: `<run>.hs`, a token cap per category at the byte budget, one token a row
-    scfg = extraction.stage_config(stage, sources)
+    scfg = extraction.stage_config(stage)
     assert scfg.run == "p.hs" and scfg.stage == "hidden_states" and not scfg.reply_gate
     [cat] = scfg.category
     assert (cat.name, cat.source, cat.format) == ("a", str(path), "input_ids")
@@ -113,7 +126,51 @@ def test_the_stage_is_a_run_of_its_own_over_the_training_rows_written_once(
     assert extraction.extract_url(stage, "http://flag:8000") == "http://flag:8000"
 
 
-def test_prepare_is_the_stage_s_one_way_in_and_writes_nothing_when_it_refuses(
+def test_a_category_arrives_when_its_generation_ended_and_again_when_it_grew(
+        tmp_path) -> None:
+    import msgspec
+
+    from foundation.outputs import rows_file
+    from foundation.wire import Result, encode
+    from tests.helpers import category_state
+    from tokencap import extraction
+
+    cfg = load_config(config(tmp_path, 64))
+    out = tmp_path / "out" / "a"
+    out.mkdir(parents=True)
+    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3], prompt_tokens=2,
+                 completion_tokens=1, finish_reason="stop", text="", sampling={},
+                 counted_tokens=1)
+    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    gen = {"a": category_state(state="open", samples=1)}
+    over = {"flag": False}
+    said: list[str] = []
+    arrivals = extraction.Arrivals(extraction.StatesStage.of(cfg), lambda: gen,
+                                   lambda: over["flag"], said.append, every_s=0.0)
+    path = rows_file(cfg.states().output_dir, "a")
+    # generation still runs the category: nothing listed, nothing fed
+    assert arrivals.arrived() == [] and not path.exists() and not arrivals.settled()
+    # it ended, but a result is not written yet: not yet
+    gen["a"] = category_state(state="exhausted", samples=1, unwritten=1)
+    assert arrivals.arrived() == []
+    gen["a"] = category_state(state="exhausted", samples=1)
+    assert arrivals.arrived() == ["a"] and path.read_bytes().count(b"\n") == 1
+    assert said == [f"hidden states of a (its generation exhausted): 1 training row(s) added "
+                    f"to {path}"]
+    assert arrivals.arrived() == []  # nothing new
+    # a raised cap: generation opened it again, made a row, ended it again
+    gen["a"] = category_state(state="open", samples=1)
+    (out / "part-00002.jsonl").write_bytes(encode(msgspec.structs.replace(row, id="s1"))
+                                           + b"\n")
+    assert arrivals.arrived() == []
+    gen["a"] = category_state(state="closed", samples=2)
+    assert arrivals.arrived() == ["a"] and path.read_bytes().count(b"\n") == 2
+    # generation over: the last listing, then settled
+    over["flag"] = True
+    assert arrivals.arrived() == [] and arrivals.settled()
+
+
+def test_prepare_is_the_stage_s_one_way_in_and_writes_nothing(
         tmp_path, monkeypatch) -> None:
     from foundation.errors import DiskFull, TokencapError
     from foundation.outputs import rows_file, states_dir
@@ -132,17 +189,22 @@ def test_prepare_is_the_stage_s_one_way_in_and_writes_nothing_when_it_refuses(
     with pytest.raises(TokencapError, match="no extraction server"):
         extraction.prepare(cfg, None, said.append)
     assert not rows_file(cfg.states().output_dir, "a").exists() and not said
-    huge = load_config(config(tmp_path, 2_000_000_000))  # 16 GB a token: no disk holds it
-    with pytest.raises(DiskFull):
+    huge = load_config(config(tmp_path, 2_000_000_000))  # 16 GB a token, 80 GB the row
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",  # a disk of 50 GB free, whatever this one has
+                        lambda p: real_usage(p)._replace(free=50_000_000_000))
+    with pytest.raises(DiskFull, match="50.00 GB free"):
         extraction.prepare(huge, "http://x:8000", said.append)
     assert said and "bytes per token" in said[0]  # the plan said, then refused
     assert not rows_file(huge.states().output_dir, "a").exists()
+    monkeypatch.undo()
+    monkeypatch.delenv(extraction.EXTRACT_URL_ENV, raising=False)
     said.clear()
     ready = extraction.prepare(cfg, "http://x:8000", said.append)
     assert ready.engines == "http://x:8000" and ready.run.run == "p.hs"
-    assert rows_file(cfg.states().output_dir, "a").read_bytes() == (
-        b'{"id":"s0","input_ids":[1,2,3,4,5]}\n')
     assert any("a: 1 rows, 5 tokens" in line for line in said)
+    # the rows are listed as the categories arrive, not here
+    assert not rows_file(cfg.states().output_dir, "a").exists()
     # its way out: the temporaries of a worker killed mid-write, and nothing else
     folder = states_dir(cfg.states().output_dir, "a")
     folder.mkdir(parents=True)

@@ -1,5 +1,6 @@
 """`tokencap status --watch` (`tokencap/reports/watch.py`): the engines' load read from their
-/metrics, plain output and in-place redraw. Its rates are `test_rates.py`'s."""
+/metrics, plain output and in-place redraw, the run's hidden-state stage below the board. Its
+rates are `test_rates.py`'s."""
 
 from __future__ import annotations
 
@@ -329,3 +330,23 @@ def test_an_uncapped_category_shows_as_uncapped_not_a_number() -> None:
     assert "uncapped" in text and "123k" in text
     assert "uncapped" in summary_table(status)
     assert RateTracker().rate("all", None, 10, "open").eta_s is None
+
+
+def test_the_run_s_hidden_state_stage_shows_below_the_board() -> None:
+    status = run_status({"a": cat(500, state="exhausted"), "b": cat(200)}, "r",
+                        writer=WriterState("h", None, 0))
+    stage = run_status({"a": cat(40, cap=None, state="exhausted", samples=4),
+                        "b": cat(0, cap=100, samples=0)}, "r.hs",
+                       writer=WriterState("h", None, 0), bytes_per_token=1000)
+    rates = {"b": CategoryRate(5.0, 20.0)}
+    lines = plain_lines(status, {}, [], 1, stage, rates)
+    assert lines[-2:] == [
+        "hidden states a rows=4 bytes=40000 tok_s=0.0 eta=- state=exhausted failed=0",
+        "hidden states b rows=0 bytes=0/100000 tok_s=5.0 eta=0:00:20 state=open failed=0"]
+    assert not any(ln.startswith("hidden states") for ln in plain_lines(status, {}, [], 1))
+    board = Console(width=160, record=True, color_system=None)
+    board.print(render_board(status, {}, [], 1, stage=stage, stage_rates=rates))
+    text = board.export_text()
+    assert "tokencap run r" in text and "hidden states: run r.hs" in text
+    assert "40.00 KB" in text and "0 B / 100.00 KB" in text
+    assert text.index("tokencap run r") < text.index("hidden states: run r.hs")
