@@ -1,22 +1,43 @@
-"""The hidden-state stage (`tokencap hidden-states`) against plain requests of one token.
+"""The hidden-state stage (`tokencap hidden-states`): its rows/s against plain requests of
+one token, and at Kimi-K2.5's size its bytes kept per second against the disk's own rate
+and the bytes it writes per byte it keeps.
 
-The kept rows of a written run (`bench.export.write_run`) go through the stage: the producer,
-four worker processes and the writer, the simulator playing vLLM's extraction server (it
-writes a bf16 safetensors file per request, as vLLM's connector does; states of 4 layers x
-HIDDEN). Each worker reads the engine's file under its lock, checks it (shape, dtype, finite,
-no layer all zeros, ids), writes it whole under the row's name and removes the engine's copy.
-The baseline, in the same run: the same rows as prompts of a plain generation run with
-`max_new_tokens = 1` (the request an extraction is) on the same simulator without extraction,
-through the same pipeline (both timed from the start of their worker processes to the last
-row written). The figure is the stage's rows/s against the baseline's, and the
-bytes/s of states it kept. What vLLM itself spends extracting (15-45% more CPU per request on
-a tiny model, measured by `make test-engine`'s server) is not here: the simulator stands in.
+The kept rows of a written run (`write_run`) go through the stage: the producer, four worker
+processes and the writer, the simulator playing vLLM's extraction server (a safetensors
+file per request under its lock, as vLLM's connector writes it). Each worker maps the
+engine's file, checks it (shape, dtype, finite, no layer all zeros, ids, the layer ids the
+file says), keeps it under the row's name (one file system: fsync and link, no byte written
+again) and removes the engine's name.
+
+1. Small states (4 layers x 128, bf16, the simulator's states a copy of a table row per
+   token, as below): the stage's rows/s against the same rows as prompts
+   of a plain generation run with `max_new_tokens = 1` (the request an extraction is) on the
+   same simulator without extraction, through the same pipeline (both timed from the start
+   of their worker processes to the last row written). What vLLM itself spends extracting
+   (15-45% more CPU per request on a tiny model, measured by `make test-engine`'s server)
+   is not here: the simulator stands in.
+2. Kimi-K2.5's states (4 layers x 7168 per token: 57,352 B in bf16, 28,684 B in FP8), three
+   ways: bf16 (the engine's folder on the output's file system), FP8 written by tokencap's
+   connector (the simulator writes the FP8 file and its metadata, as
+   `tokencap.engine_side.vllm_connector` does), and FP8 quantized by the workers (the stock
+   connector's bf16 file in /dev/shm, as docs/HIDDEN_STATES.md advises). The simulator's
+   states are a copy of a table row per token (`hs_states = "table"`): the engine's cost is
+   a copy, not the simulator's arithmetic. For each:
+   (a) the state bytes kept per second while the stage keeps rows (from its first kept row
+       to its last: a worker's start is a fixed cost a 5 TB run does not see) against the
+       disk's own rate for the same bytes: files of the same sizes written whole and
+       fsynced one after the other in the same folder, right after;
+   (c) the bytes written to storage per byte kept: the kernel's count (`write_bytes` less
+       `cancelled_write_bytes` of /proc/self/io: this process, its simulator thread, and
+       its workers and writer once reaped; tmpfs is not storage), over the stage.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.context import Bench, log, row
@@ -26,7 +47,13 @@ TOKENS = 400_000  # of rows: prompt + output
 LAYERS = [2, 4, 5, 8]
 HIDDEN = 128
 WORKERS = 4
-TARGET_RATIO = 0.5  # the stage's rows/s, at least this share of plain one-token requests'
+TARGET_RATIO = 0.9  # the stage's rows/s, at least this share of plain one-token requests
+# Kimi-K2.5's states: EAGLE-3's layer ids of its 61 layers, 7168 wide
+KIMI_LAYERS = [2, 30, 58, 61]
+KIMI_HIDDEN = 7168
+KIMI_TOKENS = 100_000  # of rows: 5.7 GB of bf16 states
+KIMI_RATE_TARGET = 0.8  # bytes kept/s, at least this share of the disk's own
+WRITTEN_TARGET = 1.02  # bytes written per byte kept (1.0, and the run's small JSON lines)
 VOCAB = 150_000  # ids the simulator takes
 PROMPT, REPLY_MEAN = 200, 300
 
@@ -55,13 +82,16 @@ def write_run(folder: Any, tokens: int, seed: int) -> int:
     return n
 
 
-def _config(work: Any, out: Any, hs: Any, source: Any, sampling: str) -> Any:
+def _config(work: Any, out: Any, hs: Any, source: Any, sampling: str,
+            layers: list[int] | None = None, hidden: int = HIDDEN, dtype: str = "bfloat16"
+            ) -> Any:
     from foundation.config import load_config
 
-    model = work / "model"
+    ids = layers or LAYERS
+    model = work / f"model-{hidden}"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 8, "hidden_size": HIDDEN, "torch_dtype": "bfloat16"}))
+        {"num_hidden_layers": max(ids), "hidden_size": hidden, "torch_dtype": "bfloat16"}))
     path = work / f"{out.name}.toml"
     path.write_text(f"""
 run = "{out.name}"
@@ -73,6 +103,8 @@ lease_s = 30.0
 [hidden_states]
 model_config = "{model / 'config.json'}"
 output_dir = "{hs}"
+layers = {json.dumps(ids)}
+dtype = "{dtype}"
 [[category]]
 name = "chat"
 source = "{source}"
@@ -84,6 +116,36 @@ sampling = {sampling}
 
 
 def run(bench: Bench) -> dict[str, Any]:
+    small = _small(bench)
+    kimi = [_kimi(bench, way) for way in KIMI_WAYS]
+    bf16 = kimi[0]["figures"]
+    rows = small["rows"]
+    for k in kimi:
+        f = k["figures"]
+        rate, disk = f["kept_bytes_s"], f["disk_bytes_s"]
+        rows.append(row(NAME, f"Kimi-K2.5 states ({f['way']}): bytes kept/s while the stage "
+                        "keeps rows vs fsync'd sequential writes of the same files, same "
+                        "folder", rate / 1e6, disk / 1e6, "MB/s",
+                        f"ratio >= {KIMI_RATE_TARGET:g}",
+                        rate / disk >= KIMI_RATE_TARGET and f["complete"]))
+        rows.append(row(NAME, f"Kimi-K2.5 states ({f['way']}): bytes written to storage per "
+                        "byte kept", f["written_per_kept"], None, "B/B",
+                        f"<= {WRITTEN_TARGET:g}", f["written_per_kept"] <= WRITTEN_TARGET))
+        if f["way"] != "bf16":
+            share = f["kept_bytes"] / bf16["kept_bytes"]
+            rows.append(row(NAME, f"Kimi-K2.5 states ({f['way']}): bytes kept vs bf16's, the "
+                            "same rows", f["kept_bytes"] / 1e9, bf16["kept_bytes"] / 1e9, "GB",
+                            "ratio 0.5 (+ the scales: 28,684 / 57,352 B a token)",
+                            abs(share - 28_684 / 57_352) < 0.001))
+        if f["way"] == "fp8 by the workers":
+            rows.append(row(NAME, "FP8 quantized by the workers: bf16 bytes quantized per "
+                            "second of one core (hsfile.to_fp8, Kimi-size rows)",
+                            f["quantize_bytes_s"] / 1e6, None, "MB/s"))
+    return {"figures": {"small": small["figures"], "kimi": [k["figures"] for k in kimi]},
+            "rows": rows}
+
+
+def _small(bench: Bench) -> dict[str, Any]:
     from foundation.outputs import rows_file
     from sglang_sim.testing import SimServer
     from testing.harness import started
@@ -101,10 +163,10 @@ def run(bench: Bench) -> dict[str, Any]:
     redis = bench.fresh_redis()
     with SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
-                   hs_storage_path=str(storage)) as sim:
+                   hs_storage_path=str(storage), hs_states="table", hs_metadata=True) as sim:
         t0 = time.perf_counter()
         status = run_hidden_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
-                                      redis=redis, progress_s=1.0, say=lambda line: None)
+                                   redis=redis, progress_s=1.0, say=lambda line: None)
         stage_s = time.perf_counter() - t0
     st = status.categories["chat"]
     kept = status.state_bytes(st)
@@ -123,7 +185,6 @@ def run(bench: Bench) -> dict[str, Any]:
     plain_rows = plain_status["categories"]["chat"]["samples"]
     stage_rate = st.samples / stage_s
     plain_rate = plain_rows / plain_s
-    bytes_s = kept.used / stage_s
     figures = {"rows": rows, "stage_rows": st.samples, "stage_s": stage_s,
                "bytes": kept.used, "plain_rows": plain_rows, "plain_s": plain_s,
                "layers": LAYERS, "hidden": HIDDEN, "workers": WORKERS}
@@ -132,5 +193,134 @@ def run(bench: Bench) -> dict[str, Any]:
             "kept) vs plain max_tokens = 1 requests, same pipeline and simulator",
             stage_rate, plain_rate, "rows/s", f"ratio >= {TARGET_RATIO:g}",
             stage_rate / plain_rate >= TARGET_RATIO and st.samples == rows),
-        row(NAME, "bytes of states kept per second", bytes_s / 1e6, None, "MB/s"),
+        row(NAME, "bytes of states kept per second (small states)", kept.used / stage_s / 1e6,
+            None, "MB/s"),
     ]}
+
+
+# (the way's name, the engine's dtype, the config's dtype, tokencap's connector's metadata,
+# the engine's folder in /dev/shm)
+KIMI_WAYS = (("bf16", "bfloat16", "bfloat16", True, False),
+             ("fp8 by tokencap's connector", "fp8_e4m3", "fp8_e4m3", True, False),
+             ("fp8 by the workers", "bfloat16", "fp8_e4m3", False, True))
+
+
+def _io() -> int:
+    """Bytes this process (its threads, and its children once reaped) sent to storage."""
+    fields = dict(line.split(":") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+
+
+def _kimi(bench: Bench, way: tuple[str, str, str, bool, bool]) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    from sglang_sim.testing import SimServer
+    from tokencap.stack.stage import run_hidden_states
+
+    name, engine_dtype, dtype, metadata, shm = way
+    work = bench.sub(f"{NAME}-kimi")
+    gen = work / "gen"
+    if not gen.exists():
+        write_run(gen, KIMI_TOKENS, 5)
+    dummy = work / "dummy.jsonl"
+    dummy.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    hs = work / "hs"
+    shutil.rmtree(hs, ignore_errors=True)
+    cfg = _config(work, gen, hs, dummy, "{ max_new_tokens = 1 }", KIMI_LAYERS, KIMI_HIDDEN,
+                  dtype)
+    storage = Path(tempfile.mkdtemp(prefix="tokencap-bench-", dir="/dev/shm")) if shm \
+        else work / "engine-files"
+    storage.mkdir(exist_ok=True)
+    log(f"{NAME}: Kimi-K2.5 states, {name}: {KIMI_TOKENS:,} row tokens, {WORKERS} workers, "
+        f"the engine's files in {storage}")
+    redis = bench.fresh_redis()
+    seen: dict[str, float] = {}
+    total = sum(1 for _ in (gen / "chat" / "part-00001.jsonl").open())
+
+    def watch(status: Any) -> None:
+        st = status.categories.get("chat")
+        if st is None or st.samples == 0:
+            return
+        kept = status.state_bytes(st)
+        now = time.perf_counter()
+        if "t_first" not in seen:
+            seen.update(t_first=now, bytes_first=kept.used)
+        if st.samples >= total and "t_last" not in seen:
+            seen.update(t_last=now, bytes_last=kept.used)
+
+    try:
+        with SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
+                       hs_layer_ids=KIMI_LAYERS, hs_hidden_size=KIMI_HIDDEN,
+                       hs_dtype=engine_dtype, hs_storage_path=str(storage),
+                       hs_states="table", hs_metadata=metadata) as sim:
+            before = _io()
+            t0 = time.perf_counter()
+            status = run_hidden_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
+                                       redis=redis, progress_s=0.1, say=lambda line: None,
+                                       on_progress=watch)
+            stage_s = time.perf_counter() - t0
+            written = _io() - before
+    finally:
+        if shm:
+            shutil.rmtree(storage, ignore_errors=True)
+    st = status.categories["chat"]
+    files = sorted((hs / "chat" / "states").glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    kept_bytes = sum(sizes)
+    window = seen.get("t_last", t0 + stage_s) - seen.get("t_first", t0)
+    window_bytes = seen.get("bytes_last", 0) - seen.get("bytes_first", 0)
+    sample = files[len(files) // 2].read_bytes() if files else b""
+    quantize_s = None
+    if name == "fp8 by the workers" and files:
+        quantize_s = _quantize_rate(work)
+    shutil.rmtree(hs, ignore_errors=True)
+    # the disk's own rate: the same sizes written whole and fsynced, one after another
+    base = work / "disk-baseline"
+    base.mkdir(exist_ok=True)
+    buffer = memoryview(sample * (max(sizes, default=0) // max(1, len(sample)) + 1))
+    t1 = time.perf_counter()
+    for i, size in enumerate(sizes):
+        with (base / f"{i}.safetensors").open("wb") as f:
+            f.write(buffer[:size])
+            f.flush()
+            os.fsync(f.fileno())
+    folder = os.open(base, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    disk_s = time.perf_counter() - t1
+    shutil.rmtree(base, ignore_errors=True)
+    kept_rate = window_bytes / window if window > 0 else 0.0
+    written_per_kept = written / max(1, kept_bytes)
+    figures = {"way": name, "rows": total, "kept_rows": st.samples,
+               "complete": st.samples == total == len(files), "kept_bytes": kept_bytes,
+               "stage_s": stage_s, "keeping_s": window, "keeping_bytes": window_bytes,
+               "kept_bytes_s": kept_rate,
+               "disk_s": disk_s, "disk_bytes_s": kept_bytes / disk_s,
+               "written_bytes": written, "written_per_kept": written_per_kept,
+               "quantize_bytes_s": quantize_s, "engine_folder": "tmpfs" if shm else "same",
+               "layers": KIMI_LAYERS, "hidden": KIMI_HIDDEN, "workers": WORKERS}
+    log(f"{NAME}: {name}: {kept_bytes / 1e9:.2f} GB kept in {stage_s:.1f} s "
+        f"({kept_rate / 1e6:,.0f} MB/s while keeping; the disk "
+        f"{kept_bytes / disk_s / 1e6:,.0f} MB/s), {written_per_kept:.3f} "
+        "B written per B kept")
+    return {"figures": figures}
+
+
+def _quantize_rate(work: Any) -> float:
+    """hsfile.to_fp8's bf16 bytes per second on one core, on one Kimi-size row (1,000
+    tokens), best of three."""
+    from foundation import hsfile
+    from sglang_sim import hidden
+
+    ids = list(range(1000))
+    tensors, _ = hsfile.decode(hidden.file_bytes(ids, KIMI_LAYERS, KIMI_HIDDEN, "bfloat16",
+                                                 table=True), work / "row")
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hsfile.to_fp8(tensors["hidden_states"])
+        best = max(best, len(tensors["hidden_states"].data) / (time.perf_counter() - t0))
+    return best

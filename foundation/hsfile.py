@@ -21,6 +21,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -46,6 +47,7 @@ HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
 # / 448 (at least 1e-12); states = fp8 * scale
 SCALES = "hidden_states_scales"
 FP8_MAX = 448.0
+FP8_CHUNK_VALUES = 1 << 19  # to_fp8's float32 values at a time (2 MB)
 FP8_MIN_SCALE = 1e-12
 # what tokencap's connector (`tokencap/engine_side/vllm_connector.py`) says in a file's
 # metadata: the layer ids of its slots, and for each whether it was taken before or after
@@ -310,13 +312,14 @@ def file_layers(meta: dict[str, str]) -> tuple[tuple[int, ...], tuple[str, ...]]
     return ids, norm if len(norm) == len(ids) else ("pre",) * len(ids)
 
 
-def to_fp8(hs: Tensor, chunk_tokens: int = 256) -> tuple[Tensor, Tensor]:
+def to_fp8(hs: Tensor, chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
     """`hidden_states` as speculators stores them in FP8 (hs-connectors' `fp8_utils`): per
     token, scale = max(amax / 448, 1e-12) over its layers and dimensions, in float32, and
     float8_e4m3fn(states / scale) rounded to nearest even (ml_dtypes' cast, equal to torch's
     for every value it can be given here: |states / scale| <= 448.00003). Returns the FP8
-    states and the scales [T, 1, 1]; `chunk_tokens` at a time, so a long row costs a
-    bounded float32 copy."""
+    states and the scales [T, 1, 1]; `chunk_tokens` at a time (default: about
+    FP8_CHUNK_VALUES values, which stay in a core's cache: 3x the rate of 256 Kimi-K2.5
+    tokens at a time), so a long row costs a bounded float32 copy."""
     import ml_dtypes
     import numpy as np
 
@@ -324,6 +327,8 @@ def to_fp8(hs: Tensor, chunk_tokens: int = 256) -> tuple[Tensor, Tensor]:
     q = np.empty(hs.shape, dtype=np.uint8)
     scales = np.empty((tokens, 1, 1), dtype=np.float32)
     per = len(hs.data) // tokens if tokens else 0
+    width = max(1, math.prod(hs.shape[1:]))
+    chunk_tokens = chunk_tokens or max(1, FP8_CHUNK_VALUES // width)
     for a in range(0, tokens, chunk_tokens):
         b = min(tokens, a + chunk_tokens)
         x = Tensor(hs.dtype, (b - a, *hs.shape[1:]), hs.data[a * per:b * per]).array()

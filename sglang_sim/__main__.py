@@ -68,7 +68,11 @@ _OVERRIDES: tuple[tuple[str, str, type, str], ...] = (
     ("--hs-hidden-size", "hs_hidden_size", int,
      "with --extract-hidden-states: the width of each layer's states"),
     ("--hs-dtype", "hs_dtype", str,
-     "with --extract-hidden-states: the model dtype of the states, float32 or bfloat16"),
+     "with --extract-hidden-states: the dtype of the states, float32, bfloat16 or fp8_e4m3 "
+     "(speculators' FP8 layout, as tokencap's connector writes it)"),
+    ("--hs-states", "hs_states", str,
+     "with --extract-hidden-states: full (a function of each token and the one before) or "
+     "table (each token's a copy of one of 64 rows: a benchmark at a large model's size)"),
     ("--hs-storage-path", "hs_storage_path", str,
      "with --extract-hidden-states: the folder of the files (vLLM's shared_storage_path)"),
 )  # fmt: skip
@@ -136,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --extract-hidden-states: the layers whose states are "
                         "written, e.g. 2,4,5,8 (eagle_aux_hidden_state_layer_ids; profile "
                         "value)")
+    parser.add_argument("--hs-metadata", action="store_true",
+                        help="with --extract-hidden-states: the files say their layer ids and "
+                        "final-norm side in their metadata, as tokencap's connector's do")
     for flag, _field, help_text in _HS_FAULT_FLAGS:
         parser.add_argument(flag, type=float, default=None, metavar="P",
                             help=f"fault: the probability that {help_text}")
@@ -167,6 +174,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         changes["extract_hidden_states"] = True
     if ns.hs_layer_ids is not None:
         changes["hs_layer_ids"] = ns.hs_layer_ids
+    if ns.hs_metadata:
+        changes["hs_metadata"] = True
     if ns.tokenizer:
         changes["tokenizer"] = ns.tokenizer
     if ns.family:

@@ -87,7 +87,8 @@ class LengthProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 REPLY_FAULTS = ("loop", "empty", "unclosed")
 # the hidden-state file faults (FaultConfig fields)
 HS_FAULTS = ("hs_zero_layer_rate", "hs_nan_rate", "hs_wrong_ids_rate", "hs_truncate_rate")
-HS_DTYPES = ("float32", "bfloat16")
+HS_DTYPES = ("float32", "bfloat16", "fp8_e4m3")
+HS_STATES = ("full", "table")
 DEFAULT_HS_LAYER_IDS = (2, 4, 5, 8)
 DEFAULT_HS_HIDDEN_SIZE = 64
 
@@ -212,6 +213,13 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     hs_hidden_size: int = DEFAULT_HS_HIDDEN_SIZE
     hs_dtype: str = "bfloat16"
     hs_storage_path: str | None = None
+    # "full": `hidden.states` of each request's ids; "table": each token's a copy of one
+    # of `hidden.TABLE_SMALL` rows encoded once (a benchmark at a large model's size: the
+    # engine's cost is a copy, not the simulator's sines)
+    hs_states: str = "full"
+    # the files say their layer ids and final-norm side (tokencap's connector), and with
+    # hs_dtype "fp8_e4m3" hold speculators' FP8 layout as that connector writes it
+    hs_metadata: bool = False
 
     def validate(self) -> None:
         """Raise ValueError when a knob is out of range."""
@@ -257,6 +265,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError("hs_hidden_size must be >= 1")
         if self.hs_dtype not in HS_DTYPES:
             raise ValueError(f"hs_dtype must be one of {HS_DTYPES}, got {self.hs_dtype!r}")
+        if self.hs_states not in HS_STATES:
+            raise ValueError(f"hs_states must be one of {HS_STATES}, got {self.hs_states!r}")
         if not self.extract_hidden_states:
             return
         if self.flavor != "vllm":

@@ -217,8 +217,10 @@ async def _write_states(app: web.Application, request_id: str, token_ids: list[i
     damage = app[FAULTS_KEY].hs_damage()
 
     def write() -> None:
-        data = hidden.file_bytes(token_ids, config.hs_layer_ids, config.hs_hidden_size,
-                                 config.hs_dtype, damage, config.vocab_size)
+        data = hidden.file_parts(token_ids, config.hs_layer_ids, config.hs_hidden_size,
+                                 config.hs_dtype, damage, config.vocab_size,
+                                 table=config.hs_states == "table",
+                                 metadata=config.hs_metadata)
         hidden.write_locked(path, data)
 
     await asyncio.to_thread(write)

@@ -249,3 +249,36 @@ def test_cli_flags(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="flavor"):
         config_from_args(build_parser().parse_args(
             ["--extract-hidden-states", "--hs-storage-path", str(tmp_path)]))
+
+
+def test_fp8_files_are_speculators_layout_with_tokencap_s_metadata(tmp_path: Path) -> None:
+    """hs_dtype fp8_e4m3 with hs_metadata: the file tokencap's connector writes (FP8 states,
+    one float32 scale per token, the layer ids and their final-norm side), and the project's
+    reader finds it as the file check wants it; the FP8 bytes are its own quantization of
+    the same states."""
+    with extracting(tmp_path, "fp8_e4m3", hs_metadata=True, hs_layer_ids=[8, 2, 5, 4]) as sim:
+        path = states_path(complete(sim))
+    tensors, meta = hsfile.read(path)
+    assert meta == {hidden.META_LAYERS: "2,4,5,8", hidden.META_FINAL_NORM: "pre,pre,pre,pre"}
+    assert tensors["hidden_states"].dtype == hsfile.FP8
+    assert tensors[hsfile.SCALES].shape == (len(PROMPT), 1, 1)
+    want = hidden.states(PROMPT, LAYERS, HIDDEN)  # the slots rising, as the metadata says
+    _, scales = hsfile.to_fp8(hsfile.Tensor("F32", want.shape, want.astype("<f4").tobytes()))
+    assert tensors[hsfile.SCALES].data == scales.data  # the same float32 scales
+    q, _ = hsfile.to_fp8(hsfile.Tensor("F32", want.shape, want.astype("<f4").tobytes()))
+    assert tensors["hidden_states"].data == q.data
+    layers = hsfile.check_row_file(Path(path), tensors, meta, PROMPT, LAYERS, HIDDEN,
+                                   hsfile.FP8, True)
+    assert list(layers.ids) == LAYERS
+
+
+def test_table_states_are_a_copy_of_one_row_per_token_and_pass_the_checks() -> None:
+    """hs_states "table": the states of a token are its id's row (id modulo TABLE_SMALL), the
+    same in every file and in every dtype's encoding; finite, no layer all zeros."""
+    ids = [3, 3 + hidden.TABLE_SMALL, 7, 150_000]
+    for dtype, name in (("bfloat16", "BF16"), ("float32", "F32"), ("fp8_e4m3", hsfile.FP8)):
+        tensors, _ = hsfile.decode(hidden.file_bytes(ids, LAYERS, HIDDEN, dtype, table=True),
+                                   "x")
+        hs = tensors["hidden_states"].array()
+        assert np.array_equal(hs[0], hs[1]) and not np.array_equal(hs[0], hs[2])
+        hsfile.check_row_file(Path("x"), tensors, {}, ids, LAYERS, HIDDEN, name, True)
