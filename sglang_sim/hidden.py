@@ -179,10 +179,10 @@ def file_parts(token_ids: list[int], layer_ids: list[int], hidden: int, dtype: s
         middle = len(token_ids) // 2
         ids[middle] = (int(ids[middle]) + 1) % vocab_size
     tensors: dict[str, tuple[str, tuple[int, ...], Any]] = {
-        "hidden_states": (HS_DTYPES[dtype], raw.shape, memoryview(raw).cast("B"))}
+        "hidden_states": (HS_DTYPES[dtype], raw.shape, raw.data.cast("B"))}
     if scales is not None:
-        tensors[HS_SCALES] = ("F32", scales.shape, memoryview(scales).cast("B"))
-    tensors["token_ids"] = ("I64", ids.shape, memoryview(ids).cast("B"))
+        tensors[HS_SCALES] = ("F32", scales.shape, scales.data.cast("B"))
+    tensors["token_ids"] = ("I64", ids.shape, ids.data.cast("B"))
     meta = None
     if metadata:
         meta = {META_LAYERS: ",".join(map(str, layer_ids)),
