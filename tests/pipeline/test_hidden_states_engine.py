@@ -223,6 +223,7 @@ layers = {other}
 name = "a"
 source = "{tmp_path / 'ids.jsonl'}"
 format = "input_ids"
+sampling = {{ max_new_tokens = 1 }}
 """)
     cfg = msgspec.structs.replace(load_config(tmp_path / "run.toml"), stage="hidden_states")
     with pytest.raises(EngineUnusable) as refused:
