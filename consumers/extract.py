@@ -195,7 +195,8 @@ def _keep(src: Path, gen: Generation, path: Path, spec: StatesSpec, ids: list[in
         if found is not None:
             return found
         raise BadStates(f"{path}: another attempt's file is there and fails its check")
-    hsfile.remove_temps(path)  # an earlier attempt killed while writing it
+    # (a temporary an attempt killed mid-copy left is removed at the stage's end: looking
+    # for one here would read the whole states folder for every row)
     log.debug("%s: %s (%d bytes)", path, done.how, done.bytes)
     return _description(path, spec, ids, tensors, data, layers, done.bytes, output_dir,
                         row_id, gen.engine)
