@@ -7,7 +7,10 @@ again; the states tokencap keeps equal to transformers' forward of the same mode
 layer hooked before the final norm), proven by each category's manifest; exported with
 `--hidden-states`; read by speculators' and SpecForge's own readers, every file; and each
 trainer trains a draft a few steps on them (speculators with the flags the export manifest
-gives) with a finite, non-zero loss."""
+gives) with a finite, non-zero loss. The same rows generated once (`generated`) serve a second
+run of the stage that keeps FP8 states (`dtype = "fp8_e4m3"`, the FP8 extraction server):
+within e4m3's rounding of the same forward, read by speculators' fp8 backend (the export
+manifest says `--hidden-states-backend fp8`) and by SpecForge dequantized, and trained on."""
 
 from __future__ import annotations
 
@@ -16,16 +19,19 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from redis import Redis
 
 from foundation import hsfile, states_manifest
 from foundation.config import load_config
 from foundation.outputs import BadLine, read_results, states_file
 from testing.harness import started
-from tests.conftest import DATASETS, ROOT
+from tests.conftest import DATASETS, ROOT, RedisServer
 from tests.helpers import training_row_ids, worker_processes
 from tokencap.stack.stage import run_hidden_states
 
@@ -50,25 +56,42 @@ def need(name: str) -> str:
     return value
 
 
-def config(tmp: Path, model: Path, url: str) -> Path:
+def need_fp8() -> str:
+    """The FP8 extraction server (tokencap's connector storing FP8), as
+    test_hidden_states_engine.py asks for it."""
+    url = os.environ.get("TOKENCAP_EXTRACT_FP8_URL")
+    if not url:
+        if os.environ.get("TOKENCAP_ENGINE_REQUIRED") and not os.environ.get(
+                "TOKENCAP_EXTRACT_SKIP"):
+            pytest.fail("TOKENCAP_EXTRACT_FP8_URL is not set: `make test-engine` starts the "
+                        "FP8 extraction server")
+        pytest.skip("no FP8 extraction server (TOKENCAP_EXTRACT_FP8_URL)")
+    return url.rstrip("/")
+
+
+def config(tmp: Path, model: Path, url: str, run: str = "hse", states: str = "hs",
+           dtype: str | None = None, name: str = "run.toml") -> Path:
     """Greedy replies (a random model's argmax) that stop at the first common letter after
     REPLY_TOKENS tokens, so that a reply is a training row, not cut at max_new_tokens (a
-    speculative-decoding server refuses logit_bias and min_p: vLLM's _validate_spec_decode)."""
+    speculative-decoding server refuses logit_bias and min_p: vLLM's _validate_spec_decode).
+    The same categories and output_dir whatever `run`: a second config (another run, its
+    states in another folder, `dtype`) takes the rows the first one generated."""
     single = tmp / "single.jsonl"
     single.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:6]))
     sampling = (f"{{ max_new_tokens = 64, min_new_tokens = {REPLY_TOKENS}, temperature = 0.0, "
                 f'stop = {json.dumps(STOPS)} }}')
-    path = tmp / "run.toml"
+    kept = "" if dtype is None else f'dtype = "{dtype}"\n'
+    path = tmp / name
     path.write_text(f"""
-run = "hse"
+run = "{run}"
 output_dir = "{tmp / 'out'}"
 tokenizer = "{model}"
 reply_gate = false
 lease_s = 20.0
 [hidden_states]
 engine_url = "{url}"
-output_dir = "{tmp / 'hs'}"
-[[category]]
+output_dir = "{tmp / states}"
+{kept}[[category]]
 name = "single"
 source = "{single}"
 cap_tokens = "none"
@@ -84,23 +107,94 @@ sampling = {sampling}
     return path
 
 
-def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
+@dataclass
+class Generated:
+    tmp: Path
+    model: Path
+    path: Path  # the config that generated them (the float32 stage's)
+    rows: dict[str, list[tuple[str, list[int]]]]  # per category, (row id, ids)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory,
+              redis_server: RedisServer) -> Generated:
+    """The model's own replies (the extraction server generates greedily too), once for the
+    module: the float32 stage's config, and the FP8 one's beside it, take the same rows."""
     url = need("TOKENCAP_EXTRACT_URL")
     model = Path(need("TOKENCAP_EXTRACT_MODEL"))
-    engine_python = need("TOKENCAP_ENGINE_PYTHON")
-    trainers_python = need("TOKENCAP_TRAINERS_PYTHON")
-    path = config(tmp_path, model, url)
+    tmp = tmp_path_factory.mktemp("hs-trainers")
+    path = config(tmp, model, url)
     cfg = load_config(path)
-    hs = cfg.hidden_states
-    assert hs is not None and hs.layers == [2, 4, 5, 8]  # the model's own: 8 layers
-    # 1. the model's own replies (the extraction server generates greedily too)
-    with started(cfg, redis_url, [url], 2) as pipe:
+    client = Redis.from_url(redis_server.url)
+    client.flushdb()  # our own private server, never the shared one
+    client.close()
+    with started(cfg, redis_server.url, [url], 2) as pipe:
         status = pipe.run()
     pipe.check_invariants(status)
     rows = {c: training_row_ids(cfg, c) for c in ("single", "multi")}
     assert len(rows["single"]) == 6, "replies cut at max_new_tokens: the bias did not hold"
     assert any(r.turn > 1 for r in read_results(Path(cfg.output_dir) / "multi")
                if not isinstance(r, BadLine) and r.id in dict(rows["multi"]))
+    return Generated(tmp, model, path, rows)
+
+
+def oracle(engine_python: str, model: Path, layers: list[int], ids: list[list[int]],
+           tmp: Path) -> Mapping[str, np.ndarray]:
+    """transformers' float32 forward of each row (tests/engine/hs_oracle.py): key str(k)."""
+    ids_json = tmp / "ids.json"
+    ids_json.write_text(json.dumps(ids))
+    out = tmp / "oracle.npz"
+    with ids_json.open() as stdin:
+        subprocess.run([engine_python, str(ROOT / "tests" / "engine" / "hs_oracle.py"),
+                        str(model), ",".join(map(str, layers)), str(out)],
+                       stdin=stdin, check=True, timeout=600)
+    return np.load(out)
+
+
+def export_and_check(path: Path, dest: Path, model: Path, n: int) -> tuple[dict, dict]:
+    """`tokencap export --hidden-states` for both trainers (in the trainers' venv: torch for
+    SpecForge's .ckpt files), then trainers_hs_check.py on it: the export's summary and the
+    check's JSON, both trainers' readers having read every row and trained on them."""
+    trainers_python = need("TOKENCAP_TRAINERS_PYTHON")
+    done = subprocess.run(
+        [trainers_python, "-m", "tokencap.cli", "export", str(path), "--dest", str(dest),
+         "--merged", "--format", "specforge", "--format", "speculators", "--hidden-states",
+         "--draft-vocab-size", "64", "--json"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["total"]["rows"] == n and summary["total"]["dropped_no_states"] == 0
+    assert summary["total"]["dropped_bad_states"] == 0
+
+    # the trainers' own readers, every file, and a few training steps each
+    done = subprocess.run([trainers_python, str(ROOT / "tests" / "pipeline" /
+                                                "trainers_hs_check.py"), str(dest), str(model)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["speculators_rows_read"] == n and out["speculators_rows_skipped"] == 0, out
+    assert out["speculators_ids_mask_agree"] and out["specforge_ids_mask_agree"], out
+    assert out["speculators_shapes_ok"], out
+    assert out["specforge_files_read"] == n and not out["specforge_layout_problems"], out
+    assert out["speculators_layers_ok"] and out["specforge_layers_ok"], out
+    for kind in ("speculators", "specforge"):
+        losses = out[f"{kind}_losses"]
+        assert losses and len(losses) >= 2 and all(np.isfinite(x) and x != 0
+                                                    for x in losses), out
+    return summary, out
+
+
+def test_from_a_source_record_to_a_training_step(generated: Generated, tmp_path: Path,
+                                                 redis_url: str) -> None:
+    url = need("TOKENCAP_EXTRACT_URL")
+    model = generated.model
+    engine_python = need("TOKENCAP_ENGINE_PYTHON")
+    path = generated.path
+    cfg = load_config(path)
+    hs = cfg.hidden_states
+    assert hs is not None and hs.layers == [2, 4, 5, 8]  # the model's own: 8 layers
+    rows = generated.rows  # 1. the model's own replies (`generated`)
 
     # 2. the stage; its workers killed once 3 files are kept, then the same stage again
     killed = threading.Event()
@@ -132,14 +226,7 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
 
     # 3. the states kept equal transformers' forward of the same model
     keys = sorted(all_rows)
-    ids_json = tmp_path / "ids.json"
-    ids_json.write_text(json.dumps([all_rows[k] for k in keys]))
-    oracle = tmp_path / "oracle.npz"
-    with ids_json.open() as stdin:
-        subprocess.run([engine_python, str(ROOT / "tests" / "engine" / "hs_oracle.py"),
-                        str(model), ",".join(map(str, hs.layers)), str(oracle)],
-                       stdin=stdin, check=True, timeout=600)
-    want = np.load(oracle)
+    want = oracle(engine_python, model, hs.layers, [all_rows[k] for k in keys], tmp_path)
     worst = 0.0
     for k, (c, row_id) in enumerate(keys):
         f = states_file(hs.output_dir, c, row_id)
@@ -150,31 +237,90 @@ def test_from_a_source_record_to_a_training_step(tmp_path, redis_url) -> None:
     print(f"\n[hidden states] {len(all_rows)} rows ({len(rows['single'])} single-turn, "
           f"{len(rows['multi'])} conversation turns): max abs diff to transformers {worst:.2e}")
 
-    # 4. exported with the states, in the trainers' venv (torch: SpecForge's .ckpt files)
-    dest = tmp_path / "train"
-    done = subprocess.run(
-        [trainers_python, "-m", "tokencap.cli", "export", str(path), "--dest", str(dest),
-         "--merged", "--format", "specforge", "--format", "speculators", "--hidden-states",
-         "--draft-vocab-size", "64", "--json"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)
+    # 4. exported with the states; 5. the trainers' own readers, and a few training steps
     n = len(all_rows)
-    assert summary["total"]["rows"] == n and summary["total"]["dropped_no_states"] == 0
-    assert summary["total"]["dropped_bad_states"] == 0
-
-    # 5. the trainers' own readers, every file, and a few training steps each
-    done = subprocess.run([trainers_python, str(ROOT / "tests" / "pipeline" /
-                                                "trainers_hs_check.py"), str(dest), str(model)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["speculators_rows_read"] == n and out["speculators_rows_skipped"] == 0, out
-    assert out["speculators_ids_mask_agree"] and out["specforge_ids_mask_agree"], out
-    assert out["specforge_files_read"] == n and not out["specforge_layout_problems"], out
-    assert out["speculators_layers_ok"] and out["specforge_layers_ok"], out
+    _summary, out = export_and_check(path, tmp_path / "train", model, n)
     for kind in ("speculators", "specforge"):
-        losses = out[f"{kind}_losses"]
-        assert len(losses) >= 2 and all(np.isfinite(x) and x != 0 for x in losses), out
-        print(f"[hidden states] {kind}: {n} rows read, losses {losses}")
+        print(f"[hidden states] {kind}: {n} rows read, losses {out[f'{kind}_losses']}")
+
+
+def test_fp8_states_from_the_stage_to_a_training_step(generated: Generated, tmp_path: Path,
+                                                      redis_url: str) -> None:
+    """The hidden-state stage keeping FP8 (`dtype = "fp8_e4m3"`: speculators' layout,
+    float8_e4m3fn states and a float32 scale per token) from the FP8 extraction server, on
+    the rows `generated` made: every file FP8 and proven by its manifest, within e4m3's
+    rounding of transformers' forward; exported with `--hidden-states` (speculators told
+    `--hidden-states-backend fp8`, SpecForge given them dequantized), every row read by each
+    trainer's own reader and a few training steps each."""
+    url = need_fp8()
+    model = generated.model
+    engine_python = need("TOKENCAP_ENGINE_PYTHON")
+    path = config(generated.tmp, model, url, run="hse-fp8", states="hs-fp8",
+                  dtype="fp8_e4m3", name="run-fp8.toml")
+    cfg = load_config(path)
+    hs = cfg.hidden_states
+    assert hs is not None and hs.layers == [2, 4, 5, 8] and hs.dtype == "fp8_e4m3"
+    rows = generated.rows
+    final = run_hidden_states(cfg, redis_url, 2, extract_url=url, progress_s=0.2,
+                              say=lambda line: None)
+    all_rows = {(c, row_id): ids for c, rs in rows.items() for row_id, ids in rs}
+    for c in ("single", "multi"):
+        assert final.categories[c].samples == len(rows[c])
+        folder = Path(hs.output_dir) / c / "states"
+        assert sorted(f.name for f in folder.iterdir()) == sorted(
+            states_file(hs.output_dir, c, i).name for i, _ in rows[c])
+        proven = states_manifest.verify(hs.output_dir, c)
+        assert proven.files == len(rows[c]) and proven.problems == []
+
+    # every file FP8 (speculators' layout), within e4m3's rounding of transformers' forward
+    keys = sorted(all_rows)
+    want = oracle(engine_python, model, hs.layers, [all_rows[k] for k in keys], tmp_path)
+    worst, worst_rel = 0.0, 0.0
+    for k, (c, row_id) in enumerate(keys):
+        f = states_file(hs.output_dir, c, row_id)
+        tensors, _ = hsfile.read(f)  # none torn
+        ids = all_rows[(c, row_id)]
+        hsfile.check(f, tensors, ids, 4, hs.hidden_size, hsfile.FP8)
+        q, scales = tensors["hidden_states"], tensors[hsfile.SCALES]
+        assert q.dtype == hsfile.FP8 and q.shape == (len(ids), 4, hs.hidden_size), f
+        assert scales.dtype == "F32" and scales.shape == (len(ids), 1, 1), f
+        # as speculators' trainer reads them: fp8.to(bf16) * scale.to(bf16)
+        back = (hsfile.from_fp8(q, scales).astype(np.uint32) << 16).view(np.float32)
+        ref = want[str(k)]
+        # the server quantized its own float32 states (within TOLERANCE of transformers'):
+        # e4m3's half step (2^-4 of the value; 2^-10 of the scale for subnormals), then
+        # bf16's rounding of the scale and of the product (2^-8 each), as
+        # test_hidden_states_engine.py bounds it, of a value up to TOLERANCE off
+        wide = np.abs(ref) + TOLERANCE
+        bound = (np.maximum(wide * 2.0 ** -4, scales.array() * 2.0 ** -10) * (1 + 2.0 ** -7)
+                 + wide * 2.0 ** -7 + TOLERANCE)
+        diff = np.abs(back - ref)
+        assert (diff <= bound).all(), (f, float((diff - bound).max()))
+        worst = max(worst, float(diff.max()))
+        worst_rel = max(worst_rel, float(np.linalg.norm(back - ref) / np.linalg.norm(ref)))
+    print(f"\n[fp8 hidden states] {len(all_rows)} rows ({len(rows['single'])} single-turn, "
+          f"{len(rows['multi'])} conversation turns), every file F8_E4M3 with its scales: "
+          f"max abs diff to transformers {worst:.3g}, relative {worst_rel:.3g}")
+
+    # exported with the states: speculators told its fp8 backend; the trainers on them
+    n = len(all_rows)
+    dest = tmp_path / "train"
+    _summary, out = export_and_check(path, dest, model, n)
+    manifest = json.loads((dest / "export-manifest.json").read_text())
+    states = manifest["hidden_states"]
+    assert states["dtype"] == "fp8_e4m3", states
+    flags = states["trainers"]["speculators"]["args"]
+    assert "--hidden-states-backend fp8" in flags, flags
+    assert out["speculators_hs_backend"] == "fp8" and out["speculators_transfer"] == \
+        "FP8Transfer", out
+    assert out["speculators_hs_dtypes"] == ["float8_e4m3fn"], out
+    assert out["speculators_read_dtypes"] == ["bfloat16"], out
+    argv = " ".join(out["speculators_train_argv"])
+    assert "--hidden-states-backend fp8" in argv, argv
+    print(f"[fp8 hidden states] export manifest: speculators {flags!r}; nearest layers "
+          f"speculators {out['speculators_layers_found']} (max rel err "
+          f"{out['speculators_max_rel_err']}, next {out['speculators_next_rel_err']}), "
+          f"specforge {out['specforge_layers_found']} (max rel err "
+          f"{out['specforge_max_rel_err']}, next {out['specforge_next_rel_err']})")
+    for kind in ("speculators", "specforge"):
+        print(f"[fp8 hidden states] {kind}: {n} rows read, losses {out[f'{kind}_losses']}")

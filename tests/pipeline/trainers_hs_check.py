@@ -6,7 +6,9 @@ trainer's own training entry point takes a few EAGLE-3 steps on it.
 
 LAYOUT_DIR/speculators: an Arrow dataset (torch format; id, input_ids, loss_mask, seq_len),
 hidden_states/hs_{i}.safetensors (hidden_states [T, 4, H]: layers 2, N//2, N-3, then N before
-the final norm; token_ids int64 [T]), token_freq.pt, d2t-{D}.npy, t2d-{D}.npy.
+the final norm; token_ids int64 [T]; FP8 states: hidden_states float8_e4m3fn and
+hidden_states_scales float32 [T, 1, 1], read with speculators' `--hidden-states-backend fp8`,
+which the export manifest's speculators args say), token_freq.pt, d2t-{D}.npy, t2d-{D}.npy.
 LAYOUT_DIR/specforge_offline: rows_{g}-{g+2000}/data_{i}.ckpt (input_ids, loss_mask,
 hidden_state bf16 [1, T, H] after the final norm, aux_hidden_state bf16 [1, T, 3H]);
 LAYOUT_DIR/vocab_mapping-<target>-<D>.pt (SpecForge's {d2t, t2d}). What `tokencap export
@@ -25,10 +27,13 @@ runs in a temporary folder, in a child process per trainer (this script again, w
   from the target with ``draft_vocab_size`` = len(d2t).
 
 Keys: speculators_rows_read / _skipped (token ids differ: its reader drops the row with a
-warning) / _missing, *_ids_mask_agree, specforge_files_read, specforge_layout_problems,
-*_layers_found / *_layers_ok / *_max_rel_err (each stored slot against a transformers forward
-of the target, first rows), vocab_mappings_equal, *_losses (one per step; *_train_ok: STEPS
-finite non-zero losses), *_train_error, all_ok, seconds.
+warning) / _missing, *_ids_mask_agree, speculators_hs_backend (file, or fp8: the export
+manifest says dtype fp8_e4m3 or the files hold hidden_states_scales) / _transfer (the class
+its backend gives ArrowDataset) / _hs_dtypes (the files' own) / _read_dtypes (what its reader
+returns), specforge_files_read, specforge_layout_problems, *_layers_found / *_layers_ok /
+*_max_rel_err / *_next_rel_err (each stored slot against a transformers forward of the target,
+first rows; FP8 dequantized as its trainer does), vocab_mappings_equal, *_losses (one per
+step; *_train_ok: STEPS finite non-zero losses), *_train_error, all_ok, seconds.
 """
 
 from __future__ import annotations
@@ -68,18 +73,50 @@ def _draft_size(folder: Path) -> int:
     return sizes[0]
 
 
+def _manifest(layout: Path) -> dict:
+    path = layout / "export-manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _is_fp8(folder: Path) -> bool:
+    """FP8 states: the export manifest says dtype fp8_e4m3, or the files hold the scales."""
+    from hs_connectors.fp8_utils import SCALES_KEY
+    from safetensors import safe_open
+
+    states = _manifest(folder.parent).get("hidden_states") or {}
+    if states.get("dtype") == "fp8_e4m3":
+        return True
+    first = sorted((folder / "hidden_states").glob("hs_*.safetensors"))[:1]
+    if not first:
+        return False
+    with safe_open(str(first[0]), "pt") as f:
+        return SCALES_KEY in f.keys()
+
+
 def read_speculators(folder: Path, hidden: int, out: dict) -> dict:
-    """Every row through speculators' own reader; counts what it actually returns."""
-    from hs_connectors import FileTransfer
+    """Every row through speculators' own reader (the transfer its trainer builds: its
+    backend registry's `from_train_args`, `fp8` for FP8 files, which dequantizes them);
+    counts what it actually returns. The raw files are read too (speculators' FileTransfer,
+    nothing dequantized): their layers and dtype, and for FP8 the scales' shape."""
+    import argparse
+
+    from hs_connectors import FileTransfer, HiddenStatesBackend
+    from hs_connectors.fp8_utils import SCALES_KEY
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable
 
-    ds = ArrowDataset(max_len=1 << 20, datapath=str(folder), on_missing="raise")
+    backend = "fp8" if _is_fp8(folder) else "file"
+    # as speculators.train.cli.main does with --hidden-states-backend (no --hidden-states-path:
+    # <data-path>/hidden_states)
+    ds_transfer = HiddenStatesBackend.registry[backend].from_train_args(
+        argparse.Namespace(hidden_states_path=None), str(folder))
+    ds = ArrowDataset(max_len=1 << 20, datapath=str(folder), transfer=ds_transfer,
+                      on_missing="raise")
     data = ds.data
     plain = data.with_format(None)
     n = len(ds)
     read, skipped, missing, skip_reasons, agree, shapes_ok = 0, 0, 0, [], True, True
-    raw_layers, dtypes = set(), set()
+    raw_layers, dtypes, read_dtypes = set(), set(), set()
     transfer = FileTransfer(folder / "hidden_states")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -103,9 +140,15 @@ def read_speculators(folder: Path, hidden: int, out: dict) -> dict:
             shapes_ok &= (tuple(item["hidden_states"].shape) == (t, 3 * hidden)
                           and tuple(item["verifier_last_hidden_states"].shape) == (t, hidden)
                           and item["input_ids"].dtype == torch.int64)
+            read_dtypes.add(str(item["hidden_states"].dtype).removeprefix("torch."))
             raw = transfer.get_cached(i)
             raw_layers.add(int(raw["hidden_states"].shape[1]))
             dtypes.add(str(raw["hidden_states"].dtype).removeprefix("torch."))
+            if backend == "fp8":
+                scales = raw.get(SCALES_KEY)
+                shapes_ok &= (scales is not None and tuple(scales.shape) == (t, 1, 1)
+                              and scales.dtype == torch.float32
+                              and raw["hidden_states"].dtype == torch.float8_e4m3fn)
     ids = plain["id"]
     out.update({
         "speculators_rows": n,
@@ -117,6 +160,9 @@ def read_speculators(folder: Path, hidden: int, out: dict) -> dict:
         "speculators_ids_mask_agree": bool(agree) and read == n,
         "speculators_shapes_ok": bool(shapes_ok) and raw_layers == {4},
         "speculators_hs_dtypes": sorted(dtypes),
+        "speculators_hs_backend": backend,
+        "speculators_transfer": type(ds_transfer).__name__,
+        "speculators_read_dtypes": sorted(read_dtypes),
         "speculators_format": data.format["type"],
         "speculators_id_column_unique": len(set(ids)) == len(ids),
         "speculators_loss_tokens": int(sum(int(data[i]["loss_mask"].sum()) for i in range(n))),
@@ -216,18 +262,27 @@ def check_mappings(layout: Path, draft: int, target_vocab: int, out: dict) -> No
     })
 
 
-def _nearest(x: torch.Tensor, layers: dict) -> tuple[object, float]:
+def _nearest(x: torch.Tensor, layers: dict) -> tuple[object, float, float]:
+    """The layer `x` is closest to, its relative error, and the next closest one's (the
+    margin by which it was told apart)."""
     rel = {k: float((x.float() - v).norm() / v.norm().clamp_min(1e-12))
            for k, v in layers.items() if v.shape == x.shape}
+    first, second = sorted(rel.values())[:2]
     k = min(rel, key=rel.get)
-    return k, rel[k]
+    return k, first, second
 
 
 def check_states(layout: Path, target: Path, rows: dict, out: dict, limit: int = 3) -> None:
     """The stored states against a transformers forward of the target: which layer each
     stored slot is closest to, and the relative error ||stored - layer|| / ||layer|| (scale
-    sensitive, so the states before and after the final norm are told apart)."""
-    from safetensors.torch import load_file
+    sensitive, so the states before and after the final norm are told apart). The
+    speculators files as its trainer reads them: FP8 ones dequantized by its fp8 backend's
+    transfer (hs-connectors' FP8Transfer: fp8.to(bf16) * scale.to(bf16)), then widened to
+    float32. *_next_rel_err: the smallest relative error of a slot to a layer it is not
+    closest to (how far the nearest one stands out: FP8 costs a few percent)."""
+    import argparse
+
+    from hs_connectors import HiddenStatesBackend
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
@@ -237,6 +292,10 @@ def check_states(layout: Path, target: Path, rows: dict, out: dict, limit: int =
     model.model.norm.register_forward_pre_hook(lambda _m, a: pre.append(a[0]))
     found: dict[str, list] = {"speculators": [], "specforge": []}
     err = {"speculators": 0.0, "specforge": 0.0}
+    nxt = {"speculators": math.inf, "specforge": math.inf}
+    folder = layout / "speculators"
+    transfer = HiddenStatesBackend.registry["fp8" if _is_fp8(folder) else "file"] \
+        .from_train_args(argparse.Namespace(hidden_states_path=None), str(folder))
     for i in range(min(limit, len(rows["input_ids"]))):
         ids = torch.tensor(rows["input_ids"][i])[None]
         pre.clear()
@@ -246,8 +305,7 @@ def check_states(layout: Path, target: Path, rows: dict, out: dict, limit: int =
         layers["pre_norm"] = pre[-1][0]
         layers["post_norm"] = hs[n][0]
 
-        stack = load_file(str(layout / "speculators" / "hidden_states"
-                              / f"hs_{i}.safetensors"))["hidden_states"]
+        stack = transfer.get_cached(i)["hidden_states"].float()
         g = i // 2000 * 2000
         sf = torch.load(layout / SPECFORGE / f"rows_{g}-{g + 2000}" / f"data_{i}.ckpt",
                         weights_only=True)
@@ -257,17 +315,20 @@ def check_states(layout: Path, target: Path, rows: dict, out: dict, limit: int =
                  + [sf["hidden_state"][0]]}
         for kind, tensors in slots.items():
             near = [_nearest(t, layers) for t in tensors]
-            found[kind].append([k for k, _ in near])
-            err[kind] = max([err[kind]] + [e for _, e in near])
+            found[kind].append([k for k, _, _ in near])
+            err[kind] = max([err[kind]] + [e for _, e, _ in near])
+            nxt[kind] = min([nxt[kind]] + [e for _, _, e in near])
     aux_ids = [2, n // 2, n - 3]
     out.update({
         "target_layers": n,
         "speculators_layers_found": found["speculators"][0] if found["speculators"] else None,
         "speculators_layers_ok": all(f == [*aux_ids, "pre_norm"] for f in found["speculators"]),
         "speculators_max_rel_err": round(err["speculators"], 6),
+        "speculators_next_rel_err": round(nxt["speculators"], 6),
         "specforge_layers_found": found["specforge"][0] if found["specforge"] else None,
         "specforge_layers_ok": all(f == [*aux_ids, "post_norm"] for f in found["specforge"]),
         "specforge_max_rel_err": round(err["specforge"], 6),
+        "specforge_next_rel_err": round(nxt["specforge"], 6),
     })
 
 
