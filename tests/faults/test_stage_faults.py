@@ -1,7 +1,11 @@
 """The hidden-state stage's own processes killed while it runs: its workers and its writer
 SIGKILLed, all at once and one at a time. The one stage runner (`tokencap/stack/stage.py`)
 starts each again (the writer once the killed one's lease ran out), and the stage finishes
-with every training row's states kept once, each file checked against its row."""
+with every training row's states kept once, each file checked against its row. Also: workers
+killed between a file's check and its keep (no file twice, none torn, no engine file or lock
+left, the rerun asks only for rows without a kept file), and a states disk that fills
+mid-stage (the stage pauses without asking, says so in its status, and ends once there is
+room)."""
 
 from __future__ import annotations
 
