@@ -135,6 +135,9 @@ def run(bench: Bench) -> dict[str, Any]:
         rows.append(row(NAME, f"Kimi-K2.5 states ({f['way']}): bytes written to storage per "
                         "byte kept", f["written_per_kept"], None, "B/B",
                         f"<= {WRITTEN_TARGET:g}", f["written_per_kept"] <= WRITTEN_TARGET))
+        rows.append(row(NAME, f"Kimi-K2.5 states ({f['way']}): CPU seconds of the stage's "
+                        "workers and writer per GB kept (what a GPU node's workers need)",
+                        f["workers_cpu_s_per_gb"], None, "s/GB"))
         if f["way"] != "bf16":
             share = f["kept_bytes"] / bf16["kept_bytes"]
             rows.append(row(NAME, f"Kimi-K2.5 states ({f['way']}): bytes kept vs bf16's, the "
@@ -215,6 +218,14 @@ def _io() -> int:
     return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's reaped children (the stage's workers and writer)."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
 def _kimi(bench: Bench, way: tuple[str, str, str, bool, bool]) -> dict[str, Any]:
     import shutil
     import tempfile
@@ -258,13 +269,14 @@ def _kimi(bench: Bench, way: tuple[str, str, str, bool, bool]) -> dict[str, Any]
                        hs_layer_ids=KIMI_LAYERS, hs_hidden_size=KIMI_HIDDEN,
                        hs_dtype=engine_dtype, hs_storage_path=str(storage),
                        hs_states="table", hs_metadata=metadata) as sim:
-            before = _io()
+            before, cpu_before = _io(), _children_cpu()
             t0 = time.perf_counter()
             status = run_hidden_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
                                        redis=redis, progress_s=0.1, say=lambda line: None,
                                        on_progress=watch)
             stage_s = time.perf_counter() - t0
             written = _io() - before
+            children_cpu = _children_cpu() - cpu_before
     finally:
         if shm:
             shutil.rmtree(storage, ignore_errors=True)
@@ -304,7 +316,10 @@ def _kimi(bench: Bench, way: tuple[str, str, str, bool, bool]) -> dict[str, Any]
                "kept_bytes_s": kept_rate,
                "disk_s": disk_s, "disk_bytes_s": kept_bytes / disk_s,
                "written_bytes": written, "written_per_kept": written_per_kept,
-               "quantize_bytes_s": quantize_s, "engine_folder": "tmpfs" if shm else "same",
+               "quantize_bytes_s": quantize_s,
+               "workers_cpu_s": children_cpu,
+               "workers_cpu_s_per_gb": children_cpu / max(1e-9, kept_bytes / 1e9),
+               "engine_folder": "tmpfs" if shm else "same",
                "layers": KIMI_LAYERS, "hidden": KIMI_HIDDEN, "workers": WORKERS}
     log(f"{NAME}: {name}: {kept_bytes / 1e9:.2f} GB kept in {stage_s:.1f} s "
         f"({kept_rate / 1e6:,.0f} MB/s while keeping; the disk "
