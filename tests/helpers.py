@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
@@ -385,3 +386,17 @@ class QueueSession:
                      {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": value - value // 2}]
             return Reply(200, json.dumps({"version": "0.5.23", "loads": ranks}))
         return Reply(200, f"sglang:num_queue_reqs {value}\n")
+
+
+def fp8_server() -> tuple[str, str | None]:
+    """The FP8 extraction server `make test-engine` starts (tokencap's connector storing
+    FP8): its URL and its files' folder. Skipped without one, failed where the target
+    requires it (TOKENCAP_ENGINE_REQUIRED, and the extraction tests not skipped on purpose)."""
+    url = os.environ.get("TOKENCAP_EXTRACT_FP8_URL")
+    if not url:
+        if os.environ.get("TOKENCAP_ENGINE_REQUIRED") and not os.environ.get(
+                "TOKENCAP_EXTRACT_SKIP"):
+            pytest.fail("TOKENCAP_EXTRACT_FP8_URL is not set: `make test-engine` starts the "
+                        "FP8 extraction server")
+        pytest.skip("no FP8 extraction server (TOKENCAP_EXTRACT_FP8_URL)")
+    return url.rstrip("/"), os.environ.get("TOKENCAP_EXTRACT_FP8_STORAGE")

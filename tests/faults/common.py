@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rq import Queue
@@ -161,3 +162,18 @@ model_config = "{model}"
 output_dir = "{states_out or tmp / 'hs'}"
 {cats}""")
     return tmp / "run.toml"
+
+
+def small_tmpfs(tmp: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's words: "48m", "128k") under `tmp` for a fixture to yield,
+    unmounted after; the test is skipped where it cannot be mounted (root only)."""
+    import pytest
+
+    mnt = tmp / "small"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)

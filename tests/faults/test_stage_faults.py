@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -23,11 +23,11 @@ from budget_service.budget import Budget
 from budget_service.keys import Keys
 from budget_service.telemetry import status_document
 from foundation import hsfile
-from foundation.config import load_config
+from foundation.config import RunConfig, load_config
 from foundation.outputs import BadLine, read_results, states_dir, states_file
 from sglang_sim.testing import SimServer
 from testing.harness import started
-from tests.faults.common import STATES_HIDDEN, STATES_LAYERS, states_config
+from tests.faults.common import STATES_HIDDEN, STATES_LAYERS, small_tmpfs, states_config
 from tests.helpers import training_row_ids
 from tokencap import extraction
 from tokencap.stack import processes
@@ -52,13 +52,7 @@ def _kept(cfg_path: Path) -> int:
 def test_stage_workers_and_writer_killed_are_replaced_and_every_row_kept_once(
         tmp_path, redis_url, how) -> None:
     # Given a finished generation run and an extraction server that takes its time
-    path = states_config(tmp_path, "stagefaults", ROWS)
-    cfg = load_config(path)
-    with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
-        pipe.check_invariants(pipe.run())
-    rows = {c: dict(training_row_ids(cfg, c)) for c in ("a", "b")}
-    storage = tmp_path / "engine-files"
-    storage.mkdir()
+    path, cfg, rows, storage = generated(tmp_path, redis_url, "stagefaults", ROWS)
     sup = Supervisor(processes.Table(None))
     names = [extraction.STATES_PREFIX + n for n in
              ("writer", *(f"worker-{i}" for i in range(WORKERS)))]
@@ -117,6 +111,19 @@ def _holding_engine_file(pid: int, storage: Path) -> bool:
                for line in maps.splitlines())
 
 
+def generated(tmp_path: Path, redis_url: str, run: str, rows: int, **config: Any
+              ) -> tuple[Path, RunConfig, dict[str, dict[str, list[int]]], Path]:
+    """A finished generation run of `rows` rows a category (`states_config`), its training
+    rows by category, and an empty folder for the extraction server's files."""
+    path = states_config(tmp_path, run, rows, **config)
+    cfg = load_config(path)
+    with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
+        pipe.check_invariants(pipe.run())
+    storage = tmp_path / "engine-files"
+    storage.mkdir()
+    return Path(path), cfg, {c: dict(training_row_ids(cfg, c)) for c in ("a", "b")}, storage
+
+
 def test_workers_killed_between_the_check_and_the_keep_leave_no_file_twice_nor_engine_file(
         tmp_path, redis_url) -> None:
     """A worker SIGKILLed while it holds the engine's file mapped (checked or being checked,
@@ -124,13 +131,8 @@ def test_workers_killed_between_the_check_and_the_keep_leave_no_file_twice_nor_e
     memory maps. The engine's files they held stay behind; the stage's rerun asks only for
     the rows without a kept file, and ends with every row's file once, none torn, and no
     engine file or lock left."""
-    path = states_config(tmp_path, "keepkill", 40, hidden=2048)  # MBs a row: a long check
-    cfg = load_config(path)
-    with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
-        pipe.check_invariants(pipe.run())
-    rows = {c: dict(training_row_ids(cfg, c)) for c in ("a", "b")}
-    storage = tmp_path / "engine-files"
-    storage.mkdir()
+    # MBs a row: a long check
+    path, cfg, rows, storage = generated(tmp_path, redis_url, "keepkill", 40, hidden=2048)
     sup = Supervisor(processes.Table(None))
     killed: list[int] = []
     stop_hunt = threading.Event()
@@ -194,13 +196,8 @@ def test_a_full_states_disk_pauses_the_stage_without_asking_and_it_ends_once_the
     in its status, asks the engine for no row it cannot keep and spends no attempt; once the
     room is back it ends with every row once and no engine file or lock left, the pause
     cleared."""
-    path = states_config(tmp_path, "diskfull", 30, hidden=128, states_out=small_disk / "hs")
-    cfg = load_config(path)
-    with SimServer(time_scale=1000.0) as sim, started(cfg, redis_url, [sim.url], 2) as pipe:
-        pipe.check_invariants(pipe.run())
-    rows = {c: dict(training_row_ids(cfg, c)) for c in ("a", "b")}
-    storage = tmp_path / "engine-files"
-    storage.mkdir()
+    path, cfg, rows, storage = generated(tmp_path, redis_url, "diskfull", 30, hidden=128,
+                                          states_out=small_disk / "hs")
     budget = Budget(Redis.from_url(redis_url), Keys(cfg.key_prefix, cfg.run + ".hs"))
     filler = small_disk / "filler"
     seen: dict[str, object] = {}
@@ -248,11 +245,4 @@ def test_a_full_states_disk_pauses_the_stage_without_asking_and_it_ends_once_the
 @pytest.fixture
 def small_disk(tmp_path):
     """A 48 MiB tmpfs (root only: it is mounted and unmounted by the test)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from small_tmpfs(tmp_path, "48m")

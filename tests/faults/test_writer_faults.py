@@ -19,7 +19,7 @@ from foundation.config import RunConfig
 from sglang_sim.testing import SimServer
 from testing.harness import Pipeline, ledger_state, wait_until
 from tests.conftest import ROOT, write_config
-from tests.faults.common import Background, two_category_config
+from tests.faults.common import Background, small_tmpfs, two_category_config
 
 pytestmark = pytest.mark.slow
 
@@ -139,14 +139,7 @@ def test_a_writer_killed_under_its_supervisor_is_started_again(tmp_path, redis_u
 @pytest.fixture
 def small_disk(tmp_path):
     """A 128 KiB tmpfs (root only: it is mounted and unmounted by the test)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from small_tmpfs(tmp_path, "128k")
 
 
 def test_a_full_disk_pauses_the_run_and_it_resumes_when_space_returns(tmp_path, redis_url,

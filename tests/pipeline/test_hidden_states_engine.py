@@ -35,6 +35,7 @@ import pytest
 import requests
 
 from foundation.hsfile import read
+from tests.helpers import fp8_server
 
 # a request may take 600 s on a loaded CPU
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1500)]
@@ -178,17 +179,6 @@ def test_concurrent_requests_sharing_a_prefix(extract: Extract, tmp_path: Path) 
         compare(states, dtype, ref, f"concurrent request {i} (cached {cached[i]})")
 
 
-def _fp8_server() -> tuple[str, str | None]:
-    url = os.environ.get("TOKENCAP_EXTRACT_FP8_URL")
-    if not url:
-        if os.environ.get("TOKENCAP_ENGINE_REQUIRED") and not os.environ.get(
-                "TOKENCAP_EXTRACT_SKIP"):
-            pytest.fail("TOKENCAP_EXTRACT_FP8_URL is not set: `make test-engine` starts the "
-                        "FP8 extraction server")
-        pytest.skip("no FP8 extraction server (TOKENCAP_EXTRACT_FP8_URL)")
-    return url.rstrip("/"), os.environ.get("TOKENCAP_EXTRACT_FP8_STORAGE")
-
-
 def test_a_file_says_its_layers_and_a_config_of_other_layers_is_refused_at_the_preflight(
         extract: Extract, tmp_path: Path) -> None:
     """tokencap's connector writes the layer ids into every file; the preflight of a stage
@@ -241,7 +231,7 @@ def test_fp8_equals_speculators_own_quantization(extract: Extract, tmp_path: Pat
     e4m3's half step of the float32 states per token."""
     from foundation import hsfile
 
-    fp8_url, fp8_storage = _fp8_server()
+    fp8_url, fp8_storage = fp8_server()
     trainers = os.environ.get("TOKENCAP_TRAINERS_PYTHON")
     if not trainers:
         pytest.skip("no TOKENCAP_TRAINERS_PYTHON (speculators' code): `make test-engine`")

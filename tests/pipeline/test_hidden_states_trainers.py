@@ -32,7 +32,7 @@ from foundation.config import load_config
 from foundation.outputs import BadLine, read_results, states_file
 from testing.harness import started
 from tests.conftest import DATASETS, ROOT, RedisServer
-from tests.helpers import training_row_ids, worker_processes
+from tests.helpers import fp8_server, training_row_ids, worker_processes
 from tokencap.stack.stage import run_hidden_states
 
 # the stage, then the trainers' runs (600 + 600 + 900 s at most): the test may run them all
@@ -54,19 +54,6 @@ def need(name: str) -> str:
             pytest.fail(f"{name} is not set: `make test-engine` starts the extraction server")
         pytest.skip(f"no {name} (`make test-engine` sets it)")
     return value
-
-
-def need_fp8() -> str:
-    """The FP8 extraction server (tokencap's connector storing FP8), as
-    test_hidden_states_engine.py asks for it."""
-    url = os.environ.get("TOKENCAP_EXTRACT_FP8_URL")
-    if not url:
-        if os.environ.get("TOKENCAP_ENGINE_REQUIRED") and not os.environ.get(
-                "TOKENCAP_EXTRACT_SKIP"):
-            pytest.fail("TOKENCAP_EXTRACT_FP8_URL is not set: `make test-engine` starts the "
-                        "FP8 extraction server")
-        pytest.skip("no FP8 extraction server (TOKENCAP_EXTRACT_FP8_URL)")
-    return url.rstrip("/")
 
 
 def config(tmp: Path, model: Path, url: str, run: str = "hse", states: str = "hs",
@@ -252,7 +239,7 @@ def test_fp8_states_from_the_stage_to_a_training_step(generated: Generated, tmp_
     rounding of transformers' forward; exported with `--hidden-states` (speculators told
     `--hidden-states-backend fp8`, SpecForge given them dequantized), every row read by each
     trainer's own reader and a few training steps each."""
-    url = need_fp8()
+    url, _ = fp8_server()
     model = generated.model
     engine_python = need("TOKENCAP_ENGINE_PYTHON")
     path = config(generated.tmp, model, url, run="hse-fp8", states="hs-fp8",
