@@ -79,7 +79,8 @@ def test_a_table_starts_finds_and_stops_its_processes_by_their_pid_files(
         tmp_path: Path) -> None:
     state = tmp_path / ".run"
     table = processes.Table(state)
-    argv = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"]
+    # a child that runs until it is killed
+    argv = [sys.executable, "-c", "print('up', flush=True); import signal; signal.pause()"]
     for name in ("worker-10", "worker-2", "writer"):
         table.spawn(name, argv, dict(os.environ))
     try:

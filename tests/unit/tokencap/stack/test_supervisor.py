@@ -18,7 +18,7 @@ from tokencap.stack.supervisor import (
 )
 
 EXITS_3 = [sys.executable, "-c", "raise SystemExit(3)"]
-SLEEPS = [sys.executable, "-c", "import time; time.sleep(600)"]
+SLEEPS = [sys.executable, "-c", "import signal; signal.pause()"]  # runs until killed
 
 
 def _died_and_scheduled(sup: Supervisor, name: str) -> float:
