@@ -426,22 +426,18 @@ def keep_file(src: str | Path, dst: str | Path) -> Kept:
     s, d = Path(src), Path(dst)
     d.parent.mkdir(parents=True, exist_ok=True)
     if os.stat(s).st_dev == os.stat(d.parent).st_dev:
-        fd = os.open(s, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(s)
         how = "moved" if _name_new(s, d) else "existed"
     else:
         tmp = d.with_name(f"{_temp_prefix(d)}{os.getpid()}.tmp")
         try:
             shutil.copyfile(s, tmp)
-            _fsync_file(tmp)
+            _fsync(tmp)
             how = "copied" if _name_new(tmp, d) else "existed"
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-    _fsync_dir(d.parent)
+    _fsync(d.parent)
     if how != "existed":
         _readable(d)
     return Kept(how, d.stat().st_size)
@@ -462,7 +458,7 @@ def keep_bytes(dst: str | Path, data: bytes) -> Kept:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    _fsync_dir(d.parent)
+    _fsync(d.parent)
     return Kept(how, d.stat().st_size)
 
 
@@ -480,16 +476,9 @@ def _name_new(src: Path, dst: Path) -> bool:
     return True
 
 
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """A file's data, or a folder's entries, made durable."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
