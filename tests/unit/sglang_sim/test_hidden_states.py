@@ -269,7 +269,7 @@ def test_fp8_files_are_speculators_layout_with_tokencap_s_metadata(tmp_path: Pat
     assert tensors["hidden_states"].data == q.data
     layers = hsfile.check_row_file(Path(path), tensors, meta, PROMPT, LAYERS, HIDDEN,
                                    hsfile.FP8, True)
-    assert list(layers.ids) == LAYERS
+    assert list(layers.ids) == LAYERS and layers.read_from == "file"  # hsfile read its names
 
 
 def test_table_states_are_a_copy_of_one_row_per_token_and_pass_the_checks() -> None:
