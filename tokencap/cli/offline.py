@@ -316,9 +316,9 @@ def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: in
 
 
 def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
-    from tokencap.prepare.plan import unread_text
+    from tokencap.prepare.plan import recipe_line, unread_text
 
-    heads = ("cap", "prompts", "tok/sample", "from", "samples", "tokens", "hours", "hours left",
+    heads = ("cap", "prompts", "tok/row", "from", "rows", "tokens", "hours", "hours left",
              "limit")
     table = []
     for r in [*rows, total]:
@@ -339,8 +339,10 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
             lines += [f"  {example}" for shown in c.examples.values() for example in shown]
             if c.unread:
                 lines.append(unread_text(r.category, c.unread, c.records))
-    lines.append(f"hours at {tok_s:,.0f} output tok/s; tok/sample counts what the budget "
-                 "counts, measured from committed results or estimated from the config")
+    lines.append(recipe_line(total))
+    lines.append(f"hours at {tok_s:,.0f} output tok/s; a row is one generated reply (one "
+                 "training row); tok/row counts what the budget counts, measured from "
+                 "committed results or estimated from the config")
     if any(r.checked is None for r in rows):
         lines.append("prompts counts records (rejected ones and a conversation's later turns "
                      "unseen); plan --check reads and renders every record to count them")
@@ -358,16 +360,17 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
                    "usable ones only (their turns, with turns = \"all\"); prints the rejects "
                    "per reason. Slower: it tokenizes the whole source.")
 def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
-    """Plan CONFIG: per category the prompts available, tokens per sample, samples and
-    tokens its cap needs (an uncapped category: its whole source), and hours at --tok-s;
-    then the totals.
+    """Plan CONFIG: per category the prompts available, tokens per row, the rows (generated
+    replies, one training row each) and tokens its cap needs (an uncapped category: its
+    whole source), and hours at --tok-s; then the totals, and the rows against the sizes
+    published drafter recipes train on.
 
-    Tokens per sample are measured from committed results in output_dir when there are
+    Tokens per row are measured from committed results in output_dir when there are
     any, else taken from expected_tokens (plus rendered prompt lengths when count = total).
     Prompts are the records in the sources, or with --check the generations the usable
     records ask for.
     """
-    from tokencap.prepare.plan import measure, plan, survey, totals
+    from tokencap.prepare.plan import RECIPES, measure, plan, survey, totals
 
     cfg = _load(config)
     names = [c.name for c in cfg.category]
@@ -402,7 +405,9 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     total = totals(rows)
     if as_json:
         doc = {"run": cfg.run, "count": cfg.count, "tok_s": tok_s,
-               "categories": msgspec.to_builtins(rows), "total": msgspec.to_builtins(total)}
+               "categories": msgspec.to_builtins(rows), "total": msgspec.to_builtins(total),
+               "recipes": [{"rows": n, "what": what, "source": src,
+                            "share": total.samples / n} for n, what, src in RECIPES]}
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(_plan_table(rows, total, tok_s))

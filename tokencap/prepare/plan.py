@@ -20,6 +20,10 @@ hand. Per category, with ``cap`` its cap and ``avail`` the records in its source
 
 Example: cap 10,000,000 and 2,500 tokens a sample need 4,000 samples; with only 3,000
 prompts the category stops at 3,000 samples and 7,500,000 tokens, 2.08 h at 1,000 tok/s.
+
+A sample is one generated reply, which the export writes as one training row: ``samples`` is
+the rows a trainer gets (before the reply gate). `recipe_line` places the total against the
+row counts published drafter recipes train on (`RECIPES`; docs/MIX.md cites them).
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ CHECK_EXAMPLES = 3  # rejects shown per reason, with file:line
 PREVIEW_SCAN_LIMIT = 1000  # records tried per category before preview gives up
 SECONDS_PER_HOUR = 3600
 DEFAULT_TOK_S = 1000.0  # output tokens per second of the engine
+# published drafter recipes, in training rows: (rows, what, source); docs/MIX.md
+RECIPES = (
+    (68_000, "EAGLE's ShareGPT set", "SafeAILab/EAGLE#128"),
+    (500_000, "speculators' from-scratch recipe, 2-3 epochs", "vllm-project/speculators#751"),
+)
 
 
 class Measured(NamedTuple):
@@ -159,6 +168,21 @@ def totals(rows: list[PlanRow]) -> PlanRow:
         done_tokens=sum(r.done_tokens for r in rows),
         hours_left=sum(r.hours_left for r in rows),
     )
+
+
+def recipe_line(total: PlanRow) -> str:
+    """One line placing the planned rows against the published recipes (`RECIPES`)."""
+    rows = total.samples
+    against = "; ".join(f"{_share(rows / n)} of {n:,} ({what}, {src})"
+                        for n, what, src in RECIPES)
+    return (f"{rows:,} rows ({total.total_tokens:,} tokens, "
+            f"{total.total_tokens / rows if rows else 0:,.0f} a row) against published "
+            f"drafter recipes: {against}")
+
+
+def _share(x: float) -> str:
+    """A share for people: "0.036%", "48%", "2.4x"."""
+    return f"{x:.1f}x" if x >= 1 else f"{100 * x:.2g}%"
 
 
 def measure(out_dir: Path, categories: list[str]) -> dict[str, Measured]:

@@ -16,7 +16,14 @@ from producer.readers.index import SourceIndex, read_sample, shuffled_order
 from producer.render import Renderer
 from tests.conftest import DATASETS, QWEN
 from tokencap.cli.offline import plan_cmd, preview_cmd
-from tokencap.prepare.plan import PROMPT_SAMPLE_SIZE, Measured, plan, preview, totals
+from tokencap.prepare.plan import (
+    PROMPT_SAMPLE_SIZE,
+    RECIPES,
+    Measured,
+    plan,
+    preview,
+    totals,
+)
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
 SHAREGPT = DATASETS / "sharegpt" / "fastchat_dummy_conversation.json"
@@ -142,10 +149,25 @@ def test_plan_cli_counts_prompts_and_switches_to_measured(tmp_path):
     res = runner.invoke(plan_cmd, [str(cfg)])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
-    assert lines[0].split()[:4] == ["category", "cap", "prompts", "tok/sample"]
+    assert lines[0].split()[:6] == ["category", "cap", "prompts", "tok/row", "from", "rows"]
     math_line = next(line for line in lines if line.startswith("math "))
     assert "100,000" in math_line and "measured" in math_line
-    assert any(line.startswith("total ") for line in lines)
+    total_line = next(line for line in lines if line.startswith("total "))
+    total_rows = int(total_line.split()[4].replace(",", ""))  # no "from" in the total
+    recipes = next(line for line in lines if "published drafter recipes" in line)
+    assert recipes.startswith(f"{total_rows:,} rows")
+    assert f"{100 * total_rows / 500_000:.2g}% of 500,000" in recipes
+    assert "vllm-project/speculators#751" in recipes
+
+
+def test_plan_json_places_the_rows_against_the_published_recipes(tmp_path):
+    res = CliRunner().invoke(plan_cmd, [str(_config(tmp_path)), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    rows = doc["total"]["samples"]
+    assert rows == sum(r["samples"] for r in doc["categories"]) > 0
+    assert [r["rows"] for r in doc["recipes"]] == [n for n, _what, _src in RECIPES]
+    assert [r["share"] for r in doc["recipes"]] == [rows / n for n, _what, _src in RECIPES]
 
 
 def test_plan_cli_with_count_total_renders_prompts_to_estimate(tmp_path):
