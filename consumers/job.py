@@ -342,7 +342,8 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_
         prefix_consistent=p.prefix_consistent, history_notes=p.history_notes,
         cached_tokens=gen.cached_tokens, reusable_tokens=p.reusable_tokens,
         out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg), gate=reason,
-        tool_args_match=p.tool_args_match, made_by=rc.cfg.made_by,
+        tool_args_match=p.tool_args_match, made_by=rc.cfg.made_by, mode=p.mode,
+        chat_template_kwargs=p.chat_template_kwargs,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.ledger.commit(result, waste, rate)

@@ -300,7 +300,9 @@ class Producer:
         while room > 0 and not feed.exhausted:
             start = feed.cursor
             positions = list(feed.source.order[start : start + room])
-            samples, rejected = feed.source.read_many(positions)
+            # one mode's budget of a `share = "tokens"` category: the records drawn to it
+            mine = [p for p in positions if feed.source.feeds(p)]
+            samples, rejected = feed.source.read_many(mine)
             known = self.budget.feeding.known(name, [feed.source.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume
             prepared, too_long = feed.source.prepare(samples, None, self._affinity)
