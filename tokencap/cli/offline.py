@@ -73,6 +73,14 @@ def _export_table(summary: dict[str, Any]) -> str:
                          f"({st['conversations_complete']:,} complete, the others cut with a "
                          f"reason), {st['conversations_in_progress']:,} still going on "
                          "(not written)")
+    for name, per_mode in (summary.get("modes") or {}).items():
+        lines.append(f"{name} by mode: " + ", ".join(
+            f"{m} {v['rows']:,} rows {v['tokens']:,} tokens ({v['share_tokens']:.1%} of the "
+            "tokens" + (f", weight {v['weight']:.1%})" if v["weight"] is not None else ")")
+            for m, v in per_mode.items()))
+    if summary.get("mode"):
+        lines.append(f"only mode {summary['mode']!r}: {summary['total']['other_modes']:,} "
+                     "rows of other modes left out")
     lines += [f"wrote {path}" for path in summary["files"]]
     vocab = summary.get("vocab")
     if vocab:
@@ -178,6 +186,10 @@ def _export_table(summary: dict[str, Any]) -> str:
               "its category's manifest (or every row with states of a category without one), "
               "counted as dropped_bad_states, instead of stopping (`tokencap verify` lists "
               "them).")
+@click.option("--mode", "mode", default=None,
+              help="Export only the rows made in this decode mode (a category's `modes`); "
+              "every turn of a conversation is in one mode, so whole conversations are kept "
+              "or left out (counted as other_modes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | None,
                tokenizer: str | None, dest: str,
@@ -186,7 +198,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                consistent_only: bool, exact_tool_args: bool, eval_fraction: float, seed: int,
                max_length: int | None, over_length: str, min_loss_tokens: int,
                draft_vocab_size: int, target_vocab_size: int | None, with_states: bool,
-               skip_bad_states: bool, as_json: bool) -> None:
+               skip_bad_states: bool, mode: str | None, as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet,
     speculators' prepared dataset), with what the trainers would otherwise prepare in a
     GPU pass: an eval split by conversation, length limits, the draft vocabulary.
@@ -245,7 +257,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
                          exact_tool_args, eval_fraction, seed, limits, vocab, states,
-                         skip_bad_states)
+                         skip_bad_states, mode, _mode_weights(cfg))
     finally:
         if messages is not None:
             messages.close()
@@ -294,6 +306,17 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                    f"{trainers['specforge']['eagle_aux_hidden_state_layer_ids']} "
                    "(export-manifest.json says why)", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
+
+
+def _mode_weights(cfg: Any) -> dict[str, dict[str, float]]:
+    """Each category's modes' shares of it, by the folder its rows are in (a
+    `share = "tokens"` category's budgets `<category>.<mode>` each hold one mode)."""
+    from foundation.config import mode_shares
+
+    if cfg is None:
+        return {}
+    return {c.name: ({c.only_mode: 1.0} if c.only_mode else mode_shares(c))
+            for c in cfg.category if c.modes}
 
 
 def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: int) -> Any:
