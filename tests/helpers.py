@@ -102,7 +102,8 @@ def category_state(**fields: object) -> CategoryState:
     """A category's state with these fields, every other one zero (or empty, open, capped at
     1,000)."""
     zero: dict[str, object] = dict.fromkeys(CategoryState.__struct_fields__, 0)
-    zero.update(cap=1000, state="open", rejected_tokens={}, rejected_replies={}, reasons={})
+    zero.update(cap=1000, state="open", rejected_tokens={}, rejected_replies={}, reasons={},
+                modes={})
     return msgspec.convert({**zero, **fields}, CategoryState)
 
 
