@@ -132,30 +132,12 @@ def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budge
 
 
 def test_status_and_metrics_show_each_mode_against_its_weight(redis) -> None:
-    import msgspec
-
-    from budget_service.budget import Budget
-    from budget_service.keys import Keys
     from budget_service.telemetry import render_metrics
-    from foundation.config import Mode, split_by_mode
-    from tests.helpers import LEASE_MS, feed, make_cfg, result
+    from tests.helpers import modes_budget
 
     # Given a category of two modes by conversation, and one of share = "tokens" (its two
-    # budgets `tok.think`, `tok.fast`)
-    base = make_cfg(cats=("conv", "tok"))
-    modes = [Mode(name="think", weight=3.0), Mode(name="fast", weight=1.0)]
-    conv, tok = (msgspec.structs.replace(c, modes=modes) for c in base.category)
-    cfg = msgspec.structs.replace(base, category=[conv, *split_by_mode(tok, 1000)])
-    budget = Budget(redis, Keys("tokencap", "m"))
-    budget.feeding.init_run(cfg)
-    # When rows of each mode are committed
-    for cat, sid, n, mode in (("conv", "a", 30, "think"), ("conv", "b", 30, "think"),
-                              ("conv", "c", 40, "fast"), ("tok.think", "d", 60, "think"),
-                              ("tok.fast", "e", 20, "fast")):
-        feed(budget, sid, category=cat)
-        budget.samples.admit(cat, sid, 10, LEASE_MS)
-        row = msgspec.structs.replace(result(sid, n), category=cat, mode=mode)
-        budget.samples.commit(row, 0, 0.0)
+    # budgets `tok.think`, `tok.fast`), with rows of each mode committed
+    budget = modes_budget(redis, "m")
     # Then the status document counts them per mode, beside the weights
     doc = budget.telemetry.status()
     assert doc["modes"]["conv"]["think"] == {"rows": 2, "tokens": 60, "share_rows": 2 / 3,
