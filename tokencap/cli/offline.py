@@ -520,12 +520,16 @@ def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, ca
 def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool) -> None:
     """Show the first prompt(s) of each category of CONFIG exactly as they will be sent:
     the rendered chat template with special tokens, the token count and the sampling params,
-    so that a wrong template or setting is seen before GPU time is spent. Needs no Redis.
+    so that a wrong template or setting is seen before GPU time is spent; a category with
+    modes shows the first prompt(s) drawn to each mode, with its kwargs and sampling. Needs
+    no Redis.
     """
     from tokencap.prepare.plan import preview, preview_text
 
     cfg = _load(config)
-    unknown = [c for c in categories if c not in {cat.name for cat in cfg.category}]
+    # a `share = "tokens"` category by its name, or its budgets `<category>.<mode>`
+    known = {cat.name for cat in cfg.category} | {cat.split_of for cat in cfg.category}
+    unknown = [c for c in categories if c not in known]
     if unknown:
         raise TokencapError(f"no category {', '.join(map(repr, unknown))} in {config}")
     from tokencap.prepare.plan import PREVIEW_SCAN_LIMIT
