@@ -308,7 +308,9 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         for cat in self.category:
             if cat.name == name:
                 return cat
-        raise UnknownCategory(self.run, name)
+        budgets = [c.name for c in self.category if c.split_of == name]
+        raise UnknownCategory(self.run, name, f": share = \"tokens\" runs it as one budget "
+                              f"per mode, {', '.join(budgets)}" if budgets else "")
 
     @property
     def lease_ms(self) -> int:
