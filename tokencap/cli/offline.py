@@ -257,7 +257,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
                          exact_tool_args, eval_fraction, seed, limits, vocab, states,
-                         skip_bad_states, mode, _mode_weights(cfg))
+                         skip_bad_states, mode, *_mode_weights(cfg))
     finally:
         if messages is not None:
             messages.close()
@@ -308,15 +308,16 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
     click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
 
 
-def _mode_weights(cfg: Any) -> dict[str, dict[str, float]]:
-    """Each category's modes' shares of it, by the folder its rows are in (a
-    `share = "tokens"` category's budgets `<category>.<mode>` each hold one mode)."""
+def _mode_weights(cfg: Any) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """Each category's modes' shares of it, and the category of each folder (a
+    `share = "tokens"` category's budgets `<category>.<mode>` are its)."""
     from foundation.config import mode_shares
 
     if cfg is None:
-        return {}
-    return {c.name: ({c.only_mode: 1.0} if c.only_mode else mode_shares(c))
-            for c in cfg.category if c.modes}
+        return {}, {}
+    cats = [c for c in cfg.category if c.modes]
+    return ({c.split_of or c.name: mode_shares(c) for c in cats},
+            {c.name: c.split_of for c in cats if c.split_of})
 
 
 def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: int) -> Any:

@@ -331,13 +331,16 @@ def export(
     skip_bad_states: bool = False,
     mode: str | None = None,
     weights: dict[str, dict[str, float]] | None = None,
+    family_of: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Export `categories` (default: every folder of `out_dir` with part files); with
     `states`, the hidden states of each row as its category's manifest proves them
     (`tokencap.export.state_layouts.KeptStates`: a category whose files disagree is refused,
     `StatesRefused`, unless `skip_bad_states`). With `mode`, only the rows made in that
     decode mode; `weights` (category -> mode -> share, the run config's) go in the
-    manifest's ``"modes"`` beside the rows and tokens written per mode.
+    manifest's ``"modes"`` beside the rows and tokens written per mode, the folders of a
+    `share = "tokens"` category's budgets added up under its name (`family_of`: folder ->
+    category).
 
     Returns the summary: ``{"out_dir", "dest", "formats", "merged", "keep_truncated",
     "files": [path, ...], "categories": {name: counts}, "total": counts}`` where counts are
@@ -433,7 +436,7 @@ def export(
         "total": total_dict,
         "missing": missing,
         "mode": mode,
-        "modes": modes_doc(per_cat, weights or {}),
+        "modes": modes_doc(per_cat, weights or {}, family_of or {}),
     }
     if vocab_doc is not None:
         summary["vocab"] = vocab_doc
@@ -442,23 +445,26 @@ def export(
     return summary
 
 
-def modes_doc(per_cat: dict[str, CategoryStats],
-              weights: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Per category with modes: each mode's rows and tokens written, their shares of the
+def modes_doc(per_cat: dict[str, CategoryStats], weights: dict[str, dict[str, float]],
+              family_of: dict[str, str]) -> dict[str, Any]:
+    """Per category with modes (a `share = "tokens"` category's budgets, `family_of`,
+    added up under its name): each mode's rows and tokens written, their shares of the
     category's, and the mode's weight (its share in the config; None: not known here)."""
-    out: dict[str, Any] = {}
+    grouped: dict[str, CategoryStats] = {}
     for name, stats in per_cat.items():
-        named = stats.modes
-        if not named and name not in weights:
-            continue
+        family = family_of.get(name, name)
+        if stats.modes or family in weights:
+            grouped.setdefault(family, CategoryStats()).add(stats)
+    out: dict[str, Any] = {}
+    for name, stats in grouped.items():
         rows = sum(v["rows"] for v in stats.modes.values()) or 1
         tokens = sum(v["tokens"] for v in stats.modes.values()) or 1
         mine = weights.get(name, {})
+        counts = {**{m: {"rows": 0, "tokens": 0, "output_tokens": 0} for m in mine},
+                  **stats.modes}
         out[name] = {m: {**v, "share_rows": round(v["rows"] / rows, 4),
                          "share_tokens": round(v["tokens"] / tokens, 4),
-                         "weight": mine.get(m)}
-                     for m, v in sorted({**{m: {"rows": 0, "tokens": 0, "output_tokens": 0}
-                                            for m in mine}, **named}.items())}
+                         "weight": mine.get(m)} for m, v in sorted(counts.items())}
     return out
 
 

@@ -92,3 +92,17 @@ def test_export_mode_keeps_one_mode_whole_conversations(tmp_path) -> None:
     assert sorted(ids) == ["c4#t1", "c4#t2", "c5#t1", "c5#t2"]
     table = shard(tmp_path / "x" / "chat" / "speculators")
     assert {m["mode"] for m in table.column("metadata").to_pylist()} == {"fast"}
+
+
+def test_a_share_tokens_categorys_budgets_add_up_under_its_name(tmp_path) -> None:
+    rows = {f"chat.{mode}": [made(mode, row_result(f"chat.{mode}", f"{mode}-{i}", [1, 2],
+                                                   [3] * (i + 1))) for i in range(n)]
+            for mode, n in (("think", 3), ("fast", 1))}
+    summary = export(write_run(tmp_path / "out", rows), tmp_path / "x", ["specforge"],
+                     allow_simulated=True, weights={"chat": {"think": 0.7, "fast": 0.3}},
+                     family_of={"chat.think": "chat", "chat.fast": "chat"})
+    chat = summary["modes"]["chat"]
+    assert set(summary["modes"]) == {"chat"}
+    assert (chat["think"]["rows"], chat["fast"]["rows"]) == (3, 1)
+    assert chat["think"]["tokens"] == 2 * 3 + 1 + 2 + 3 and chat["think"]["weight"] == 0.7
+    assert chat["fast"]["share_rows"] == 0.25
