@@ -222,6 +222,9 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
     if out is None:
         raise TokencapError("no output folder: pass CONFIG (or --config CONFIG) or --out DIR")
     names = list(categories) or ([c.name for c in cfg.category] if cfg else None)
+    if cfg is not None and names:  # a `share = "tokens"` category: its budgets' folders
+        names = [n for name in names for n in ([c.name for c in cfg.category
+                                                if c.split_of == name] or [name])]
     decoder = messages = None
     if "conversations" in formats:
         if cfg is not None and not tokenizer:
