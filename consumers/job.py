@@ -33,6 +33,7 @@ from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
 from foundation.engine.api import BACKOFF_FACTOR_S, BACKOFF_JITTER_S, parse_urls
 from foundation.errors import RunNotFound
+from foundation.modes import most_new_tokens
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
 from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result
 
@@ -71,7 +72,7 @@ class RunContext:
             pipe.hget(keys.state, "rate")
             raw, rate = pipe.execute()
             model = LengthModel.from_redis(
-                raw, self.cfg.expected_for(cat), cat.sampling.max_new_tokens
+                raw, self.cfg.expected_for(cat), most_new_tokens(cat)
             )
             hit = (now, model, float(rate) if rate else DEFAULT_DECODE_TOK_S)
             self._models[cat.name] = hit

@@ -24,8 +24,8 @@ import msgspec
 
 from foundation.config import Category, Mode, RunConfig, SamplingParams, mode_shares, split_by_mode
 
-__all__ = ["by_name", "draw", "family", "feeds", "fraction", "mode_shares", "pick",
-           "sampling", "split_by_mode", "template_kwargs"]
+__all__ = ["by_name", "draw", "family", "feeds", "fraction", "mode_shares",
+           "most_new_tokens", "pick", "sampling", "split_by_mode", "template_kwargs"]
 
 # the draw's hash: 8 bytes of BLAKE2b, as a fraction of 2**64
 _DRAW_BYTES = 8
@@ -75,6 +75,13 @@ def sampling(cat: Category, mode: Mode | None = None) -> SamplingParams:
         return cat.sampling
     return msgspec.convert({**msgspec.to_builtins(cat.sampling), **mode.sampling},
                            SamplingParams)
+
+
+def most_new_tokens(cat: Category) -> int:
+    """The most tokens a sample of `cat` may generate: its `max_new_tokens`, or its modes'
+    largest (what a hard cap guards against, and where its length model ends)."""
+    return max([cat.sampling.max_new_tokens,
+                *(sampling(cat, m).max_new_tokens for m in cat.modes)])
 
 
 def by_name(cat: Category, name: str) -> Mode:

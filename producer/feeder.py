@@ -52,6 +52,7 @@ from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms, run_ended
 from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError, SourceError
+from foundation.modes import most_new_tokens
 from producer.followups import FollowUps
 from producer.readers.index import SourceIndex
 from producer.recovery import Recovery
@@ -362,7 +363,7 @@ class Producer:
             return 0
         self._unpark_mark[name] = mark
         model = LengthModel(self.budget.hist(name), self.cfg.expected_for(feed.cat),
-                            feed.cat.sampling.max_new_tokens)
+                            most_new_tokens(feed.cat))
         ask = admission(self.cfg, feed.cat, model)
         got = self.budget.feeding.unpark(name, ask.estimate, ask.variance, ask.max_add,
                                          ask.sigmas, now_ms() + self.lease_ms, UNPARK_BATCH,

@@ -114,3 +114,10 @@ def test_by_name_names_the_modes(tmp_path) -> None:
     assert modes.by_name(cat, "fast").name == "fast"
     with pytest.raises(KeyError, match="its modes: think, fast"):
         modes.by_name(cat, "slow")
+
+
+def test_the_most_a_sample_may_generate_is_its_modes_largest(tmp_path) -> None:
+    cfg = config(tmp_path, extra=THINK_FAST.replace("temperature = 0.6",
+                                                    "temperature = 0.6, max_new_tokens = 200"))
+    assert modes.most_new_tokens(cfg.by_name("a")) == 200
+    assert modes.most_new_tokens(config(tmp_path).by_name("a")) == 64
