@@ -105,7 +105,7 @@ def test_two_modes_by_conversation_survive_a_kill_and_resume(tmp_path, redis_url
         assert all(before.get(t.id, drawn.name) == drawn.name for t in turns)
         spanning += any(t.id in before for t in turns) and any(t.id not in before
                                                                for t in turns)
-    assert len([r for r in rows if r.id in before]) >= CONVERSATIONS // 3
+    assert len([r for r in rows if r.id in before]) == len(before) > 0
     assert spanning > 0  # conversations begun before the kill and finished after it
     # and the share of conversations is within 4 sigma of 0.7
     n = len(convs)
