@@ -312,6 +312,16 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         raise UnknownCategory(self.run, name, f": share = \"tokens\" runs it as one budget "
                               f"per mode, {', '.join(budgets)}" if budgets else "")
 
+    def table_index(self, cat: Category) -> int:
+        """The index of `cat`'s `[[category]]` table in the config file (the budgets of a
+        `share = "tokens"` category are its one table): what `$.category[i]` names."""
+        tables: list[str] = []
+        for c in self.category:
+            family = c.split_of or c.name
+            if family not in tables:
+                tables.append(family)
+        return tables.index(cat.split_of or cat.name)
+
     @property
     def lease_ms(self) -> int:
         """`lease_s` in ms, as the ledger's scripts take a lease."""

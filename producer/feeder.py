@@ -114,7 +114,7 @@ def index_source(cfg: RunConfig, cat: Category) -> SourceIndex:
     try:
         index = SourceIndex.build([Path(p) for p in cat.paths])
     except SourceError as exc:
-        raise ConfigError(f"$.category[{cfg.category.index(cat)}].source", str(exc)) from None
+        raise ConfigError(f"$.category[{cfg.table_index(cat)}].source", str(exc)) from None
     log.info("%s: indexed %d records in %.1f s", cat.name, len(index), time.monotonic() - t0)
     return index
 

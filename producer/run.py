@@ -89,12 +89,10 @@ def load_renderer(cfg: RunConfig) -> Renderer | None:
     except TokenizerError as exc:
         raise ConfigError("$.tokenizer", str(exc)) from None
     places = [("$.chat_template_kwargs", cfg.chat_template_kwargs)]
-    families: list[str] = []  # a `share = "tokens"` category's budgets are one table
     for c in cfg.category:
-        if (c.split_of or c.name) in families:
-            continue
-        i = len(families)
-        families.append(c.split_of or c.name)
+        if c.only_mode is not None and c.only_mode != c.modes[0].name:
+            continue  # a `share = "tokens"` category's budgets are one table: once
+        i = cfg.table_index(c)
         places.append((f"$.category[{i}].chat_template_kwargs", c.chat_template_kwargs))
         places += [(f"$.category[{i}].modes[{j}].chat_template_kwargs", m.chat_template_kwargs)
                    for j, m in enumerate(c.modes)]

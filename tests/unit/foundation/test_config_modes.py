@@ -71,3 +71,16 @@ def test_modes_survive_the_configs_json_copy(tmp_path) -> None:
                '{ temperature = 0.5 } }, { name = "y", weight = 3 }]')
     assert config_from_json(config_to_json(cfg)) == cfg
     assert [cfg.cap_for(c) for c in cfg.category] == [250, 750]
+
+
+def test_a_budgets_table_is_its_categorys(tmp_path) -> None:
+    other = f"""[[category]]
+name = "b"
+source = "{tmp_path / 'ids.jsonl'}"
+format = "input_ids"
+sampling = {{ max_new_tokens = 64, temperature = 1.0 }}
+"""
+    cfg = load(tmp_path, 'share = "tokens"\nmodes = [{ name = "x", weight = 1 }, '
+               '{ name = "y", weight = 1 }]', extra_category=other)
+    assert [c.name for c in cfg.category] == ["a.x", "a.y", "b"]
+    assert [cfg.table_index(c) for c in cfg.category] == [0, 0, 1]
