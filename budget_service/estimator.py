@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from budget_service.keys import HIST_BUCKET_TOKENS
 from foundation.config import Category, RunConfig
+from foundation.modes import most_new_tokens
 from foundation.outputs import TRUNCATED
 
 MIN_SAMPLES = 16
@@ -98,7 +99,7 @@ def admission(cfg: RunConfig, cat: Category, model: LengthModel) -> Ask:
     worker's admit and the producer's unpark both send (so what unpark releases, admit
     takes)."""
     est, var = model.moments(0)
-    return Ask(est, var, cat.sampling.max_new_tokens if cfg.hard_cap else 0,
+    return Ask(est, var, most_new_tokens(cat) if cfg.hard_cap else 0,
                cfg.margin_sigmas, cfg.max_unwritten)
 
 

@@ -199,9 +199,11 @@ class FeedingLedger(Ledger):
                         [int(out[i + 2]) for i in range(0, len(out), 3)])
 
     def reconcile(self, category: str,
-                  records: Iterable[tuple[str, str, int, int, int | str, str, int]]) -> int:
+                  records: Iterable[tuple[str, str, int, int, int | str, str, int, str]]
+                  ) -> int:
         """Add to Redis the final samples read from the files (`producer.reconcile`): (id,
-        final value, counted, waste, bucket, gate reason, output tokens) each."""
+        final value, counted, waste, bucket, gate reason, output tokens, decode mode)
+        each."""
         args: list[Any] = []
         for rec in records:
             args.extend(rec)

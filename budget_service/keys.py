@@ -51,6 +51,10 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:cache`      | hash   | commit (per engine: samples,    | status, `/metrics` | run       |
 |                      |        | prompt, cached, reusable tokens;|                    |           |
 |                      |        | field `<engine URL> <counter>`) |                    |           |
+| `P:{cat}:modes`      | hash   | commit, reconcile (per decode   | status, `/metrics`,| run       |
+|                      |        | mode: rows, counted tokens;     | the live page, the |           |
+|                      |        | field `<mode> rows` / `<mode>   | report             |           |
+|                      |        | tokens`)                        |                    |           |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -121,6 +125,7 @@ class CategoryKeys(NamedTuple):
     cache: str
     engine_of: str
     extra: str
+    modes: str
 
 
 class Keys:

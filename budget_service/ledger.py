@@ -217,6 +217,8 @@ class CategoryState(msgspec.Struct, frozen=True):
     # the prompt tokens shared with the turn before: what a prefix cache could have served
     # (conversations' later turns)
     reusable_tokens: int
+    # per decode mode (`foundation.modes`): committed rows and counted tokens
+    modes: dict[str, dict[str, int]] = {}
 
     @property
     def ended(self) -> bool:
@@ -224,6 +226,15 @@ class CategoryState(msgspec.Struct, frozen=True):
         raised cap sends them), or exhausted with nothing pending."""
         return ((self.state == "closed" and self.pending == self.parked)
                 or (self.state == "exhausted" and self.pending == 0))
+
+
+def mode_counts(raw: Mapping[Any, Any]) -> dict[str, dict[str, int]]:
+    """A category's `modes` hash (`<mode> rows`, `<mode> tokens`) as {mode: {rows, tokens}}."""
+    out: dict[str, dict[str, int]] = {}
+    for field, value in raw.items():
+        mode, _, counter = as_str(field).rpartition(" ")
+        out.setdefault(mode, {"rows": 0, "tokens": 0})[counter] = int(value)
+    return dict(sorted(out.items()))
 
 
 def run_ended(states: Mapping[str, CategoryState], unwritten: int) -> bool:
@@ -279,6 +290,7 @@ class Ledger:
             pipe.xlen(ck.results)
             pipe.xlen(ck.dead)
             pipe.zcard(ck.follow)
+            pipe.hgetall(ck.modes)
             if by_engine:
                 pipe.hgetall(ck.cache)
         if run:
@@ -291,12 +303,12 @@ class Ledger:
         holder = wstate = engines_raw = trouble_raw = disk_raw = None
         if run:
             *raw, holder, wstate, engines_raw, trouble_raw, disk_raw = raw
-        per = 9 if by_engine else 8
+        per = 10 if by_engine else 9
         states: dict[str, CategoryState] = {}
         extra: list[Any] = []
         for i, name in enumerate(categories):
-            vals, pending, inflight, parked, reasons, results, dead, follow = \
-                raw[per * i : per * i + 8]
+            vals, pending, inflight, parked, reasons, results, dead, follow, modes = \
+                raw[per * i : per * i + 9]
             st = {f: (v.decode() if v else "0") for f, v in zip(STATE_FIELDS, vals, strict=True)}
             cap, used = cap_value(st["cap"]), int(st["used"])
             state = "closed" if st["closed"] == "1" else "open"
@@ -318,9 +330,9 @@ class Ledger:
                 reasons={as_str(k): int(v) for k, v in sorted(reasons.items())},
                 unwritten=int(results) + int(dead), out_of_vocab=int(st["oov"]),
                 prompt_tokens=int(st["prompt"]), cached_tokens=int(st["cached"]),
-                reusable_tokens=int(st["reusable"]))
+                reusable_tokens=int(st["reusable"]), modes=mode_counts(modes))
             if by_engine:
-                extra.append(raw[per * i + 8])
+                extra.append(raw[per * i + 9])
         return states, [extra, holder, wstate, engines_raw, trouble_raw, disk_raw]
 
     def hist(self, category: str) -> dict[int, int]:

@@ -66,7 +66,7 @@ class SampleLedger(Ledger):
                 result.id, result.counted_tokens, waste, bucket_of(result.completion_tokens),
                 f"{rate_tok_s:.6g}", RATE_EWMA_WEIGHT, encode(result), result.out_of_vocab,
                 result.prompt_tokens, result.cached_tokens or 0, result.reusable_tokens or 0,
-                result.engine, result.gate, result.completion_tokens,
+                result.engine, result.gate, result.completion_tokens, result.mode,
             ],  # fmt: skip
         )
         return as_str(out[0]), int(out[1])

@@ -43,6 +43,13 @@ Metrics (every series has a `run` label; per category also `category`):
 | `tokencap_hidden_state_bytes` | gauge | bytes of states kept (a stage's, or its run's `.hs`) |
 | `tokencap_engine_down{engine}` | gauge | 1 while the engine does not answer (engine watch) |
 | `tokencap_engine_down_since_seconds{engine}` | gauge | since when (Unix time) |
+| `tokencap_mode_rows_total{mode}` | counter | committed rows per decode mode (`modes`) |
+| `tokencap_mode_tokens_total{mode}` | counter | their counted tokens |
+| `tokencap_mode_weight{mode}` | gauge | the mode's weight, as a share of its category's |
+
+A category with `modes` also has a `modes` table in the status document: per category as the
+config names it (the budgets `<category>.<mode>` of a `share = "tokens"` category added up
+under it), each mode's rows and tokens, their shares, and the mode's weight (`mode_table`).
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ from budget_service.ledger import (
     cache_by_engine,
     run_ended,
 )
-from foundation.config import STATES_RUN_SUFFIX, RunConfig
+from foundation.config import STATES_RUN_SUFFIX, RunConfig, mode_shares
 from foundation.engine.info import EngineInfo
 from foundation.wire import encode
 
@@ -142,6 +149,10 @@ class RunStatus(msgspec.Struct, frozen=True):
     bytes_per_token: int | None = None
     # a hidden-state stage's states folders too full for the next row: its workers pause
     disk_trouble: dict[str, EngineTrouble] = {}
+    # per category with modes, as the config names it: each mode's weight (a share of 1),
+    # and which of `categories` hold its rows (itself, or its `<category>.<mode>` budgets)
+    mode_weights: dict[str, dict[str, float]] = {}
+    mode_parts: dict[str, list[str]] = {}
 
     @property
     def simulated(self) -> bool:
@@ -221,8 +232,9 @@ class TelemetryLedger(Ledger):
                  if by_engine else {})
         trouble, disk = ({as_str(k): msgspec.json.decode(v, type=EngineTrouble)
                           for k, v in raw.items()} for raw in (trouble_raw, disk_raw))
+        weights, parts = _modes_of(cfg, categories)
         return RunStatus(self.keys.run, states, writer, engines, cache, trouble,
-                         _bytes_per_token(cfg), disk)
+                         _bytes_per_token(cfg), disk, weights, parts)
 
     def status(self, categories: list[str] | None = None,
                by_engine: bool = False) -> dict[str, Any]:
@@ -299,6 +311,39 @@ def _bytes_per_token(cfg: RunConfig | None) -> int | None:
     return cfg.states().bytes_per_token
 
 
+def _modes_of(cfg: RunConfig | None, categories: Sequence[str]
+              ) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
+    """(weights, parts) of `RunStatus` from the stored config."""
+    weights: dict[str, dict[str, float]] = {}
+    parts: dict[str, list[str]] = {}
+    for cat in cfg.category if cfg else []:
+        if not cat.modes or cat.name not in categories:
+            continue
+        family = cat.split_of or cat.name
+        weights[family] = mode_shares(cat)
+        parts.setdefault(family, []).append(cat.name)
+    return weights, parts
+
+
+def mode_table(snap: RunStatus) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per category with modes (as the config names it): each mode's committed rows and
+    counted tokens, their shares of the category's, and its weight."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for family, weights in snap.mode_weights.items():
+        counts: dict[str, dict[str, int]] = {m: {"rows": 0, "tokens": 0} for m in weights}
+        for part in snap.mode_parts.get(family, []):
+            for mode, c in snap.categories[part].modes.items():
+                row = counts.setdefault(mode, {"rows": 0, "tokens": 0})
+                row["rows"] += c.get("rows", 0)
+                row["tokens"] += c.get("tokens", 0)
+        rows = sum(c["rows"] for c in counts.values())
+        tokens = sum(c["tokens"] for c in counts.values())
+        out[family] = {m: {**c, "share_rows": c["rows"] / rows if rows else None,
+                           "share_tokens": c["tokens"] / tokens if tokens else None,
+                           "weight": weights.get(m)} for m, c in counts.items()}
+    return out
+
+
 def status_document(snap: RunStatus) -> dict[str, Any]:
     """The status document, the run's state as JSON: each category's `CategoryState` as a
     dict (with `engines`, its prefix cache counters per engine, when the snapshot has them;
@@ -317,7 +362,7 @@ def status_document(snap: RunStatus) -> dict[str, Any]:
             "engines": {url: msgspec.to_builtins(e) for url, e in snap.engines.items()},
             "engine_trouble": {url: msgspec.to_builtins(t) for url, t in snap.trouble.items()},
             "disk_trouble": {d: msgspec.to_builtins(t) for d, t in snap.disk_trouble.items()},
-            "simulated": snap.simulated}
+            "simulated": snap.simulated, "modes": mode_table(snap)}
 
 
 class _Collector:
@@ -395,6 +440,21 @@ def _category_metrics(snap: RunStatus) -> Iterator[Metric]:
             for url, row in snap.cache.get(cat, {}).items():
                 c.add_metric([run, cat, url], row[field])
         yield c
+    for name, field, help_text in (
+            ("tokencap_mode_rows", "rows", "Committed rows per decode mode"),
+            ("tokencap_mode_tokens", "tokens", "Counted tokens of the rows per decode mode")):
+        c = CounterMetricFamily(name, help_text, labels=[*labels, "mode"])
+        for cat, st in cats.items():
+            for mode, counts in st.modes.items():
+                c.add_metric([run, cat, mode], counts.get(field, 0))
+        yield c
+    g = GaugeMetricFamily("tokencap_mode_weight",
+                          "A decode mode's weight, as a share of its category's (the category "
+                          "as the config names it)", labels=[*labels, "mode"])
+    for family, weights in snap.mode_weights.items():
+        for mode, w in weights.items():
+            g.add_metric([run, family, mode], w)
+    yield g
     c = CounterMetricFamily("tokencap_failure_reasons",
                             "Samples rejected or dead-lettered, by reason",
                             labels=[*labels, "reason"])

@@ -33,6 +33,7 @@ from foundation import gate
 from foundation.config import DEFAULT_KEY_PREFIX, Category, RunConfig
 from foundation.engine.api import BACKOFF_FACTOR_S, BACKOFF_JITTER_S, parse_urls
 from foundation.errors import RunNotFound
+from foundation.modes import most_new_tokens
 from foundation.redisconn import DEFAULT_REDIS_URL, connect
 from foundation.wire import DeadLetter, JobRef, Outcome, Pending, Result
 
@@ -71,7 +72,7 @@ class RunContext:
             pipe.hget(keys.state, "rate")
             raw, rate = pipe.execute()
             model = LengthModel.from_redis(
-                raw, self.cfg.expected_for(cat), cat.sampling.max_new_tokens
+                raw, self.cfg.expected_for(cat), most_new_tokens(cat)
             )
             hit = (now, model, float(rate) if rate else DEFAULT_DECODE_TOK_S)
             self._models[cat.name] = hit
@@ -342,7 +343,8 @@ def _commit(rc: RunContext, cat: Category, p: Pending, gen: Generation, sent_at_
         prefix_consistent=p.prefix_consistent, history_notes=p.history_notes,
         cached_tokens=gen.cached_tokens, reusable_tokens=p.reusable_tokens,
         out_of_vocab=_out_of_vocab(gen.output_ids, rc.cfg), gate=reason,
-        tool_args_match=p.tool_args_match, made_by=rc.cfg.made_by,
+        tool_args_match=p.tool_args_match, made_by=rc.cfg.made_by, mode=p.mode,
+        chat_template_kwargs=p.chat_template_kwargs,
     )
     rate = gen.completion_tokens / gen.latency_s if gen.latency_s > 0 else 0.0
     status, used = rc.ledger.commit(result, waste, rate)

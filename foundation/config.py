@@ -109,6 +109,23 @@ class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
 
 
+# how a category's modes share it: by conversations drawn (`conversation`), or each mode its
+# weight of the cap as its own budget (`tokens`)
+SHARES = ("conversation", "tokens")
+
+
+class Mode(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One decode mode of a category (`modes = [...]`): the share of its conversations drawn
+    to it (`weight`, relative to the other modes'), and what it changes: chat-template kwargs
+    merged over the category's (and the run's), sampling params over the category's resolved
+    sampling. `foundation.modes` draws each conversation's mode and resolves what it sends."""
+
+    name: Name
+    weight: PositiveFloat
+    chat_template_kwargs: dict[str, Any] = {}
+    sampling: dict[str, Any] = {}
+
+
 class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One prompt category with its own queue, budget and output folder."""
 
@@ -128,6 +145,14 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # a dataset's layout by name (foundation/presets.py): sets format, field_map, role_map,
     # and without a source reads the dataset's files from the local Hugging Face cache
     preset: Literal[PRESET_NAMES] | None = None  # type: ignore[valid-type]
+    # decode modes (`Mode`): each conversation drawn to one by a seeded hash of its id
+    modes: list[Mode] = []
+    share: Literal[SHARES] = "conversation"  # type: ignore[valid-type]
+    # set by tokencap, not by hand: a category of `share = "tokens"` runs as one budget per
+    # mode, `<category>.<mode>` (`split_by_mode`): the category it was split
+    # from and the one mode it feeds
+    split_of: str | None = None
+    only_mode: str | None = None
 
     @property
     def paths(self) -> list[str]:
@@ -283,7 +308,19 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         for cat in self.category:
             if cat.name == name:
                 return cat
-        raise UnknownCategory(self.run, name)
+        budgets = [c.name for c in self.category if c.split_of == name]
+        raise UnknownCategory(self.run, name, f": share = \"tokens\" runs it as one budget "
+                              f"per mode, {', '.join(budgets)}" if budgets else "")
+
+    def table_index(self, cat: Category) -> int:
+        """The index of `cat`'s `[[category]]` table in the config file (the budgets of a
+        `share = "tokens"` category are its one table): what `$.category[i]` names."""
+        tables: list[str] = []
+        for c in self.category:
+            family = c.split_of or c.name
+            if family not in tables:
+                tables.append(family)
+        return tables.index(cat.split_of or cat.name)
 
     @property
     def lease_ms(self) -> int:
@@ -335,7 +372,7 @@ def _choices(field: str) -> tuple[Any, ...]:
     import typing
 
     name = field.rsplit(".", 1)[-1]
-    for struct in (Category, SamplingParams, RunConfig):
+    for struct in (Category, Mode, SamplingParams, RunConfig):
         hint = typing.get_type_hints(struct, include_extras=True).get(name)
         for t in (hint, *typing.get_args(hint)):  # Annotated[...], X | None
             if typing.get_origin(t) is Literal:
@@ -360,7 +397,7 @@ def _did_you_mean(message: str, where: str) -> str:
     tail = re.sub(r"\[\d+\]", "", where).rsplit(".", 1)[-1]
     tables: dict[str, tuple[str, ...]] = {
         "category": Category.__struct_fields__, "sampling": SamplingParams.__struct_fields__,
-        "hidden_states": HiddenStates.__struct_fields__}
+        "hidden_states": HiddenStates.__struct_fields__, "modes": Mode.__struct_fields__}
     fields = tables.get(tail, RunConfig.__struct_fields__)
     close = difflib.get_close_matches(m.group(1), fields, n=1, cutoff=0.6)
     return f"; did you mean `{close[0]}`?" if close else ""
@@ -460,6 +497,7 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
     if gen is None and tok is not None and (Path(tok) / GENERATION_CONFIG).is_file():
         gen = str(Path(tok) / GENERATION_CONFIG)
     cats = _with_model_sampling(cfg, cats, gen, str(path))
+    cats = _with_modes(cfg, cats, _cap(cfg.cap_tokens, "$.cap_tokens", str(path)), str(path))
     out = rel(cfg.output_dir)
     _a_folder(out, "$.output_dir", str(path))
     hs = cfg.hidden_states
@@ -615,6 +653,70 @@ def _with_model_sampling(cfg: RunConfig, cats: list[Category], gen: str | None,
             raise ConfigError(gen or path, f"sampling defaults for {cat.name!r}: {exc}") from None
         out.append(msgspec.structs.replace(cat, sampling=sampling))
     return out
+
+
+def _with_modes(cfg: RunConfig, cats: list[Category], run_cap: int | str | None,
+                path: str) -> list[Category]:
+    """Each category's modes checked (names unique, a mode's sampling valid over the
+    category's), and a category of `share = "tokens"` split into one budget per mode
+    (`split_by_mode`)."""
+    out: list[Category] = []
+    for i, cat in enumerate(cats):
+        where = f"$.category[{i}]"
+        if cat.split_of is not None or cat.only_mode is not None:
+            raise ConfigError(path, f"{where}: split_of and only_mode are set by tokencap "
+                              "(share = \"tokens\"), not by hand")
+        if not cat.modes:
+            if cat.share != "conversation":
+                raise ConfigError(path, f"{where}.share: a share between modes needs `modes`")
+            out.append(cat)
+            continue
+        names: set[str] = set()
+        for j, mode in enumerate(cat.modes):
+            if mode.name in names:
+                raise ConfigError(path, f"{where}.modes[{j}].name: duplicate mode "
+                                  f"{mode.name!r}")
+            names.add(mode.name)
+            try:
+                msgspec.convert({**msgspec.to_builtins(cat.sampling), **mode.sampling},
+                                SamplingParams)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(path, f"{where}.modes[{j}].sampling: {exc} (merged over the "
+                                  "category's sampling)") from None
+        if cat.share == "conversation":
+            out.append(cat)
+            continue
+        cap = run_cap if cat.cap_tokens is None else cat.cap_tokens
+        if cap == UNCAPPED or cap is None:
+            raise ConfigError(path, f"{where}.share: \"tokens\" holds each mode to its weight "
+                              "of the category's cap: the category has none (cap_tokens = "
+                              "\"none\")")
+        out += split_by_mode(cat, int(cap))
+    taken: set[str] = set()
+    for cat in out:
+        if cat.name in taken:
+            raise ConfigError(path, f"$.category: {cat.name!r} is both a category and the "
+                              f"budget of a mode of category {cat.split_of!r} (share = "
+                              "\"tokens\": `<category>.<mode>`); rename one")
+        taken.add(cat.name)
+    return out
+
+
+def mode_shares(cat: Category) -> dict[str, float]:
+    """Each mode's weight as a share of the category's (1.0 in all)."""
+    total = sum(m.weight for m in cat.modes)
+    return {m.name: m.weight / total for m in cat.modes}
+
+
+def split_by_mode(cat: Category, cap: int) -> list[Category]:
+    """A `share = "tokens"` category as one category per mode, `<category>.<mode>`, capped at
+    the mode's weight of `cap` (rounded to a token), each feeding only the conversations
+    drawn to its mode (`Category.only_mode`), drawn as in the category (`split_of`:
+    `foundation.modes.family`)."""
+    return [msgspec.structs.replace(cat, name=f"{cat.name}.{mode.name}",
+                                    cap_tokens=round(cap * share), split_of=cat.name,
+                                    only_mode=mode.name)
+            for mode, share in zip(cat.modes, mode_shares(cat).values(), strict=True)]
 
 
 def config_to_json(cfg: RunConfig) -> bytes:

@@ -123,8 +123,8 @@ class RunNotFound(TokencapError):
 class UnknownCategory(TokencapError):
     """A category name that the run does not have."""
 
-    def __init__(self, run: str, category: str) -> None:
-        super().__init__(f"no category {category!r} in run {run!r}")
+    def __init__(self, run: str, category: str, hint: str = "") -> None:
+        super().__init__(f"no category {category!r} in run {run!r}{hint}")
         self.run = run
         self.category = category
 

@@ -81,6 +81,10 @@ class Pending(Struct, frozen=True):
     # a hidden-state stage's sample: the training row whose states it extracts (the rows
     # file's `foundation.outputs.StatesRow.id`)
     row_id: str | None = None
+    # the decode mode its conversation was drawn to ("" : its category has no modes), and
+    # the chat-template kwargs its prompt was rendered with (None: not rendered, token ids)
+    mode: str = ""
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Result(Struct, frozen=True):
@@ -136,6 +140,11 @@ class Result(Struct, frozen=True):
     # the stage that extracts hidden states (`RunConfig.stage`): the row's states file,
     # relative to the output folder, with its shape, dtype, layer ids and size
     hidden_states: dict[str, Any] | None = None
+    # `Pending.mode` and `Pending.chat_template_kwargs`: the decode mode it was made in ("":
+    # none, and every row written before modes) and the kwargs its prompt was rendered with
+    # (`sampling` holds the params it was sampled with)
+    mode: str = ""
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Outcome(enum.StrEnum):

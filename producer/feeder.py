@@ -52,6 +52,7 @@ from budget_service.keys import Keys
 from budget_service.ledger import CategoryState, now_ms, run_ended
 from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError, SourceError
+from foundation.modes import most_new_tokens
 from producer.followups import FollowUps
 from producer.readers.index import SourceIndex
 from producer.recovery import Recovery
@@ -113,7 +114,7 @@ def index_source(cfg: RunConfig, cat: Category) -> SourceIndex:
     try:
         index = SourceIndex.build([Path(p) for p in cat.paths])
     except SourceError as exc:
-        raise ConfigError(f"$.category[{cfg.category.index(cat)}].source", str(exc)) from None
+        raise ConfigError(f"$.category[{cfg.table_index(cat)}].source", str(exc)) from None
     log.info("%s: indexed %d records in %.1f s", cat.name, len(index), time.monotonic() - t0)
     return index
 
@@ -300,7 +301,9 @@ class Producer:
         while room > 0 and not feed.exhausted:
             start = feed.cursor
             positions = list(feed.source.order[start : start + room])
-            samples, rejected = feed.source.read_many(positions)
+            # one mode's budget of a `share = "tokens"` category: the records drawn to it
+            mine = [p for p in positions if feed.source.feeds(p)]
+            samples, rejected = feed.source.read_many(mine)
             known = self.budget.feeding.known(name, [feed.source.first_id(s) for s in samples])
             samples = [s for s, k in zip(samples, known, strict=True) if not k]  # resume
             prepared, too_long = feed.source.prepare(samples, None, self._affinity)
@@ -360,7 +363,7 @@ class Producer:
             return 0
         self._unpark_mark[name] = mark
         model = LengthModel(self.budget.hist(name), self.cfg.expected_for(feed.cat),
-                            feed.cat.sampling.max_new_tokens)
+                            most_new_tokens(feed.cat))
         ask = admission(self.cfg, feed.cat, model)
         got = self.budget.feeding.unpark(name, ask.estimate, ask.variance, ask.max_add,
                                          ask.sigmas, now_ms() + self.lease_ms, UNPARK_BATCH,

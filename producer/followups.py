@@ -67,7 +67,6 @@ class FollowUps:
         if not source.turns:
             return self.feed_retried(source, [f.sample_id for f in waiting])
         stop_ids = source.cat.sampling.stop_token_ids or []
-        opened = self.replay.opened(source.cat)
         samples: list[Sample] = []
         turns: list[NextTurn] = []
         rejected: list[DeadLetter] = []
@@ -91,6 +90,7 @@ class FollowUps:
                     conversation_id=conv_id, turn=turn))
                 continue
             conv = s.conversation
+            opened = self.replay.opened(source.cat, source.mode_of(conv_id))
             try:
                 generated = self.replay.turns(f.outputs, conv.tools, conv_id, stop_ids,
                                               opened)

@@ -25,26 +25,26 @@ from foundation.wire import Outcome
 log = logging.getLogger(__name__)
 
 BATCH = 500
-Record = tuple[str, str, int, int, int | str, str, int]
+Record = tuple[str, str, int, int, int | str, str, int, str]
 
 
 def read_records(cat_dir: Path) -> Iterator[Record]:
-    """(sample id, final value, counted, waste, bucket, gate reason, output tokens) for every
-    sample on disk."""
+    """(sample id, final value, counted, waste, bucket, gate reason, output tokens, decode
+    mode) for every sample on disk."""
     for r in read_committed(cat_dir):
         if isinstance(r, BadLine):
             log.warning("%s: unreadable result line ignored: %s", r.where, r.error)
             continue
         waste = waste_tokens(r.completion_tokens, r.gate, r.finish_reason)
         yield (r.id, codec.committed(r.counted_tokens), r.counted_tokens, waste,
-               bucket_of(r.completion_tokens), r.gate, r.completion_tokens)
+               bucket_of(r.completion_tokens), r.gate, r.completion_tokens, r.mode)
     for d in read_dead_letters(cat_dir):
         if isinstance(d, BadLine):
             log.warning("%s: unreadable dead-letter line ignored: %s", d.where, d.error)
             continue
         if d.outcome == Outcome.CUT:  # a turn held back, not an end
             continue
-        yield (d.id, codec.ended(d.outcome, d.reason), 0, 0, "", "", 0)
+        yield (d.id, codec.ended(d.outcome, d.reason), 0, 0, "", "", 0, "")
 
 
 def reconcile(budget: Budget, out_dir: Path, categories: list[str]) -> dict[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from foundation.config import Category, RunConfig
+from foundation.config import Category, Mode, RunConfig
 from producer.formats.conversation import Conversation
 from producer.reply_parser import ReplyParser, Unparsed, reply_parser
 from producer.source import template_kwargs
@@ -37,7 +37,7 @@ class Replay:
         self.renderer = renderer
         self.tokenizer = tokenizer
         self._parser: ReplyParser | None = None
-        self._opened: dict[str, bool] = {}
+        self._opened: dict[tuple[str, str], bool] = {}
 
     @property
     def parser(self) -> ReplyParser:
@@ -54,16 +54,18 @@ class Replay:
                     self.cfg.tool_call_parser if self.cfg else "auto")
         return self._parser
 
-    def opened(self, cat: Category | None) -> bool:
+    def opened(self, cat: Category | None, mode: Mode | None = None) -> bool:
         """Whether `cat`'s generation prompt opens a reasoning block (its chat-template
-        kwargs over the run's): a reply then starts inside it, and one cut before its end of
-        reasoning is reasoning. False without a renderer (nothing to render it with)."""
-        name = cat.name if cat is not None else ""
+        kwargs over the run's, `mode`'s over them): a reply then starts inside it, and one
+        cut before its end of reasoning is reasoning. False without a renderer (nothing to
+        render it with)."""
+        name = (cat.name if cat is not None else "", mode.name if mode is not None else "")
         if name not in self._opened:
             start = self.parser.reasoning.start if self.parser.reasoning else None
             opened = False
             if start is not None and self.renderer is not None and self.cfg is not None:
-                kwargs = template_kwargs(self.cfg, cat) if cat else self.cfg.chat_template_kwargs
+                kwargs = template_kwargs(self.cfg, cat, mode) if cat \
+                    else self.cfg.chat_template_kwargs
                 opened = self.renderer.opens_reasoning(start, kwargs or None)
             self._opened[name] = opened
         return self._opened[name]

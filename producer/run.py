@@ -88,9 +88,14 @@ def load_renderer(cfg: RunConfig) -> Renderer | None:
                             trust_remote_code=cfg.trust_remote_code)
     except TokenizerError as exc:
         raise ConfigError("$.tokenizer", str(exc)) from None
-    places = [("$.chat_template_kwargs", cfg.chat_template_kwargs)] + [
-        (f"$.category[{i}].chat_template_kwargs", c.chat_template_kwargs)
-        for i, c in enumerate(cfg.category)]
+    places = [("$.chat_template_kwargs", cfg.chat_template_kwargs)]
+    for c in cfg.category:
+        if c.only_mode is not None and c.only_mode != c.modes[0].name:
+            continue  # a `share = "tokens"` category's budgets are one table: once
+        i = cfg.table_index(c)
+        places.append((f"$.category[{i}].chat_template_kwargs", c.chat_template_kwargs))
+        places += [(f"$.category[{i}].modes[{j}].chat_template_kwargs", m.chat_template_kwargs)
+                   for j, m in enumerate(c.modes)]
     for where, kwargs in places:
         unread = renderer.unread_kwargs(kwargs)
         if unread:

@@ -1,8 +1,9 @@
 """One category's records as prompts: the one path from a source record to what is fed.
 
 `CategorySource` holds a category's `SourceIndex`, its seeded shuffled order and its
-chat-template kwargs (the category's merged over the run's), and turns records into prompts
-with every check the run makes:
+chat-template kwargs (the category's merged over the run's; with `modes`, each
+conversation's mode's merged over them, its sampling too: `foundation.modes`), and turns
+records into prompts with every check the run makes:
 
 1. `read` / `read_many`: the record at a position, normalised (`producer.readers.read_sample`
    with the category's format, turns, system prompt, field and role maps); a record that
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import msgspec
 
 from budget_service.ledger import now_ms
-from foundation.config import Category, RunConfig
+from foundation import modes
+from foundation.config import Category, Mode, RunConfig, SamplingParams
 from foundation.errors import ConfigError
 from foundation.outputs import relative_where
 from foundation.wire import DeadLetter, Outcome, Pending, turn_id
@@ -179,12 +181,33 @@ class CategorySource:
     def first_id(self, sample: Sample) -> str:
         return self.first_id_of(sample.sample_id)
 
+    # -- modes -------------------------------------------------------------------------
+    def mode_of(self, sid: str) -> Mode | None:
+        """The mode the conversation (or sample) of record id `sid` is made in (None: the
+        category has no modes): the same for every turn and after a resume."""
+        return modes.draw(self.cfg, self.cat, sid)
+
+    def feeds(self, pos: int) -> bool:
+        """Whether this category feeds record `pos`: every record, unless it is one mode's
+        budget of a `share = "tokens"` category (the records drawn to its mode)."""
+        return modes.feeds(self.cfg, self.cat, sample_id(self.index, pos))
+
+    def kwargs_of(self, mode: Mode | None) -> dict[str, Any]:
+        """The chat-template kwargs a prompt of `mode` is rendered with."""
+        return modes.template_kwargs(self.cfg, self.cat, mode) if mode else self.kwargs
+
+    def sampling_of(self, mode: Mode | None) -> SamplingParams:
+        """The sampling params a sample of `mode` is sent with."""
+        return modes.sampling(self.cat, mode)
+
     # -- prompts -----------------------------------------------------------------------
     def render(self, prompts: Sequence[list[dict] | list[int]],
-               tools: Sequence[list[dict] | None]) -> list[Prompt | Rejected]:
+               tools: Sequence[list[dict] | None],
+               mode_of: Sequence[Mode | None] | None = None) -> list[Prompt | Rejected]:
         """Each prompt rendered (chat messages) or taken as it is (token ids), in one batched
-        tokenizer call; one whose text is too long for any context, or which the template
-        refuses, gives its `Rejected` in its place."""
+        tokenizer call per mode (`mode_of`: each prompt's; none: the category's kwargs); one
+        whose text is too long for any context, or which the template refuses, gives its
+        `Rejected` in its place."""
         out: list[Prompt | Rejected] = [Prompt(None, [])] * len(prompts)
         limit = self.limit_chars
         chat: list[int] = []
@@ -200,17 +223,23 @@ class CategorySource:
             if self.renderer is None:
                 raise ConfigError("$.tokenizer", f"category {self.cat.name!r} has chat prompts: "
                                   "they are rendered with the model's tokenizer, name it")
-            rendered = self.renderer.render_many([cast(list[dict], prompts[k]) for k in chat],
-                                                 self.kwargs or None, [tools[k] for k in chat])
-            for k, r in zip(chat, rendered, strict=True):
-                out[k] = r if isinstance(r, Rejected) else Prompt(r[0], list(r[1]))
+            groups: dict[str | None, list[int]] = {}
+            for k in chat:
+                mode = mode_of[k] if mode_of else None
+                groups.setdefault(mode.name if mode else None, []).append(k)
+            for ks in groups.values():
+                kwargs = self.kwargs_of(mode_of[ks[0]] if mode_of else None)
+                rendered = self.renderer.render_many([cast(list[dict], prompts[k]) for k in ks],
+                                                     kwargs or None, [tools[k] for k in ks])
+                for k, r in zip(ks, rendered, strict=True):
+                    out[k] = r if isinstance(r, Rejected) else Prompt(r[0], list(r[1]))
         return out
 
-    def fit(self, ids: Sequence[int]) -> DoesNotFit | None:
+    def fit(self, ids: Sequence[int], mode: Mode | None = None) -> DoesNotFit | None:
         """Why a prompt of these ids cannot be sent (None: it can): no tokens, or more than
-        the context holds with max_new_tokens."""
+        the context holds with max_new_tokens (the mode's)."""
         ctx = self.context_length
-        max_new = self.cat.sampling.max_new_tokens
+        max_new = self.sampling_of(mode).max_new_tokens
         if not ids:
             return DoesNotFit("empty_prompt", "prompt has no tokens")
         if ctx is not None and len(ids) + max_new > ctx:
@@ -220,11 +249,13 @@ class CategorySource:
         return None
 
     def prompt(self, sample: Sample) -> Prompt:
-        """The first prompt of `sample`, rendered and checked (raises `Rejected`)."""
-        out = self.render([sample.prompt], [sample.tools])[0]
+        """The first prompt of `sample`, rendered in its mode and checked (raises
+        `Rejected`)."""
+        mode = self.mode_of(sample.sample_id)
+        out = self.render([sample.prompt], [sample.tools], [mode])[0]
         if isinstance(out, Rejected):
             raise out
-        why = self.fit(out.ids)
+        why = self.fit(out.ids, mode)
         if why is not None:
             raise why
         return out
@@ -242,13 +273,16 @@ class CategorySource:
         numbers = [t.turn for t in turns] if turns else [1] * len(samples)
         ids_of = [turn_id(s.sample_id, j) if self.turns else s.sample_id
                   for s, j in zip(samples, numbers, strict=True)]
-        outs = self.render(prompts, tools)
+        mode_of = [self.mode_of(s.sample_id) for s in samples]
+        outs = self.render(prompts, tools, mode_of)
         before: dict[int, Prompt | Rejected] = {}
         if turns:  # the prompts of the turns before, to check each against its own
             chat = [k for k, o in enumerate(outs) if isinstance(o, Prompt) and o.text is not None]
-            prev = self.render([turns[k].previous for k in chat], [tools[k] for k in chat])
+            prev = self.render([turns[k].previous for k in chat], [tools[k] for k in chat],
+                               [mode_of[k] for k in chat])
             before = dict(zip(chat, prev, strict=True))
-        sampling = msgspec.to_builtins(cat.sampling)
+        sampling_of = {m.name if m else None: msgspec.to_builtins(self.sampling_of(m))
+                       for m in {id(m): m for m in mode_of}.values()}
         fed_at = now_ms()
         prepared: list[Pending] = []
         rejected: list[DeadLetter] = []
@@ -257,14 +291,17 @@ class CategorySource:
             fields: dict[str, Any] = {} if conv is None else {
                 "conversation_id": s.sample_id, "turn": numbers[k], "turns_total": conv.turns}
             out = outs[k]
-            why = out if isinstance(out, Rejected) else self.fit(out.ids)
+            mode = mode_of[k]
+            if mode is not None:
+                fields["mode"] = mode.name
+            why = out if isinstance(out, Rejected) else self.fit(out.ids, mode)
             if why is not None:
                 if not isinstance(why, DoesNotFit):
                     log.warning("%s: skipped record at %s: %s", cat.name, s.where, why)
                 rejected.append(DeadLetter(id=ids_of[k], category=cat.name,
                                            outcome=Outcome.REJECTED, reason=why.reason,
                                            message=str(why), where=self.row_where(s.where),
-                                           **fields))
+                                           **{f: v for f, v in fields.items() if f != "mode"}))
                 continue
             assert isinstance(out, Prompt)
             prev_out = before.get(k)
@@ -277,22 +314,31 @@ class CategorySource:
                 fields["affinity"] = affinity(out.ids)
                 if turns:
                     fields["prefer_engine"] = turns[k].engine
+            if out.text is not None:
+                fields["chat_template_kwargs"] = self.kwargs_of(mode)
+            sampling = sampling_of[mode.name if mode else None]
             prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=out.ids,
                                     sampling=sampling, where=self.row_where(s.where),
                                     source_id=s.source_id, fed_at_ms=fed_at,
                                     row_id=s.source_id if self.extracts else None, **fields))
         return prepared, rejected
 
-    def first_prompts(self, want: int, scan: int
+    def first_prompts(self, want: int, scan: int, mode: str | None = None
                       ) -> Iterator[tuple[Sample, Prompt] | tuple[str, Rejected]]:
-        """``(sample, prompt)`` of the first records in the shuffled order whose prompt
-        renders (fit not checked: `fit` says), or ``(where, Rejected)`` for one that does
-        not; stops after `want` prompts or `scan` records."""
+        """``(sample, prompt)`` of the first records in the shuffled order (of those drawn to
+        `mode`, when given) whose prompt renders in its mode (fit not checked: `fit` says),
+        or ``(where, Rejected)`` for one that does not; stops after `want` prompts or `scan`
+        records."""
         good = 0
         for pos in self.order[:scan]:
+            if not self.feeds(pos):
+                continue
             try:
                 s = self.read(pos)
-                out = self.render([s.prompt], [s.tools])[0]
+                drawn = self.mode_of(s.sample_id)
+                if mode is not None and (drawn is None or drawn.name != mode):
+                    continue
+                out = self.render([s.prompt], [s.tools], [drawn])[0]
                 if isinstance(out, Rejected):
                     raise out
             except Rejected as exc:
@@ -304,9 +350,10 @@ class CategorySource:
                 return
 
 
-def template_kwargs(cfg: RunConfig, cat: Category) -> dict[str, Any]:
-    """The chat-template keyword arguments of `cat`: its own merged over the run's."""
-    return {**cfg.chat_template_kwargs, **cat.chat_template_kwargs}
+def template_kwargs(cfg: RunConfig, cat: Category, mode: Mode | None = None) -> dict[str, Any]:
+    """The chat-template keyword arguments of `cat`: its own merged over the run's (and
+    `mode`'s over both: `foundation.modes.template_kwargs`)."""
+    return modes.template_kwargs(cfg, cat, mode)
 
 
 def prefix(nxt: NextTurn, previous_ids: list[int], ids: list[int], text: str

@@ -345,7 +345,9 @@ class Pipeline:
         if feed is not None:
             source = feed.source
             first = (lambda sid: turn_id(sid, 1)) if source.turns else (lambda sid: sid)
-            fed = {first(sample_id(source.index, source.order[i])) for i in range(feed.cursor)}
+            # (one mode's budget of a `share = "tokens"` category feeds its mode's records)
+            fed = {first(sample_id(source.index, source.order[i])) for i in range(feed.cursor)
+                   if source.feeds(source.order[i])}
             assert fed <= set(final) | held, f"{name}: a fed sample has no terminal state"
             summary += f", {len(fed)} fed, all terminal or held"
         return summary

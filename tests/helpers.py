@@ -83,6 +83,32 @@ def turn_result(conv: str, turn: int, total: int, out: list[int]) -> Result:
                   turn=turn, turns_total=total)
 
 
+def modes_budget(redis: Any, run: str) -> Budget:
+    """Run `run` of two categories of modes think (weight 3) and fast (1): "conv" shares
+    them by conversation, "tok" by tokens (its budgets "tok.think" and "tok.fast", 750 and
+    250 of a 1,000-token cap); committed: conv think 30 + 30, conv fast 40, tok.think 60,
+    tok.fast 20 tokens, one row each."""
+    from foundation.config import Mode, split_by_mode
+
+    base = make_cfg(cats=("conv", "tok"))
+    modes = [Mode(name="think", weight=3.0), Mode(name="fast", weight=1.0)]
+    conv, tok = (msgspec.structs.replace(c, modes=modes) for c in base.category)
+    cfg = msgspec.structs.replace(base, run=run,
+                                  category=[conv, *split_by_mode(tok, 1000)])
+    from budget_service.keys import Keys
+
+    budget = Budget(redis, Keys("tokencap", run))
+    budget.feeding.init_run(cfg)
+    for cat, sid, n, mode in (("conv", "a", 30, "think"), ("conv", "b", 30, "think"),
+                              ("conv", "c", 40, "fast"), ("tok.think", "d", 60, "think"),
+                              ("tok.fast", "e", 20, "fast")):
+        feed(budget, sid, category=cat)
+        budget.samples.admit(cat, sid, 10, LEASE_MS)
+        row = msgspec.structs.replace(result(sid, n), category=cat, mode=mode)
+        budget.samples.commit(row, 0, 0.0)
+    return budget
+
+
 def ck(budget: Budget, category: str = "code") -> CategoryKeys:
     """The keys of one category of the ledger's run, to read what a script wrote."""
     return budget.keys.cat(category)
@@ -102,7 +128,8 @@ def category_state(**fields: object) -> CategoryState:
     """A category's state with these fields, every other one zero (or empty, open, capped at
     1,000)."""
     zero: dict[str, object] = dict.fromkeys(CategoryState.__struct_fields__, 0)
-    zero.update(cap=1000, state="open", rejected_tokens={}, rejected_replies={}, reasons={})
+    zero.update(cap=1000, state="open", rejected_tokens={}, rejected_replies={}, reasons={},
+                modes={})
     return msgspec.convert({**zero, **fields}, CategoryState)
 
 

@@ -7,7 +7,7 @@ local K = {
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
   written = KEYS[15], follow = KEYS[16], history = KEYS[17], cut = KEYS[18],
   events = KEYS[19], retried = KEYS[20], cache = KEYS[21], engine_of = KEYS[22],
-  extra = KEYS[23],
+  extra = KEYS[23], modes = KEYS[24],
 }
 -- entries kept in a category's event log (`events`, a stream)
 local EVENTS_MAXLEN = 1000
@@ -87,6 +87,15 @@ local function reject_each(i, only)
   while i <= #ARGV do
     if not only or only(ARGV[i]) then reject(ARGV[i], ARGV[i + 1], ARGV[i + 2]) end
     i = i + 3
+  end
+end
+
+-- count_mode(mode, counted): a committed sample of decode mode `mode` ('' : none), of
+-- `counted` tokens, in the per-mode counters (`modes`: `<mode> rows`, `<mode> tokens`).
+local function count_mode(mode, counted)
+  if mode and mode ~= '' then
+    redis.call('HINCRBY', K.modes, mode .. ' rows', 1)
+    redis.call('HINCRBY', K.modes, mode .. ' tokens', counted)
   end
 end
 

@@ -6,7 +6,7 @@
 -- ARGV[9] its prompt tokens  ARGV[10] its prompt tokens the engine served from cache
 -- ARGV[11] its prompt tokens shared with the turn before  ARGV[12] the engine's URL
 -- ARGV[13] why the reply gate kept it out of training ('' for a training row)
--- ARGV[14] its output tokens
+-- ARGV[14] its output tokens  ARGV[15] its decode mode ('' : none)
 -- Returns {'ok', used}, or {'dup', used} when the sample was final before (then it only
 -- clears what the ledger still kept for the sample).
 local s = ARGV[1]
@@ -20,6 +20,7 @@ local used = redis.call('HINCRBY', K.state, 'used', counted)
 redis.call('HINCRBY', K.state, 'samples', 1)
 if tonumber(ARGV[3]) > 0 then redis.call('HINCRBY', K.state, 'waste', ARGV[3]) end
 count_reply(ARGV[13], ARGV[14])
+count_mode(ARGV[15], counted)
 redis.call('HINCRBY', K.hist, ARGV[4], 1)
 if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', K.state, 'oov', 1) end
 redis.call('HINCRBY', K.state, 'prompt', ARGV[9])

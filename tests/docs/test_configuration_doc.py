@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from foundation.config import Category, HiddenStates, RunConfig, SamplingParams
+from foundation.config import Category, HiddenStates, Mode, RunConfig, SamplingParams
 from tests.conftest import ROOT
 
 SET_BY_THE_PRODUCER = {"made_by", "reply_markers", "category", "stage", "hidden_size",
@@ -13,7 +13,7 @@ SET_BY_THE_PRODUCER = {"made_by", "reply_markers", "category", "stage", "hidden_
 def test_every_config_key_is_in_the_reference() -> None:
     doc = (ROOT / "docs" / "CONFIGURATION.md").read_text()
     missing = [f"{struct.__name__}.{name}"
-               for struct in (RunConfig, Category, SamplingParams, HiddenStates)
+               for struct in (RunConfig, Category, Mode, SamplingParams, HiddenStates)
                for name in struct.__struct_fields__
                if name not in SET_BY_THE_PRODUCER and f"`{name}`" not in doc]
     assert missing == []

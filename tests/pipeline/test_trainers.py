@@ -15,6 +15,7 @@ import random
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.conftest import ROOT
@@ -100,3 +101,28 @@ def test_speculators_builds_our_mapping_on_data_with_ties_and_reads_a_cut_export
     assert got["speculators_rows"] == got["specforge_rows"] == total["rows"]
     assert got["speculators_loss_tokens"] == got["specforge_loss_tokens"] == \
         total["loss_tokens"]
+
+
+def test_speculators_reads_an_export_whose_rows_carry_sampling_params(tmp_path) -> None:
+    """A run with two modes: speculators' own reader loads the export, each row's
+    `metadata.sampling_params` the params its mode sent (speculators PR #1037's field)."""
+    python = trainers_python()
+    rng = random.Random(3)
+    rows = []
+    for n in range(40):
+        mode = "think" if n % 3 else "fast"
+        sampling = {"max_new_tokens": 64, "temperature": 0.9 if mode == "think" else 0.6}
+        row = row_result("m", f"m-{n}", [rng.randrange(300, 400) for _ in range(6)],
+                         [rng.randrange(1, 200) for _ in range(rng.randint(2, 9))])
+        rows.append(msgspec.structs.replace(row, mode=mode, sampling=sampling,
+                                            chat_template_kwargs={"thinking": mode == "think"}))
+    summary = run_export(python, write_run(tmp_path / "out", {"m": rows}), tmp_path / "x", 64)
+    got = check(python, tmp_path / "x", 64)
+    assert got["speculators_rows"] == summary["total"]["rows"] == len(rows)
+    assert got["speculators_ids_in_our_order"]
+    assert got["speculators_torch_rows_with_metadata"] == len(rows)
+    for meta, row in zip(got["speculators_metadata"], rows, strict=True):
+        assert meta["mode"] == row.mode
+        assert meta["sampling_params"]["temperature"] == row.sampling["temperature"]
+        assert meta["sampling_params"]["max_new_tokens"] == 64
+        assert json.loads(meta["chat_template_kwargs"]) == row.chat_template_kwargs

@@ -74,6 +74,12 @@ def main() -> int:
     out["speculators_ids_in_our_order"] = ids == ours
     out["speculators_lengths_are_seq_len"] = ds._compute_approx_lengths() == [
         len(data[i]["input_ids"]) for i in range(len(data))]
+    # each row's `metadata` (its mode and sampling_params), through the torch format its
+    # trainer indexes and as plain values
+    plain = data.with_format(None)
+    out["speculators_metadata"] = [plain[i]["metadata"] for i in range(len(plain))]
+    out["speculators_torch_rows_with_metadata"] = sum(
+        1 for i in range(len(data)) if "metadata" in data[i])
 
     # SpecForge: its mapping from the same counts, its check, its loader of our file
     from specforge.core.compact_teacher import validate_vocab_mapping_consistency

@@ -73,6 +73,14 @@ def _export_table(summary: dict[str, Any]) -> str:
                          f"({st['conversations_complete']:,} complete, the others cut with a "
                          f"reason), {st['conversations_in_progress']:,} still going on "
                          "(not written)")
+    for name, per_mode in (summary.get("modes") or {}).items():
+        lines.append(f"{name} by mode: " + ", ".join(
+            f"{m} {v['rows']:,} rows {v['tokens']:,} tokens ({v['share_tokens']:.1%} of the "
+            "tokens" + (f", weight {v['weight']:.1%})" if v["weight"] is not None else ")")
+            for m, v in per_mode.items()))
+    if summary.get("mode"):
+        lines.append(f"only mode {summary['mode']!r}: {summary['total']['other_modes']:,} "
+                     "rows of other modes left out")
     lines += [f"wrote {path}" for path in summary["files"]]
     vocab = summary.get("vocab")
     if vocab:
@@ -178,6 +186,10 @@ def _export_table(summary: dict[str, Any]) -> str:
               "its category's manifest (or every row with states of a category without one), "
               "counted as dropped_bad_states, instead of stopping (`tokencap verify` lists "
               "them).")
+@click.option("--mode", "mode", default=None,
+              help="Export only the rows made in this decode mode (a category's `modes`); "
+              "every turn of a conversation is in one mode, so whole conversations are kept "
+              "or left out (counted as other_modes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | None,
                tokenizer: str | None, dest: str,
@@ -186,7 +198,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                consistent_only: bool, exact_tool_args: bool, eval_fraction: float, seed: int,
                max_length: int | None, over_length: str, min_loss_tokens: int,
                draft_vocab_size: int, target_vocab_size: int | None, with_states: bool,
-               skip_bad_states: bool, as_json: bool) -> None:
+               skip_bad_states: bool, mode: str | None, as_json: bool) -> None:
     """Export committed results as training data (SpecForge rows, conversations, Parquet,
     speculators' prepared dataset), with what the trainers would otherwise prepare in a
     GPU pass: an eval split by conversation, length limits, the draft vocabulary.
@@ -210,6 +222,9 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
     if out is None:
         raise TokencapError("no output folder: pass CONFIG (or --config CONFIG) or --out DIR")
     names = list(categories) or ([c.name for c in cfg.category] if cfg else None)
+    if cfg is not None and names:  # a `share = "tokens"` category: its budgets' folders
+        names = [n for name in names for n in ([c.name for c in cfg.category
+                                                if c.split_of == name] or [name])]
     decoder = messages = None
     if "conversations" in formats:
         if cfg is not None and not tokenizer:
@@ -245,7 +260,7 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
         summary = export(Path(out), Path(dest), list(formats), names, merged, keep_truncated,
                          decoder, messages, allow_simulated, loss_mask, consistent_only,
                          exact_tool_args, eval_fraction, seed, limits, vocab, states,
-                         skip_bad_states)
+                         skip_bad_states, mode, *_mode_weights(cfg))
     finally:
         if messages is not None:
             messages.close()
@@ -294,6 +309,18 @@ def export_cmd(config_arg: str | None, config_path: str | None, out_dir: str | N
                    f"{trainers['specforge']['eagle_aux_hidden_state_layer_ids']} "
                    "(export-manifest.json says why)", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else _export_table(summary))
+
+
+def _mode_weights(cfg: Any) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """Each category's modes' shares of it, and the category of each folder (a
+    `share = "tokens"` category's budgets `<category>.<mode>` are its)."""
+    from foundation.config import mode_shares
+
+    if cfg is None:
+        return {}, {}
+    cats = [c for c in cfg.category if c.modes]
+    return ({c.split_of or c.name: mode_shares(c) for c in cats},
+            {c.name: c.split_of for c in cats if c.split_of})
 
 
 def _vocab(cfg: Any, tokenizer: str | None, explicit: int | None, draft_size: int) -> Any:
@@ -502,12 +529,16 @@ def init_cmd(data: tuple[str, ...], tokenizer: str, dest: str, run_name: str, ca
 def preview_cmd(config: str, n: int, categories: tuple[str, ...], as_json: bool) -> None:
     """Show the first prompt(s) of each category of CONFIG exactly as they will be sent:
     the rendered chat template with special tokens, the token count and the sampling params,
-    so that a wrong template or setting is seen before GPU time is spent. Needs no Redis.
+    so that a wrong template or setting is seen before GPU time is spent; a category with
+    modes shows the first prompt(s) drawn to each mode, with its kwargs and sampling. Needs
+    no Redis.
     """
     from tokencap.prepare.plan import preview, preview_text
 
     cfg = _load(config)
-    unknown = [c for c in categories if c not in {cat.name for cat in cfg.category}]
+    # a `share = "tokens"` category by its name, or its budgets `<category>.<mode>`
+    known = {cat.name for cat in cfg.category} | {cat.split_of for cat in cfg.category}
+    unknown = [c for c in categories if c not in known]
     if unknown:
         raise TokencapError(f"no category {', '.join(map(repr, unknown))} in {config}")
     from tokencap.prepare.plan import PREVIEW_SCAN_LIMIT

@@ -121,8 +121,13 @@ def cap_set(category: str, tokens: int | None, state_dir: str, run_name: str | N
     from budget_service.ledger import cap_text
 
     budget = open_budget(redis_url, prefix, run_name, changes="change a cap")
-    if category not in budget.telemetry.snapshot().categories:
-        raise UnknownCategory(budget.keys.run, category)
+    snap = budget.telemetry.snapshot()
+    if category not in snap.categories:
+        # a `share = "tokens"` category: each mode's budget has its own cap
+        parts = [p for p in snap.mode_parts.get(category, []) if p != category]
+        raise UnknownCategory(budget.keys.run, category, (
+            f": share = \"tokens\" runs it as one budget per mode, each capped: "
+            f"{', '.join(parts)}") if parts else "")
     who = os.environ.get("USER") or os.environ.get("LOGNAME") or "?"
     closed, old = budget.operating.set_cap(category, tokens, by=f"tokencap cap set ({who})")
     log.warning("cap of %s changed from %s to %s", category, cap_text(old), cap_text(tokens))

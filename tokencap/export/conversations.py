@@ -222,9 +222,10 @@ class ConversationSink(JsonlSink):
             conv = self.source.conversation(rows[0])
             cat = self.source.category(rows[0].category)
         stop_ids = (rows[0].sampling or {}).get("stop_token_ids") or []
+        mode = next((m for m in cat.modes if m.name == rows[0].mode), None) if cat else None
         messages = self.replay.transcript(conv, [r.output_ids for r in rows],
                                           rows[0].conversation_id or "", stop_ids,
-                                          self.replay.opened(cat))
+                                          self.replay.opened(cat, mode))
         tools = conv.tools if conv is not None else None
         doc = {"id": conv_id, "category": rows[0].category, "complete": complete,
                "stopped": stopped, "turns": len(rows), "turns_total": rows[-1].turns_total,

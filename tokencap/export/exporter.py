@@ -180,6 +180,7 @@ class Shaping(NamedTuple):
     eval_fraction: float = 0.0
     seed: int = DEFAULT_SEED
     limits: Limits = NO_LIMITS
+    mode: str | None = None  # keep the rows of this decode mode only (`--mode`)
 
 
 def copy_manifests(out_dir: Path, dest: Path, made_by: list[str]) -> list[Path]:
@@ -243,6 +244,9 @@ def export_category(
         if why == "duplicates":
             stats.duplicates += 1
             continue
+        if shaping.mode is not None and item.mode != shaping.mode:
+            stats.other_modes += 1  # (a conversation's turns share its mode: whole ones)
+            continue
         where = side(item.conversation_id or item.id, shaping.eval_fraction, shaping.seed)
         sinks = sides[where]
         # a conversation keeps its truncated turns (a turn the gate kept out only when kept)
@@ -283,6 +287,8 @@ def export_category(
         stats.rows += 1
         stats.tokens += len(ids)
         stats.output_tokens += len(item.output_ids)
+        if item.mode:
+            stats.count_mode(item.mode, len(ids), len(item.output_ids))
         stats.loss_tokens += sum(mask)
         if where == "eval":
             stats.eval_rows += 1
@@ -323,11 +329,18 @@ def export(
     vocab: Vocab | None = None,
     states: StatesSpec | None = None,
     skip_bad_states: bool = False,
+    mode: str | None = None,
+    weights: dict[str, dict[str, float]] | None = None,
+    family_of: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Export `categories` (default: every folder of `out_dir` with part files); with
     `states`, the hidden states of each row as its category's manifest proves them
     (`tokencap.export.state_layouts.KeptStates`: a category whose files disagree is refused,
-    `StatesRefused`, unless `skip_bad_states`).
+    `StatesRefused`, unless `skip_bad_states`). With `mode`, only the rows made in that
+    decode mode; `weights` (category -> mode -> share, the run config's) go in the
+    manifest's ``"modes"`` beside the rows and tokens written per mode, the folders of a
+    `share = "tokens"` category's budgets added up under its name (`family_of`: folder ->
+    category).
 
     Returns the summary: ``{"out_dir", "dest", "formats", "merged", "keep_truncated",
     "files": [path, ...], "categories": {name: counts}, "total": counts}`` where counts are
@@ -352,7 +365,7 @@ def export(
     if not names:
         raise ExportError(f"nothing to export: no <category>/{PART_GLOB} under {out_dir}")
     shaping = Shaping(keep_truncated, allow_simulated, consistent_only, exact_tool_args,
-                      loss_mask, eval_fraction, seed, limits)
+                      loss_mask, eval_fraction, seed, limits, mode)
     side_names: list[Side] = ["train", "eval"] if eval_fraction > 0 else ["train"]
     per_cat: dict[str, CategoryStats] = {}
     counts: dict[str, TokenCounts] = {}
@@ -422,12 +435,37 @@ def export(
         "categories": {name: asdict(stats) for name, stats in per_cat.items()},
         "total": total_dict,
         "missing": missing,
+        "mode": mode,
+        "modes": modes_doc(per_cat, weights or {}, family_of or {}),
     }
     if vocab_doc is not None:
         summary["vocab"] = vocab_doc
     dest.mkdir(parents=True, exist_ok=True)
     (dest / EXPORT_MANIFEST).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def modes_doc(per_cat: dict[str, CategoryStats], weights: dict[str, dict[str, float]],
+              family_of: dict[str, str]) -> dict[str, Any]:
+    """Per category with modes (a `share = "tokens"` category's budgets, `family_of`,
+    added up under its name): each mode's rows and tokens written, their shares of the
+    category's, and the mode's weight (its share in the config; None: not known here)."""
+    grouped: dict[str, CategoryStats] = {}
+    for name, stats in per_cat.items():
+        family = family_of.get(name, name)
+        if stats.modes or family in weights:
+            grouped.setdefault(family, CategoryStats()).add(stats)
+    out: dict[str, Any] = {}
+    for name, stats in grouped.items():
+        rows = sum(v["rows"] for v in stats.modes.values()) or 1
+        tokens = sum(v["tokens"] for v in stats.modes.values()) or 1
+        mine = weights.get(name, {})
+        counts = {**{m: {"rows": 0, "tokens": 0, "output_tokens": 0} for m in mine},
+                  **stats.modes}
+        out[name] = {m: {**v, "share_rows": round(v["rows"] / rows, 4),
+                         "share_tokens": round(v["tokens"] / tokens, 4),
+                         "weight": mine.get(m)} for m, v in sorted(counts.items())}
+    return out
 
 
 def _states_doc(states: StatesSpec, skip_bad_states: bool) -> dict[str, Any]:

@@ -70,18 +70,33 @@ class CategoryStats:
     loss_tokens: int = 0  # loss-masked tokens written, within the limit
     eval_rows: int = 0
     eval_tokens: int = 0
+    # rows left out by `--mode` (made in another mode)
+    other_modes: int = 0
     bad: list[dict] = field(default_factory=list)
     made_by: list[str] = field(default_factory=list)  # the manifests its rows name
+    # rows, tokens and output tokens written per decode mode (rows made in one)
+    modes: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def count_mode(self, mode: str, tokens: int, output_tokens: int) -> None:
+        """One row of `mode` written, of `tokens` input ids and `output_tokens` generated."""
+        m = self.modes.setdefault(mode, {"rows": 0, "tokens": 0, "output_tokens": 0})
+        m["rows"] += 1
+        m["tokens"] += tokens
+        m["output_tokens"] += output_tokens
 
     def add(self, other: CategoryStats) -> None:
         self.made_by = sorted({*self.made_by, *other.made_by})
+        for mode, m in other.modes.items():
+            mine = self.modes.setdefault(mode, {"rows": 0, "tokens": 0, "output_tokens": 0})
+            for k, v in m.items():
+                mine[k] += v
         for name in ("rows", "tokens", "output_tokens", "dropped_truncated",
                      "dropped_after_truncated", "dropped_inconsistent", "dropped_tool_args",
                      "dropped_no_states", "dropped_bad_states", "duplicates",
                      "bad_lines", "conversations", "conversations_complete",
                      "conversations_in_progress", "truncated_to_limit",
                      "dropped_over_length", "dropped_too_few_loss_tokens", "loss_tokens",
-                     "eval_rows", "eval_tokens"):
+                     "eval_rows", "eval_tokens", "other_modes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -241,6 +256,60 @@ def specforge_row(row: Result, row_id: str, loss_mask: str = "generated") -> Spe
 
 
 SPECULATORS_SHARD = "data-00000-of-00001.arrow"
+# speculators' rows keep what made them under `metadata` (its regeneration writes
+# `metadata.sampling_params`, the params each request was sent with: its PR #1037); here the
+# params as sent to the engine (`Result.sampling`: SGLang's names), typed as
+# `foundation.config.SamplingParams` types them; `stop` always a list, `logit_bias` and the
+# chat-template kwargs (any values) as JSON text
+_SAMPLING_TYPES = {
+    "max_new_tokens": "int64", "temperature": "float64", "top_p": "float64", "top_k": "int64",
+    "min_p": "float64", "frequency_penalty": "float64", "presence_penalty": "float64",
+    "repetition_penalty": "float64", "min_new_tokens": "int64", "stop": "list<string>",
+    "stop_token_ids": "list<int64>", "ignore_eos": "bool", "skip_special_tokens": "bool",
+    "no_stop_trim": "bool", "sampling_seed": "int64", "logit_bias": "string",
+}
+
+
+def metadata_type(pa: Any) -> Any:
+    """The Arrow type of speculators' `metadata` column."""
+    def one(t: str) -> Any:
+        if t.startswith("list<"):
+            return pa.list_(one(t[5:-1]))
+        return {"int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(),
+                "string": pa.string()}[t]
+
+    sampling = pa.struct([(k, one(t)) for k, t in _SAMPLING_TYPES.items()])
+    return pa.struct([("mode", pa.string()), ("finish_reason", pa.string()),
+                      ("sampling_params", sampling), ("chat_template_kwargs", pa.string())])
+
+
+def metadata_features() -> dict[str, Any]:
+    """`metadata_type` as `datasets` writes its features (dataset_info.json)."""
+    def one(t: str) -> dict[str, Any]:
+        if t.startswith("list<"):
+            return {"feature": one(t[5:-1]), "_type": "List"}
+        return {"dtype": t, "_type": "Value"}
+
+    return {"mode": one("string"), "finish_reason": one("string"),
+            "sampling_params": {k: one(t) for k, t in _SAMPLING_TYPES.items()},
+            "chat_template_kwargs": one("string")}
+
+
+def row_metadata(row: Result) -> dict[str, Any]:
+    """A row's `metadata`: its mode, finish reason, sampling params and template kwargs."""
+    sampling: dict[str, Any] = {k: None for k in _SAMPLING_TYPES}
+    for k, v in (row.sampling or {}).items():
+        if k not in sampling:
+            continue  # a key of a newer tokencap: the row file keeps it
+        if k == "stop" and isinstance(v, str):
+            v = [v]
+        elif k == "logit_bias" and v is not None:
+            v = json.dumps(v, sort_keys=True)
+        sampling[k] = v
+    kwargs = row.chat_template_kwargs
+    return {"mode": row.mode, "finish_reason": row.finish_reason, "sampling_params": sampling,
+            "chat_template_kwargs": None if kwargs is None else json.dumps(kwargs,
+                                                                          sort_keys=True)}
 
 
 class SpeculatorsSink(TmpDir):
@@ -253,7 +322,7 @@ class SpeculatorsSink(TmpDir):
     folder too (`tokencap.export.vocab`). Written under a temporary name, renamed over the
     folder by `publish`."""
 
-    COLUMNS = ("id", "input_ids", "loss_mask", "seq_len")
+    COLUMNS = ("id", "input_ids", "loss_mask", "seq_len", "metadata")
 
     def __init__(self, path: Path,
                  on_row: Callable[[Path, int, TrainingRow], None] | None = None) -> None:
@@ -268,6 +337,7 @@ class SpeculatorsSink(TmpDir):
             ("input_ids", pa.list_(pa.int64())),
             ("loss_mask", pa.list_(pa.int64())),
             ("seq_len", pa.int64()),
+            ("metadata", metadata_type(pa)),
         ], metadata={"huggingface": json.dumps({"info": {"features": self.features()}})})
         self._f = (self.tmp / SPECULATORS_SHARD).open("wb")
         self._writer = pa.ipc.new_stream(self._f, self.schema)
@@ -278,13 +348,15 @@ class SpeculatorsSink(TmpDir):
     def features() -> dict[str, Any]:
         ints = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
         return {"id": {"dtype": "string", "_type": "Value"}, "input_ids": ints,
-                "loss_mask": dict(ints), "seq_len": {"dtype": "int64", "_type": "Value"}}
+                "loss_mask": dict(ints), "seq_len": {"dtype": "int64", "_type": "Value"},
+                "metadata": metadata_features()}
 
     def write_row(self, row: TrainingRow) -> None:
         if self.on_row is not None:
             self.on_row(self.tmp, self.rows, row)
         for name, value in (("id", row.id), ("input_ids", row.input_ids),
-                            ("loss_mask", row.loss_mask), ("seq_len", len(row.input_ids))):
+                            ("loss_mask", row.loss_mask), ("seq_len", len(row.input_ids)),
+                            ("metadata", row_metadata(row.result))):
             self._rows[name].append(value)
         self.rows += 1
         if len(self._rows["id"]) >= PARQUET_ROW_GROUP_ROWS:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from budget_service.estimator import counts_prompt
-from foundation.config import Category, RunConfig
+from foundation.config import Category, Mode, RunConfig
 from foundation.errors import TokencapError
 from foundation.outputs import BadLine, category_dir, read_results
 
@@ -318,20 +318,23 @@ def unread_text(name: str, unread: dict[str, int], of: int) -> str:
             "key with field_map (docs/CONFIGURATION.md)")
 
 
-def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, want: int):
-    """`_shuffled_prompts` of the category's sources, opened for it."""
+def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, want: int,
+                   mode: str | None = None):
+    """`_shuffled_prompts` of the category's sources, opened for it (of `mode` only)."""
     from producer.source import CategorySource
 
     with CategorySource.open(cfg, cat, renderer, cfg.context_length) as source:
-        yield from _shuffled_prompts(source, renderer, want)
+        yield from _shuffled_prompts(source, renderer, want, mode)
 
 
-def _shuffled_prompts(source: CategorySource, renderer: Renderer | None, want: int):
-    """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order,
-    stopping after `want` rendered prompts or `PREVIEW_SCAN_LIMIT` records."""
+def _shuffled_prompts(source: CategorySource, renderer: Renderer | None, want: int,
+                      mode: str | None = None):
+    """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order
+    (of the records drawn to `mode`, when given), stopping after `want` rendered prompts or
+    `PREVIEW_SCAN_LIMIT` records."""
     from producer.formats.records import Rejected
 
-    for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT):
+    for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT, mode):
         if isinstance(prompt, Rejected):
             yield (first, prompt)
             continue
@@ -361,6 +364,8 @@ class Preview(msgspec.Struct):
     chat_template_kwargs: dict[str, Any]
     skipped: list[str] = []
     warnings: list[str] = []
+    # the decode mode it is made in ("": the category has none)
+    mode: str = ""
     # with turns = "all": how its generated turns enter the next prompt, and why
     parsers: str = ""
 
@@ -376,7 +381,8 @@ def preview(
     categories: list[str] | None = None,
 ) -> list[Preview]:
     """The first `n` prompts of each category in the seeded shuffled order, rendered with
-    the category's system prompt and chat-template kwargs (merged over the run's).
+    the category's system prompt and chat-template kwargs (merged over the run's); for a
+    category with modes, the first `n` drawn to each mode, with its kwargs and sampling.
 
     Loads the config's tokenizer unless `renderer` is given or no category needs one.
     A category whose first records are all rejected gives one `Preview` with no text.
@@ -385,6 +391,7 @@ def preview(
         from producer.run import load_renderer
 
         renderer = load_renderer(cfg)
+    from foundation import modes as modes_of
     from producer.source import template_kwargs
 
     parsers = ""
@@ -397,42 +404,51 @@ def preview(
         parsers = replies.describe()
     out: list[Preview] = []
     for cat in cfg.category:
-        if categories is not None and cat.name not in categories:
+        if categories is not None and cat.name not in categories \
+                and cat.split_of not in categories:
             continue
-        kwargs = template_kwargs(cfg, cat)
-        sampling = msgspec.to_builtins(cat.sampling)
-        common_warnings = [f"chat_template_kwargs key {k!r} is never read by the template"
-                           for k in unused_kwargs(renderer, kwargs)]
-        skipped: list[str] = []
-        shown = 0
-        for item in _first_prompts(cfg, cat, renderer, n):
-            if len(item) == 2:
-                skipped.append(f"{item[0]}: {item[1]}")
-                continue
-            sample, text, ids = item
-            warnings = list(common_warnings)
-            if sample.unread:
-                warnings.append(f"text in {', '.join(sample.unread)} is never sent: neither "
-                                "the format nor field_map reads it")
-            need = len(ids) + cat.sampling.max_new_tokens
-            if cfg.context_length is not None and need > cfg.context_length:
-                warnings.append(f"prompt ({len(ids)}) + max_new_tokens exceeds "
-                                f"context_length {cfg.context_length}: it would be rejected")
-            messages = sample.prompt if sample.prompt and isinstance(
-                sample.prompt[0], dict) else None
-            out.append(Preview(
-                category=cat.name, sample_id=sample.sample_id, where=sample.where,
-                messages=messages, text=text, prompt_tokens=len(ids), prompt_ids=ids,
-                sampling=sampling, chat_template_kwargs=kwargs, skipped=skipped,
-                warnings=warnings, parsers=parsers if cat.turns == "all" else "",
-            ))
-            skipped, shown = [], shown + 1
-        if shown == 0:
-            out.append(Preview(
-                category=cat.name, sample_id=None, where=None, messages=None, text=None,
-                prompt_tokens=0, prompt_ids=[], sampling=sampling, chat_template_kwargs=kwargs,
-                skipped=skipped, warnings=[*common_warnings, "no record could be rendered"],
-            ))
+        drawn: list[Mode | None] = [m for m in cat.modes
+                                    if cat.only_mode in (None, m.name)] or [None]
+        for mode in drawn:
+            kwargs = template_kwargs(cfg, cat, mode)
+            params = modes_of.sampling(cat, mode)
+            sampling = msgspec.to_builtins(params)
+            common_warnings = [f"chat_template_kwargs key {k!r} is never read by the template"
+                               for k in unused_kwargs(renderer, kwargs)]
+            skipped: list[str] = []
+            shown = 0
+            name = mode.name if mode else ""
+            for item in _first_prompts(cfg, cat, renderer, n, mode.name if mode else None):
+                if len(item) == 2:
+                    skipped.append(f"{item[0]}: {item[1]}")
+                    continue
+                sample, text, ids = item
+                warnings = list(common_warnings)
+                if sample.unread:
+                    warnings.append(f"text in {', '.join(sample.unread)} is never sent: "
+                                    "neither the format nor field_map reads it")
+                need = len(ids) + params.max_new_tokens
+                if cfg.context_length is not None and need > cfg.context_length:
+                    warnings.append(f"prompt ({len(ids)}) + max_new_tokens exceeds "
+                                    f"context_length {cfg.context_length}: it would be "
+                                    "rejected")
+                messages = sample.prompt if sample.prompt and isinstance(
+                    sample.prompt[0], dict) else None
+                out.append(Preview(
+                    category=cat.name, sample_id=sample.sample_id, where=sample.where,
+                    messages=messages, text=text, prompt_tokens=len(ids), prompt_ids=ids,
+                    sampling=sampling, chat_template_kwargs=kwargs, skipped=skipped,
+                    warnings=warnings, mode=name,
+                    parsers=parsers if cat.turns == "all" else "",
+                ))
+                skipped, shown = [], shown + 1
+            if shown == 0:
+                out.append(Preview(
+                    category=cat.name, sample_id=None, where=None, messages=None, text=None,
+                    prompt_tokens=0, prompt_ids=[], sampling=sampling,
+                    chat_template_kwargs=kwargs, skipped=skipped, mode=name,
+                    warnings=[*common_warnings, "no record could be rendered"],
+                ))
     return out
 
 
@@ -443,7 +459,8 @@ def preview_text(previews: list[Preview]) -> str:
     enc = msgspec.json.encode
     blocks = []
     for p in previews:
-        head = f"=== {p.category}" + (f" · {p.sample_id} ({p.where})" if p.sample_id else "")
+        head = f"=== {p.category}" + (f" · mode {p.mode}" if p.mode else "") + (
+            f" · {p.sample_id} ({p.where})" if p.sample_id else "")
         lines = [head + " ===",
                  f"sampling: {enc(p.sampling).decode()}",
                  f"chat_template_kwargs: {enc(p.chat_template_kwargs).decode()}",

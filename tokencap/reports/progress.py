@@ -126,6 +126,23 @@ def cache_lines(status: RunStatus) -> list[str]:
     return out
 
 
+def mode_lines(status: RunStatus) -> list[str]:
+    """Per category with modes (as the config names it): each mode's rows and tokens, their
+    shares, against the mode's weight (`budget_service.telemetry.mode_table`)."""
+    from budget_service.telemetry import mode_table
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    out = []
+    for name, modes in mode_table(status).items():
+        parts = [f"{m} {v['rows']:,} rows ({pct(v['share_rows'])}), {v['tokens']:,} tokens "
+                 f"({pct(v['share_tokens'])}), weight {pct(v['weight'])}"
+                 for m, v in modes.items()]
+        out.append(f"{name} by mode: " + "; ".join(parts))
+    return out
+
+
 def gate_lines(status: RunStatus) -> list[str]:
     """Per category, the output tokens of its training rows beside those of the replies the
     reply gate kept out, by reason (what of the budget a trainer can use)."""
@@ -179,6 +196,7 @@ def summary_table(status: RunStatus) -> str:
         cells = [cap_text(st.cap), *(str(getattr(st, c)) for c in cols[1:])]
         rows.append(n.ljust(width) + "  " + "  ".join(c.rjust(10) for c in cells))
     rows += reason_lines(status)
+    rows += mode_lines(status)
     rows += gate_lines(status)
     rows += cache_lines(status)
     for n, st in status.categories.items():

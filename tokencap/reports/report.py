@@ -144,6 +144,31 @@ def _stage_section(stage: RunStatus | None) -> str:
             + "".join(rows) + "</table>")
 
 
+def _modes_section(status: RunStatus) -> str:
+    """The decode modes of the categories that have them: each mode's rows and tokens, their
+    shares, against its weight ("" when no category has modes)."""
+    from budget_service.telemetry import mode_table
+
+    table = mode_table(status)
+    if not table:
+        return ""
+
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{100 * x:.1f}%"
+
+    rows = "".join(
+        f'<tr data-category="{_esc(n)}" data-mode="{_esc(m)}" data-rows="{v["rows"]}" '
+        f'data-tokens="{v["tokens"]}"><td>{_esc(n)}</td><td>{_esc(m)}</td>'
+        f"<td>{v['rows']:,}</td><td>{pct(v['share_rows'])}</td><td>{v['tokens']:,}</td>"
+        f"<td>{pct(v['share_tokens'])}</td><td>{pct(v['weight'])}</td></tr>"
+        for n, modes in table.items() for m, v in modes.items())
+    return ("<h2>Modes</h2><p>Rows and counted tokens made in each decode mode, against the "
+            "mode's weight (a <code>share = \"tokens\"</code> category's budgets added up "
+            "under its name).</p><table id=\"modes\"><tr><th>category</th><th>mode</th>"
+            "<th>rows</th><th>share of rows</th><th>tokens</th><th>share of tokens</th>"
+            f"<th>weight</th></tr>{rows}</table>")
+
+
 def _png(fig: Any) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
@@ -341,6 +366,7 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         for n, f in freqs.items())
     simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
                  "outputs are synthetic.</p>") if status.simulated else ""
+    modes = _modes_section(status)
     stage = budget.telemetry.stage()
     states = _stage_section(stage.snapshot() if stage is not None else None)
     page = f"""<!doctype html>
@@ -358,6 +384,7 @@ figure{{margin:16px 0}}img{{max-width:100%}}.warn{{color:#b54708;font-weight:600
 <th>overshoot</th><th>state</th><th>skipped/failed/rejected</th>
 <th>output tokens in training rows</th><th>kept out of training (tokens, by reason)</th></tr>
 {rows}</table>
+{modes}
 {states}
 <h2>Engines</h2><ul>{engines}</ul>
 <h2>Prefix cache</h2>

@@ -38,7 +38,13 @@ from foundation.engine.api import engine_spec
 from foundation.engine.load import NO_LOAD_READINGS, LoadReader
 from foundation.errors import TokencapError
 from foundation.units import size_text
-from tokencap.reports.progress import SIMULATED_TEXT, gate_lines, since_text, trouble_lines
+from tokencap.reports.progress import (
+    SIMULATED_TEXT,
+    gate_lines,
+    mode_lines,
+    since_text,
+    trouble_lines,
+)
 from tokencap.reports.rates import NO_VALUE, CategoryRate, RateTracker, format_eta, series_rates
 
 ENGINE_TIMEOUT_S = 2.0
@@ -294,6 +300,8 @@ def _footer(status: RunStatus, engines: list[EngineLoad], workers: int) -> Text:
         footer.append(line + "\n", style="bold red")
     footer.append(f"workers: {workers}\n")
     for line in gate_lines(status):  # what of the budget a trainer can use
+        footer.append(line + "\n")
+    for line in mode_lines(status):  # each decode mode against its weight
         footer.append(line + "\n")
     w = status.writer
     footer.append(writer_text(status), style="bold red" if w.error or (

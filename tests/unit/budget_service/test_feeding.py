@@ -260,8 +260,9 @@ def test_reconcile_adds_only_missing_and_forgets_what_is_on_disk(budget: Budget)
     budget.samples.commit(result("a", 30), 0, 0.0)
     feed(budget, "b")
     budget.samples.admit("code", "b", 40, LEASE_MS)  # in flight when Redis lost its commit
-    records = [("a", "c:30", 30, 0, 1, "", 30), ("b", "c:50", 50, 50, 3, "loop", 50),
-               ("c", "r:invalid_json", 0, 0, "", "", 0)]
+    records = [("a", "c:30", 30, 0, 1, "", 30, "think"),
+               ("b", "c:50", 50, 50, 3, "loop", 50, "fast"),
+               ("c", "r:invalid_json", 0, 0, "", "", 0, "")]
     assert budget.feeding.reconcile("code", records) == 2
     assert budget.feeding.reconcile("code", records) == 0
     st = budget.telemetry.status()["categories"]["code"]
@@ -270,6 +271,8 @@ def test_reconcile_adds_only_missing_and_forgets_what_is_on_disk(budget: Budget)
     assert (st["kept_tokens"], st["rejected_tokens"], st["rejected_replies"]) == (
         30, {"loop": 50}, {"loop": 1})
     assert (st["pending"], st["in_flight"], st["reserved"]) == (0, 0, 0)
+    # per mode: "b" rebuilt from its row ("a"'s commit carried no mode)
+    assert st["modes"] == {"fast": {"rows": 1, "tokens": 50}}
 
 
 # -- conversations: restore, feed_follow, cut ------------------------------------------

@@ -91,5 +91,5 @@ def test_retry_sends_a_dead_sample_again_once_and_keeps_its_dead_letter_history(
     assert budget.redis.hget(ck(budget).written, "a") is None  # its result will be written
     assert budget.redis.zscore(ck(budget).follow, "a") == -1
     # its dead letter on disk no longer makes it final when Redis is rebuilt from the files
-    assert budget.feeding.reconcile("code", [("a", "d:server_error", 0, 0, "", "", 0)]) == 0
+    assert budget.feeding.reconcile("code", [("a", "d:server_error", 0, 0, "", "", 0, "")]) == 0
     assert final_marks(budget, "code").get("a") is None

@@ -255,3 +255,15 @@ def test_disk_trouble_is_the_workers_record_of_a_pause_shown_in_status(budget: B
     assert snap.trouble == {}  # not an engine's
     assert s.record_disk_trouble("/hs/a/states", None, 12_000) == 7_000
     assert budget.telemetry.snapshot().disk_trouble == {}
+
+
+def test_commit_counts_rows_and_tokens_per_mode_once(budget: Budget) -> None:
+    for sid in ("a", "b", "c", "d"):
+        feed(budget, sid)
+        budget.samples.admit("code", sid, 10, LEASE_MS)
+    for sid, n, mode in (("a", 40, "think"), ("b", 30, "think"), ("c", 5, "fast"),
+                         ("a", 40, "think"), ("d", 7, "")):  # a twice: counted once
+        budget.samples.commit(msgspec.structs.replace(result(sid, n), mode=mode), 0, 0.0)
+    st = budget.telemetry.status()["categories"]["code"]
+    # a row made in no mode counts in no mode
+    assert st["modes"] == {"fast": {"rows": 1, "tokens": 5}, "think": {"rows": 2, "tokens": 70}}

@@ -129,3 +129,26 @@ def test_series_keeps_the_last_points_and_serves_those_after_an_id(budget: Budge
     for _ in range(400):
         budget.telemetry.record_point(point, keep=10)
     assert 10 <= len(budget.telemetry.series()) <= 110
+
+
+def test_status_and_metrics_show_each_mode_against_its_weight(redis) -> None:
+    from budget_service.telemetry import render_metrics
+    from tests.helpers import modes_budget
+
+    # Given a category of two modes by conversation, and one of share = "tokens" (its two
+    # budgets `tok.think`, `tok.fast`), with rows of each mode committed
+    budget = modes_budget(redis, "m")
+    # Then the status document counts them per mode, beside the weights
+    doc = budget.telemetry.status()
+    assert doc["modes"]["conv"]["think"] == {"rows": 2, "tokens": 60, "share_rows": 2 / 3,
+                                             "share_tokens": 0.6, "weight": 0.75}
+    assert doc["modes"]["conv"]["fast"]["weight"] == 0.25
+    # the budgets of a share = "tokens" category add up under its own name
+    assert doc["modes"]["tok"]["think"] == {"rows": 1, "tokens": 60, "share_rows": 0.5,
+                                            "share_tokens": 0.75, "weight": 0.75}
+    assert doc["categories"]["tok.think"]["cap"] == 750
+    # and /metrics has the same counters and the weights
+    page = render_metrics(budget.telemetry).decode()
+    assert 'tokencap_mode_rows_total{category="conv",mode="think",run="m"} 2.0' in page
+    assert 'tokencap_mode_tokens_total{category="tok.fast",mode="fast",run="m"} 20.0' in page
+    assert 'tokencap_mode_weight{category="tok",mode="think",run="m"} 0.75' in page

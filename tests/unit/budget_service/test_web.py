@@ -95,3 +95,20 @@ def test_the_page_is_the_packaged_file() -> None:
     from budget_service import server
 
     assert server.PAGE.is_file() and server.PAGE.parent == Path(server.__file__).parent / "web"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian: apt install chromium)")
+def test_the_live_page_shows_each_mode_against_its_weight(redis) -> None:
+    from tests.helpers import modes_budget
+
+    server = make_server(modes_budget(redis, "web"), port=0)
+    serve_in_thread(server)
+    try:
+        _, dom = _page(f"http://127.0.0.1:{server.server_address[1]}/")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert '<div class="facts" data-modes="conv"><span><b>conv</b></span>' in dom
+    assert ('<span data-mode="think" data-rows="2" data-tokens="60">think: 2 rows (66.7%), '
+            "60 tok (60.0%), weight 75.0%</span>") in dom
+    assert 'data-modes="tok"' in dom

@@ -181,3 +181,31 @@ def test_a_turn_starts_inside_reasoning_where_the_categorys_prompt_opens_it(
          "content": ""}]
     assert replay.turns([cut], None, "c", [], opened=False) == [
         {"role": "assistant", "content": "Still weighing 91 = 7 x 13"}]
+
+
+def test_whether_a_reply_starts_in_reasoning_is_its_modes(tmp_path) -> None:
+    """Kimi-K2.5's generation prompt opens `<think>` unless `thinking = false`: a mode's
+    switch decides how its replies are read (the producer's next turns, the export)."""
+    from foundation.modes import by_name
+    from producer.run import load_renderer
+    from tests.family_tokenizers import kimi
+
+    (tmp_path / "kimi").mkdir()
+    folder = kimi(tmp_path / "kimi")
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cfg = write_config(tmp_path, f"""
+run = "r"
+output_dir = "{tmp_path / 'out'}"
+tokenizer = "{folder}"
+[[category]]
+name = "c"
+source = "{src}"
+sampling = {{ max_new_tokens = 8, temperature = 1.0 }}
+modes = [{{ name = "think", weight = 1, chat_template_kwargs = {{ thinking = true }} }}, \
+{{ name = "fast", weight = 1, chat_template_kwargs = {{ thinking = false }} }}]
+""")
+    replay = Replay(cfg, load_renderer(cfg))
+    cat = cfg.by_name("c")
+    assert replay.opened(cat, by_name(cat, "think")) is True
+    assert replay.opened(cat, by_name(cat, "fast")) is False

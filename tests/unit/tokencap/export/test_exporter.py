@@ -151,7 +151,7 @@ def test_truncated_are_dropped_and_counted_unless_kept(tmp_path, built):
         "conversations": 0, "conversations_complete": 0, "conversations_in_progress": 0,
         "truncated_to_limit": 0, "dropped_over_length": 0, "dropped_too_few_loss_tokens": 0,
         "loss_tokens": sum(len(r["result"].output_ids) for r in built["math_qa"]),
-        "eval_rows": 0, "eval_tokens": 0}
+        "eval_rows": 0, "eval_tokens": 0, "other_modes": 0, "modes": {}}
     kept = {r["id"]: r for r in _jsonl(tmp_path / "b" / "math_qa" / "specforge.jsonl")}
     assert kept[cut.id]["loss_mask"][-len(cut.output_ids):] == [1] * len(cut.output_ids)
 

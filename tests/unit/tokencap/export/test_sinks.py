@@ -111,7 +111,7 @@ def test_the_speculators_folder_is_a_saved_dataset_swapped_in_whole(tmp_path) ->
     assert state["_data_files"] == [{"filename": SPECULATORS_SHARD}]
     assert state["_format_type"] == "torch"
     info = json.loads((folder / "dataset_info.json").read_text())
-    assert set(info["features"]) == {"id", "input_ids", "loss_mask", "seq_len"}
+    assert set(info["features"]) == {"id", "input_ids", "loss_mask", "seq_len", "metadata"}
     with pa.ipc.open_stream(str(folder / SPECULATORS_SHARD)) as reader:
         table = reader.read_all()
     assert table.column("id").to_pylist() == [f"a/s{i}" for i in range(n)]

@@ -423,3 +423,37 @@ def test_plan_check_holds_prompts_to_the_models_own_context_without_context_leng
     assert "context of 1,024 tokens (the model's config.json" in res.stderr
     [row] = json.loads(res.stdout)["categories"]
     assert row["checked"]["usable"] == 1 and "prompt_too_long" in row["checked"]["rejected"]
+
+
+QWEN3 = QWEN.parent / "qwen3"
+MODES = ('modes = [{ name = "think", weight = 0.7, chat_template_kwargs = { enable_thinking = '
+         'true } }, { name = "fast", weight = 0.3, chat_template_kwargs = { enable_thinking = '
+         'false }, sampling = { temperature = 0.6 } }]')
+
+
+@pytest.mark.parametrize("share", ["conversation", "tokens"])
+def test_preview_shows_one_prompt_per_mode(tmp_path, share):
+    from foundation import modes
+
+    path = tmp_path / "modes.toml"
+    path.write_text(f'run = "p"\noutput_dir = "{tmp_path / "out"}"\ntokenizer = "{QWEN3}"\n'
+                    f'cap_tokens = 10000\n[[category]]\nname = "math"\nsource = "{GSM8K}"\n'
+                    f'sampling = {{ max_new_tokens = 64, temperature = 0.9 }}\nshare = "{share}"\n'
+                    f'{MODES}\n')
+    cfg = load_config(path)
+    renderer = Renderer(QWEN3)
+    think, fast = preview(cfg, renderer=renderer)
+    assert (think.mode, fast.mode) == ("think", "fast")
+    assert think.chat_template_kwargs == {"enable_thinking": True}
+    assert (think.sampling["temperature"], fast.sampling["temperature"]) == (0.9, 0.6)
+    # each is the first record drawn to its mode, rendered with the mode's switch
+    family = cfg.category[0]
+    for p in (think, fast):
+        drawn = modes.draw(cfg, family, p.sample_id)
+        assert drawn is not None and drawn.name == p.mode
+        assert p.text == renderer.render(p.messages, p.chat_template_kwargs)[0]
+    assert fast.text.endswith("<think>\n\n</think>\n\n")
+    assert not think.text.endswith("</think>\n\n")
+    res = CliRunner().invoke(preview_cmd, [str(path), "--category", "math"])
+    assert res.exit_code == 0, res.output
+    assert "· mode think ·" in res.stdout and "· mode fast ·" in res.stdout

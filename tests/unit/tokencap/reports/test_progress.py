@@ -81,3 +81,16 @@ def test_a_stage_paused_on_a_full_states_folder_is_said_in_every_line_until_it_i
     first, second = out.getvalue().splitlines()
     assert "states paused, /hs/a/states has 0.00 GB free" in first and "for 60 s" in first
     assert "states paused" not in second
+
+
+def test_the_summary_says_each_mode_against_its_weight(redis) -> None:
+    from tests.helpers import modes_budget
+    from tokencap.reports.progress import mode_lines, summary_table
+
+    snap = modes_budget(redis, "p").telemetry.snapshot()
+    assert mode_lines(snap) == [
+        "conv by mode: think 2 rows (66.7%), 60 tokens (60.0%), weight 75.0%; "
+        "fast 1 rows (33.3%), 40 tokens (40.0%), weight 25.0%",
+        "tok by mode: think 1 rows (50.0%), 60 tokens (75.0%), weight 75.0%; "
+        "fast 1 rows (50.0%), 20 tokens (25.0%), weight 25.0%"]
+    assert mode_lines(snap)[0] in summary_table(snap)

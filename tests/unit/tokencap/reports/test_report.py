@@ -73,3 +73,16 @@ def test_the_report_of_a_finished_run_has_every_figure_with_the_runs_numbers(
     points = int(re.search(r'id="fig-throughput" data-points="(\d+)"', text)[1])
     assert points >= 2
     assert "b</td><td>4000 → 5000</td><td>test</td>" in text  # the cap change
+
+
+def test_the_report_has_each_mode_against_its_weight(tmp_path, redis) -> None:
+    from tests.helpers import modes_budget
+    from tokencap.reports.report import build_report
+
+    page = build_report(modes_budget(redis, "rep"), tmp_path / "out", tmp_path / "r")
+    text = page.read_text()
+    assert '<table id="modes">' in text
+    assert ('<tr data-category="conv" data-mode="think" data-rows="2" data-tokens="60">'
+            "<td>conv</td><td>think</td><td>2</td><td>66.7%</td><td>60</td><td>60.0%</td>"
+            "<td>75.0%</td></tr>") in text
+    assert 'data-category="tok" data-mode="fast" data-rows="1" data-tokens="20"' in text

@@ -350,3 +350,13 @@ def test_the_run_s_hidden_state_stage_shows_below_the_board() -> None:
     assert "tokencap run r" in text and "hidden states: run r.hs" in text
     assert "40.00 KB" in text and "0 B / 100.00 KB" in text
     assert text.index("tokencap run r") < text.index("hidden states: run r.hs")
+
+
+def test_the_board_says_each_mode_against_its_weight(redis) -> None:
+    from tests.helpers import modes_budget
+
+    status = modes_budget(redis, "w").telemetry.snapshot()
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render_board(status, {}, [], 1))
+    assert ("conv by mode: think 2 rows (66.7%), 60 tokens (60.0%), weight 75.0%; fast 1 rows "
+            "(33.3%), 40 tokens (40.0%), weight 25.0%") in buf.getvalue()
