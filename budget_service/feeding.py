@@ -30,6 +30,14 @@ from foundation.wire import (
 )
 
 
+def _draws(cfg: RunConfig) -> dict[str, list[tuple[str, float]]]:
+    """What draws each conversation's mode, per category with modes (a `share = "tokens"`
+    category under its own name): the modes' names and weights (`foundation.modes.draw`;
+    the seed also draws the record order)."""
+    return {c.split_of or c.name: [(m.name, m.weight) for m in c.modes]
+            for c in cfg.category if c.modes}
+
+
 class FeedingLedger(Ledger):
     """The producer's calls: the run created, samples fed with their leases, next turns, leases
     renewed or given back, parked samples sent, cut records, the source used up or grown."""
@@ -48,6 +56,14 @@ class FeedingLedger(Ledger):
                 raise RunMismatch(
                     f"run {cfg.run!r} already exists in Redis with categories {old}; the config "
                     f"has {new}. Use another run name, or `tokencap reset {cfg.run}`."
+                )
+            if _draws(existing) != _draws(cfg):
+                raise RunMismatch(
+                    f"run {cfg.run!r} already exists in Redis with modes {_draws(existing)}; "
+                    f"the config has {_draws(cfg)}: a resumed run must draw every "
+                    "conversation's mode as before (a conversation half made would change "
+                    f"mode). Put the modes back, use another run name, or `tokencap reset "
+                    f"{cfg.run}`."
                 )
         self.scripts.init_run(keys=[self.keys.meta], args=[config_to_json(cfg), cfg.run, now_ms()])
         for cat in cfg.category:

@@ -14,7 +14,7 @@ so one that escapes is still printed as a message.
 | 2 | `ConfigError`, `SourceError`: the run config, a path it names or a source file |
 | 3 | `RedisUnavailable`: Redis cannot be reached; nothing was fed or sent |
 | 4 | `RedisRefused`: Redis evicts keys (`maxmemory-policy` not `noeviction`) |
-| 5 | `RunMismatch`: the run exists in Redis with other categories |
+| 5 | `RunMismatch`: the run exists in Redis with other categories, or other modes |
 | 6 | `ProducerBusy`: another producer holds the run |
 | 7 | `RunNotFound`: no such run in Redis |
 | 8 | `WriterBusy`: another writer holds the run, or lost the lease to one |
@@ -72,7 +72,7 @@ class RedisRefused(TokencapError):
 
 
 class RunMismatch(TokencapError):
-    """Redis holds a run of the same name whose categories differ from the config."""
+    """Redis holds a run of the same name whose categories (or modes) differ from the config."""
 
     exit_code = 5
     meaning = "the run exists with other categories"

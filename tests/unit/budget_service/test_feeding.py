@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 from budget_service.budget import Budget
 from budget_service.keys import WRITER_GROUP, Keys
 from budget_service.ledger import now_ms, prompt_digest, turn_event
+from foundation.config import Mode, RunConfig
 from foundation.errors import RunMismatch
 from foundation.wire import DeadLetter
 from testing.harness import final_marks, ledger_entry, ledger_state
@@ -27,6 +28,24 @@ def test_init_run_creates_once_and_keeps_live_caps(redis) -> None:
     assert ledger_state(b, "code")["cap"] == 5000 and ledger_state(b, "math")["cap"] == 1000
     with pytest.raises(RunMismatch):
         b.feeding.init_run(make_cfg(cats=("code",)))
+
+
+def test_init_run_refuses_changed_modes_on_resume(redis) -> None:
+    """A resumed run draws each conversation's mode as before: other modes or weights for an
+    existing run are refused (a half-made conversation would change mode), the same pass."""
+    def with_modes(*modes: tuple[str, float]) -> RunConfig:
+        cfg = make_cfg(cats=("code",))
+        cat = msgspec.structs.replace(cfg.category[0], modes=[
+            Mode(name=n, weight=w) for n, w in modes])
+        return msgspec.structs.replace(cfg, category=[cat])
+
+    b = Budget(redis, Keys("tokencap", "m"))
+    assert b.feeding.init_run(with_modes(("think", 0.7), ("fast", 0.3))) is True
+    assert b.feeding.init_run(with_modes(("think", 0.7), ("fast", 0.3))) is False
+    for changed in (with_modes(("think", 0.5), ("fast", 0.5)), with_modes(("think", 1.0)),
+                    make_cfg(cats=("code",))):
+        with pytest.raises(RunMismatch, match="draw every conversation's mode as before"):
+            b.feeding.init_run(changed)
 
 
 # -- feed ------------------------------------------------------------------------------
