@@ -51,6 +51,10 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 | `P:{cat}:cache`      | hash   | commit (per engine: samples,    | status, `/metrics` | run       |
 |                      |        | prompt, cached, reusable tokens;|                    |           |
 |                      |        | field `<engine URL> <counter>`) |                    |           |
+| `P:{cat}:near`       | string | feed (each fed prompt's near-   | the producer at    | run       |
+|                      |        | duplicate record, 132 bytes:    | start (rebuilds its|           |
+|                      |        | record position, MinHash;       | index: producer/   |           |
+|                      |        | APPEND)                         | near_dups.py)      |           |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -121,6 +125,7 @@ class CategoryKeys(NamedTuple):
     cache: str
     engine_of: str
     extra: str
+    near: str
 
 
 class Keys:
