@@ -14,9 +14,9 @@ import json
 import re
 from pathlib import Path
 
+from producer.shingles import Shingler
 from sglang_sim.testing import SimServer
 from testing.harness import started
-from producer.shingles import Shingler
 from tests.conftest import DATASETS, QWEN, write_config
 
 SIM_TIME_SCALE = 400.0
