@@ -336,6 +336,9 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
             why = ", ".join(f"{k} {v:,}" for k, v in c.rejected.items()) or "none"
             lines.append(f"{r.category}: {c.usable:,} of {c.records:,} records usable, "
                          f"{c.generations:,} generations; rejected: {why}")
+            if c.contaminated:
+                lines.append(f"{r.category}: contaminated, by benchmark: " + ", ".join(
+                    f"{b} {n:,}" for b, n in c.contaminated.items()))
             lines += [f"  {example}" for shown in c.examples.values() for example in shown]
             if c.unread:
                 lines.append(unread_text(r.category, c.unread, c.records))
