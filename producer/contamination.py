@@ -31,7 +31,7 @@ from foundation.config import BENCHMARKS
 from foundation.errors import ConfigError, SourceError
 from producer.formats.records import Rejected
 from producer.readers.index import SourceIndex, read_sample
-from producer.shingles import Shingler, prompt_text, words
+from producer.shingles import Shingler, prompt_text, word_hashes
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class Benchmarks:
             items = shipped_items(entry) if entry in BENCHMARKS else file_items(entry, field)
             for item, text in items:
                 self._add(self.names[k], item, text)
+        self._frozen = [(self.n, _frozen(self._grams))] + [
+            (length, _frozen(table)) for length, table in sorted(self._short.items())]
         log.info("decontaminating against %s", ", ".join(
             f"{name} ({self.items[name]} items)" for name in self.names) or "nothing")
 
@@ -117,7 +119,7 @@ class Benchmarks:
         return bool(self._items)
 
     def _add(self, name: str, item: str, text: str) -> None:
-        ws = words(text)
+        ws = word_hashes(text)
         if len(ws) < min(MIN_ITEM_WORDS, self.n):
             self.unused[name] += 1
             return
@@ -129,20 +131,28 @@ class Benchmarks:
         for h in hashes.tolist():
             table.setdefault(h, number)
 
-    def hit(self, text: str | None) -> Hit | None:
+    def hit(self, text: str | None, wh: np.ndarray | None = None) -> Hit | None:
         """The first item (in the config's order, then the file's) whose n-gram the text
-        holds, or None."""
+        holds, or None (`wh`: the text's `word_hashes`, when they are at hand)."""
         if text is None or not self._items:
             return None
-        ws = words(text)
-        found: list[int] = []
-        if self._grams:
-            found += _found(self.shingler.ngram_hashes(ws, self.n), self._grams)
-        for length, table in self._short.items():
-            if len(ws) >= length:
-                found += _found(self.shingler.ngram_hashes(ws, length), table)
-        return self._items[min(found)] if found else None
+        ws = word_hashes(text) if wh is None else wh
+        first: int | None = None
+        for length, (keys, items) in self._frozen:
+            if len(ws) < length or keys.size == 0:
+                continue
+            hashes = self.shingler.ngram_hashes(ws, length)
+            at = np.minimum(np.searchsorted(keys, hashes), keys.size - 1)
+            hit = items[at[keys[at] == hashes]]
+            if hit.size:
+                k = int(hit.min())
+                first = k if first is None else min(first, k)
+        return None if first is None else self._items[first]
 
 
-def _found(hashes: np.ndarray, table: dict[int, int]) -> list[int]:
-    return [table[h] for h in hashes.tolist() if h in table]
+def _frozen(table: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A table as sorted keys and their items (looked up with `searchsorted`, in C)."""
+    keys = np.fromiter(table.keys(), dtype=np.uint64, count=len(table))
+    items = np.fromiter(table.values(), dtype=np.int64, count=len(table))
+    order = np.argsort(keys)
+    return keys[order], items[order]

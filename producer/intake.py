@@ -21,7 +21,7 @@ from foundation.wire import CONTAMINATED, NEAR_DUPLICATE, DeadLetter, Outcome, P
 from producer.contamination import Benchmarks
 from producer.near_dups import Kept, NearDuplicates
 from producer.readers.index import Sample
-from producer.shingles import prompt_text
+from producer.shingles import prompt_text, word_hashes
 from producer.source import CategorySource
 
 log = logging.getLogger(__name__)
@@ -113,13 +113,14 @@ class Intake:
     def _check(self, category: str, p: Pending, s: Sample) -> tuple[DeadLetter | None, bytes]:
         """The prompt's refusal (None: it passes), and its near-duplicate record."""
         text = sample_text(s)
-        hit = self.benchmarks.hit(text)
+        wh = None if text is None else word_hashes(text)
+        hit = self.benchmarks.hit(text, wh)
         if hit is not None:
             return self._letter(category, p, CONTAMINATED, contamination_message(
                 hit.benchmark, hit.item, self.benchmarks.n)), b""
         if self.near is None:
             return None, b""
-        v = self.near.screen(Kept(category, s.ordinal), text)
+        v = self.near.screen(Kept(category, s.ordinal), text, wh)
         if v.kept is None:
             return None, v.signature
         kept = self.sources(v.kept.category)

@@ -26,7 +26,7 @@ import numpy as np
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from foundation.config import NearDuplicates as Settings
-from producer.shingles import Shingler, words
+from producer.shingles import Shingler, word_hashes
 
 log = logging.getLogger(__name__)
 
@@ -118,20 +118,20 @@ class NearDuplicates:
         m.update_batch(folded.tolist())
         return m
 
-    def screen(self, kept: Kept, text: str | None) -> Verdict:
+    def screen(self, kept: Kept, text: str | None, wh: np.ndarray | None = None) -> Verdict:
         """Whether the prompt of `kept` nears one fed before; a new one is added to the index
         (so that the next prompts are screened against it). A prompt already in the index
         (fed before a restart, or fed again after Redis lost a feed) is new, and its
-        signature is given again."""
+        signature is given again. `wh`: the text's `word_hashes`, when they are at hand."""
         if text is None:
             return Verdict(None, 0.0, b"")
-        hashes = self.shingler.ngram_hashes(words(text), self.n)
+        hashes = self.shingler.ngram_hashes(word_hashes(text) if wh is None else wh, self.n)
         if hashes.size == 0:
             return Verdict(None, 0.0, b"")
         m = self.minhash(hashes)
         key = self._key(kept)
         if key not in self._lsh:
-            best = self._nearest(set(hashes.tolist()), m, key)
+            best = self._nearest(hashes, m, key)
             if best is not None:
                 return Verdict(best[0], best[1], b"")
             self._lsh.insert(key, m, check_duplication=False)
@@ -139,17 +139,20 @@ class NearDuplicates:
         return Verdict(None, 0.0, _POS.pack(kept.position)
                        + m.hashvalues.astype("<u4", copy=False).tobytes())
 
-    def _nearest(self, mine: set[int], m: MinHash, key: int) -> tuple[Kept, float] | None:
+    def _nearest(self, hashes: np.ndarray, m: MinHash, key: int) -> tuple[Kept, float] | None:
         """The first candidate, in a stable order (category in the config's order, then
         record position), whose exact Jaccard with `mine` reaches the threshold."""
+        mine: set[int] | None = None  # made only when there is a candidate
         for other in sorted(self._lsh.query(m)):
             if other == key:
                 continue
+            if mine is None:
+                mine = set(hashes.tolist())
             kept = self._kept(other)
             text = self.text_of(kept)
             if text is None:
                 continue
-            theirs = set(self.shingler.ngram_hashes(words(text), self.n).tolist())
+            theirs = set(self.shingler.ngrams(text, self.n).tolist())
             j = jaccard(mine, theirs)
             if j >= self.threshold:
                 return kept, j

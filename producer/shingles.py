@@ -11,17 +11,15 @@ record the same way:
 2. `words`: NFKC, casefolded, the text's leading list numbering dropped ("1.", "2)",
    "Q3:", "Question 4:", "- ", "* "), punctuation and symbols made spaces, whitespace
    collapsed.
-3. `ngram_hashes`: the 64-bit hash of each run of n consecutive words (a text under n words
-   is one n-gram: all its words), computed from the words' hashes, which are kept (a
-   source's vocabulary repeats) and stable across processes (BLAKE2b, not Python's `hash`).
+3. `Shingler.ngrams`: the 64-bit hash of each run of n consecutive words (a text under n
+   words is one n-gram: all its words), computed from the words' hashes (`word_hashes`), all
+   at once in numpy, the same in every process (no Python `hash`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import unicodedata
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,9 +28,16 @@ import numpy as np
 # "- ", "* ", "• " (only at its start: a number that begins a line inside it stays a word,
 # whatever the line breaks)
 _NUMBERING = re.compile(
-    r"^\s*(?:(?:q|question|problem|exercise|task)?\s*\(?\d{1,4}[.):]|[-*•])\s*")
-# what is not a letter, digit or mark of a word (punctuation, symbols, "_") becomes a space
-_PUNCT = re.compile(r"[\W_]+")
+    r"^\s*(?:(?:q|question|problem|exercise|task)?\s*\(?\d{1,4}[.):]|[-*•])\s*", re.IGNORECASE)
+# bytes made spaces: every ASCII byte but a letter or digit (UTF-8's bytes past ASCII are
+# kept: a non-ASCII character that is no letter or digit is replaced whole, `_odd`)
+_SPACES = bytes(b if chr(b).isalnum() else 32 for b in range(128)) + bytes(range(128, 256))
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_ODD: dict[str, bool] = {}  # non-ASCII character -> is it no letter or digit
+_SPACE = np.uint8(32)
+_P = np.uint64(0x100000001B3)  # odd: invertible modulo 2^64
+_P_INV = np.uint64(pow(int(_P), -1, 1 << 64))
+_FMIX = np.uint64(0xFF51AFD7ED558CCD)
 _WORD_CACHE_MAX = 1 << 20  # word hashes kept before the cache starts again
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: combines word hashes position by position
 
@@ -62,42 +67,76 @@ def _content(content: Any) -> str:
 
 def words(text: str) -> list[str]:
     """The text's words after normalisation (module docstring)."""
+    return [w.decode() for w in tokens(text)]
+
+
+def tokens(text: str) -> list[bytes]:
+    """`words` as UTF-8 bytes."""
+    return _spaced(text).split()
+
+
+def _spaced(text: str) -> bytes:
+    """The normalised text as UTF-8 with every byte of what is no letter or digit a space
+    (found at C speed: `bytes.translate`, and a replace per odd non-ASCII character)."""
+    if text.isascii():
+        return _NUMBERING.sub("", text).encode().lower().translate(_SPACES)
     text = _NUMBERING.sub("", unicodedata.normalize("NFKC", text).casefold())
-    return _PUNCT.sub(" ", text).split()
+    raw = text.encode()
+    for ch in set(_NON_ASCII.findall(text)):
+        odd = _ODD.get(ch)
+        if odd is None:
+            odd = _ODD[ch] = not ch.isalnum()
+        if odd:
+            raw = raw.replace(ch.encode(), b" ")
+    return raw.translate(_SPACES)
+
+
+_POWERS: list[np.ndarray] = []  # P^i and P^-i for i < their length, grown as needed
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    if not _POWERS or _POWERS[0].size < n:
+        size = max(n, 2 * _POWERS[0].size if _POWERS else 4096)
+        with np.errstate(over="ignore"):
+            _POWERS[:] = [np.cumprod(np.full(size, p, dtype=np.uint64)) * q
+                          for p, q in ((_P, _P_INV), (_P_INV, _P))]
+    return _POWERS[0][:n], _POWERS[1][:n]
+
+
+def word_hashes(text: str) -> np.ndarray:
+    """The 64-bit hash of each word of the normalised text, in order, computed for all words
+    at once (a polynomial hash over the bytes from prefix sums, then mixed): no Python work
+    per word."""
+    raw = np.frombuffer(b" " + _spaced(text) + b" ", dtype=np.uint8)
+    inside = raw != _SPACE
+    edges = np.flatnonzero(inside[1:] != inside[:-1]) + 1
+    starts, ends = edges[0::2], edges[1::2]
+    if starts.size == 0:
+        return np.empty(0, dtype=np.uint64)
+    powers, inverse = _powers(raw.size)
+    with np.errstate(over="ignore"):
+        terms = (raw.astype(np.uint64) + np.uint64(1)) * powers
+        prefix = np.concatenate(([np.uint64(0)], np.cumsum(terms, dtype=np.uint64)))
+        h = (prefix[ends] - prefix[starts]) * inverse[starts]
+        h ^= h >> np.uint64(33)
+        h *= _FMIX
+        return h ^ (h >> np.uint64(29))
 
 
 class Shingler:
-    """Word n-gram hashes of normalised text; keeps the hashes of the words it has seen."""
+    """Word n-gram hashes of normalised text."""
 
-    def __init__(self) -> None:
-        self._cache: dict[str, int] = {}
-
-    def word_hashes(self, ws: Sequence[str]) -> np.ndarray:
-        cache = self._cache
-        if len(cache) > _WORD_CACHE_MAX:
-            cache.clear()
-        out = np.empty(len(ws), dtype=np.uint64)
-        for k, w in enumerate(ws):
-            h = cache.get(w)
-            if h is None:
-                h = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little")
-                cache[w] = h
-            out[k] = h
-        return out
-
-    def ngram_hashes(self, ws: Sequence[str], n: int) -> np.ndarray:
-        """The 64-bit hash of each word n-gram, in order (one for a text under n words, none
-        for no words)."""
-        if not ws:
+    def ngram_hashes(self, wh: np.ndarray, n: int) -> np.ndarray:
+        """The 64-bit hash of each word n-gram of the word hashes `wh`, in order (one for a
+        text under n words, none for no words)."""
+        if wh.size == 0:
             return np.empty(0, dtype=np.uint64)
-        wh = self.word_hashes(ws)
-        if len(wh) <= n:
+        if wh.size <= n:
             return _combine(wh[None, :])
-        windows = np.lib.stride_tricks.sliding_window_view(wh, n)
-        return _combine(windows)
+        return _combine(np.lib.stride_tricks.sliding_window_view(wh, n))
 
     def ngrams(self, text: str, n: int) -> np.ndarray:
-        return self.ngram_hashes(words(text), n)
+        return self.ngram_hashes(word_hashes(text), n)
 
 
 def _combine(windows: np.ndarray) -> np.ndarray:
