@@ -56,7 +56,7 @@ class Intake:
         on = cfg.stage == "generate"
         self.benchmarks = Benchmarks(cfg.decontaminate if on else [], cfg.decontaminate_ngram)
         self.near = (NearDuplicates(cfg.near_duplicates, [c.name for c in cfg.category],
-                                    self._text_of)
+                                    self._text_of, self._same_record)
                      if on and cfg.near_duplicates.enabled else None)
 
     @property
@@ -72,6 +72,12 @@ class Intake:
             return sample_text(source.read(kept.position))
         except Exception:  # a record that cannot be read now is no evidence  # noqa: BLE001
             return None
+
+    def _same_record(self, a: Kept, b: Kept) -> bool:
+        """Two categories over the same source files, at the same record: one record fed
+        twice (a mix: another template or sampling), which is no near-copy of itself."""
+        return a.position == b.position and a.category != b.category and \
+            self.cfg.by_name(a.category).paths == self.cfg.by_name(b.category).paths
 
     def load(self, budget: Budget) -> None:
         """Rebuild the near-duplicate index from the ledger (at the producer's start)."""

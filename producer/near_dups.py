@@ -56,6 +56,9 @@ class Verdict(NamedTuple):
 
 # reads back the text of a kept prompt (None: it cannot be read now)
 TextOf = Callable[[Kept], "str | None"]
+# whether two prompts are the same record of the same source, fed by two categories (a mix:
+# another template or sampling over one source), which is no near-copy of itself
+SameRecord = Callable[[Kept, Kept], bool]
 
 
 def _identity(v: int) -> int:
@@ -65,12 +68,14 @@ def _identity(v: int) -> int:
 class NearDuplicates:
     """The run's near-duplicate index: every category's fed prompts, one LSH."""
 
-    def __init__(self, settings: Settings, categories: Sequence[str], text_of: TextOf) -> None:
+    def __init__(self, settings: Settings, categories: Sequence[str], text_of: TextOf,
+                 same_record: SameRecord | None = None) -> None:
         self.threshold = settings.threshold
         self.n = settings.ngram
         self.categories = list(categories)
         self._cat_no = {c: k for k, c in enumerate(self.categories)}
         self.text_of = text_of
+        self.same_record = same_record
         self.shingler = Shingler()
         self._lsh = MinHashLSH(num_perm=NUM_PERM, params=(BANDS, ROWS))
         self._template = MinHash(num_perm=NUM_PERM, seed=SEED, hashfunc=_identity,
@@ -141,14 +146,15 @@ class NearDuplicates:
 
     def _nearest(self, hashes: np.ndarray, m: MinHash, key: int) -> tuple[Kept, float] | None:
         """The first candidate, in a stable order (category in the config's order, then
-        record position), whose exact Jaccard with `mine` reaches the threshold."""
+        record position), whose exact Jaccard with the prompt's n-grams reaches the
+        threshold; the prompt's own record fed by another category is not one."""
         mine: set[int] | None = None  # made only when there is a candidate
         for other in sorted(self._lsh.query(m)):
-            if other == key:
+            kept = self._kept(other)
+            if other == key or (self.same_record and self.same_record(self._kept(key), kept)):
                 continue
             if mine is None:
                 mine = set(hashes.tolist())
-            kept = self._kept(other)
             text = self.text_of(kept)
             if text is None:
                 continue

@@ -62,3 +62,22 @@ def test_nothing_is_screened_when_both_are_off() -> None:
     assert not intake.active
     out = intake.screen("code", [], [pending("a")], [None])
     assert [p.sample_id for p in out.samples] == ["a"] and out.refused == []
+
+
+def test_one_record_fed_by_two_categories_is_no_near_copy_of_itself() -> None:
+    # Given two categories over the same source (a mix: another template), the first fed
+    texts = [LONG, "An unrelated question about tides and the moon?", "3. " + LONG]
+    source = Source(texts)
+    cfg = make_cfg(cats=("think", "fast"))
+    intake = Intake(cfg, lambda name: source)  # type: ignore[arg-type,return-value]
+    first = intake.screen("think", source.samples[:2], [pending("s:1", (1,)),
+                                                         pending("s:2", (2,))], [None] * 2)
+    assert first.refused == []
+    # When the second category feeds the same records (other ids: another template), and the
+    # near-copy record s:3
+    out = intake.screen("fast", source.samples, [pending(s.sample_id, (9, k)) for k, s in
+                                                 enumerate(source.samples)], [None] * 3)
+    # Then its own records pass, and the near-copy is refused naming the first category's
+    assert [p.sample_id for p in out.samples] == ["s:1", "s:2"]
+    [letter] = out.refused
+    assert letter.id == "s:3" and "near-duplicate of think/s:1 " in letter.message
