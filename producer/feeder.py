@@ -39,6 +39,7 @@ import math
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -174,10 +175,11 @@ class Producer:
         feed = self.feeds.get(name)
         return feed.source if feed else None
 
-    def load_intake(self) -> None:
+    def load_intake(self, keep_alive: Callable[[], None] | None = None) -> None:
         """Rebuild the near-duplicate index from what the ledger recorded (once, before the
-        first feed; again after the run was created anew)."""
-        self.intake.load(self.budget)
+        first feed; again after the run was created anew); `keep_alive()` now and then
+        while it takes (the producer's lease renewed)."""
+        self.intake.load(self.budget, keep_alive)
         self._intake_loaded = True
 
     # -- setup -------------------------------------------------------------------------

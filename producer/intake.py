@@ -79,11 +79,12 @@ class Intake:
         return a.position == b.position and a.category != b.category and \
             self.cfg.by_name(a.category).paths == self.cfg.by_name(b.category).paths
 
-    def load(self, budget: Budget) -> None:
-        """Rebuild the near-duplicate index from the ledger (at the producer's start)."""
+    def load(self, budget: Budget, keep_alive: Callable[[], None] | None = None) -> None:
+        """Rebuild the near-duplicate index from the ledger (at the producer's start;
+        `keep_alive()` now and then while it takes)."""
         if self.near is not None:
             for cat in self.cfg.category:
-                self.near.load(cat.name, budget.feeding.near_records(cat.name))
+                self.near.load(cat.name, budget.feeding.near_records(cat.name), keep_alive)
 
     def screen(self, category: str, samples: Sequence[Sample], prepared: Sequence[Pending],
                owners: Sequence[str | None]) -> Screened:

@@ -36,6 +36,7 @@ SEED = 45  # the permutations' seed: part of the stored signatures' meaning, nev
 SCHEME = "affine32"  # datasketch's: 32-bit values, what the ledger stores
 _POS = struct.Struct("<I")
 SIGNATURE_BYTES = _POS.size + 4 * NUM_PERM  # 132
+LOAD_STEP = 10_000
 
 
 class Kept(NamedTuple):
@@ -93,9 +94,11 @@ class NearDuplicates:
         return self._key(kept) in self._lsh
 
     # -- restart --------------------------------------------------------------------------
-    def load(self, category: str, records: bytes) -> int:
+    def load(self, category: str, records: bytes,
+             keep_alive: Callable[[], None] | None = None) -> int:
         """Add the signatures the ledger holds for `category` (the `near` string); returns
-        how many were added (one already in is skipped)."""
+        how many were added (one already in is skipped). `keep_alive()` is called every
+        LOAD_STEP records (a million take ~40 s: the producer's lease is renewed)."""
         whole = len(records) // SIGNATURE_BYTES * SIGNATURE_BYTES
         if whole != len(records):
             log.warning("%s: near-duplicate records end in a partial one (%d bytes): ignored",
@@ -104,7 +107,9 @@ class NearDuplicates:
         added = 0
         t0 = time.monotonic()
         with self._lsh.insertion_session() as session:
-            for row in rows:
+            for k, row in enumerate(rows):
+                if keep_alive is not None and k % LOAD_STEP == 0:
+                    keep_alive()
                 key = self._cat_no[category] << 32 | int(row[0])
                 if key in self._lsh:
                     continue

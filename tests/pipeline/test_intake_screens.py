@@ -59,6 +59,7 @@ def test_edited_copies_refused_after_a_restart_distinct_kept(tmp_path, redis_url
     with SimServer(time_scale=SIM_TIME_SCALE) as sim:
         with started(cfg, redis_url, [sim.url], 4) as pipe:
             status = pipe.run()
+            pipe.check_invariants(status)
         # Then one of each pair is refused as a near-duplicate of the other, none else
         first = {int(d.id.split(":")[1]) - 1 for d in letters(pipe, "near_duplicate")}
         assert len(first) == 2 and all(len(first & set(pair)) == 1 for pair in pairs)
@@ -70,6 +71,7 @@ def test_edited_copies_refused_after_a_restart_distinct_kept(tmp_path, redis_url
         write(src, prompts + list(copies))
         with started(cfg, redis_url, [sim.url], 4) as pipe:
             status = pipe.run()
+            pipe.check_invariants(status)
     # Then every edited copy is refused, naming the prompt it copies, and nothing else
     near = [d for d in letters(pipe, "near_duplicate") if int(d.id.split(":")[1]) > 472]
     assert len(near) == 3 * EDITED
@@ -103,6 +105,7 @@ def test_benchmark_items_refused_paraphrase_passes(tmp_path, redis_url) -> None:
     with SimServer(time_scale=SIM_TIME_SCALE) as sim, \
             started(cfg, redis_url, [sim.url], 4) as pipe:
         status = pipe.run()
+        pipe.check_invariants(status)
     # Then every benchmark item is refused as contaminated, naming its benchmark and item
     refused = {int(d.id.split(":")[1]): d.message for d in letters(pipe, "contaminated")}
     for k in range(1, 201):

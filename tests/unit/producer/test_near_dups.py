@@ -52,7 +52,9 @@ def test_the_index_is_rebuilt_from_the_records() -> None:
     assert len(records) == SIGNATURE_BYTES * len(TEXTS)
     # When a new index loads them (a producer started again)
     again = index(texts)
-    assert again.load("a", records) == len(TEXTS)
+    calls: list[int] = []
+    assert again.load("a", records, lambda: calls.append(1)) == len(TEXTS)
+    assert calls  # the producer's lease is renewed while it loads
     assert again.load("a", records) == 0
     # Then a copy is refused, and a record fed again is new (its own key)
     assert again.screen(Kept("b", 5), "1. " + TEXTS[11]).kept == Kept("a", 11)
