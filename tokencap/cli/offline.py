@@ -359,7 +359,9 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
 @click.option("--check", is_flag=True,
               help="Read and render every record as the producer does, and plan with the "
                    "usable ones only (their turns, with turns = \"all\"); prints the rejects "
-                   "per reason. Slower: it tokenizes the whole source.")
+                   "per reason, the near-duplicates and the contaminated prompts (by "
+                   "benchmark) the producer would refuse among them. Slower: it tokenizes "
+                   "the whole source.")
 def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     """Plan CONFIG: per category the prompts available, tokens per sample, samples and
     tokens its cap needs (an uncapped category: its whole source), and hours at --tok-s;
