@@ -56,6 +56,7 @@ TARGET_BYTES = 200.0
 def fixture_prompts() -> list[str]:
     """Every prompt of the dataset samples: the user turns of each record, read as the
     producer reads a source (format told from its keys)."""
+    from producer.formats.records import Rejected
     from producer.readers.index import SourceIndex, read_sample
 
     out: list[str] = []
@@ -66,7 +67,7 @@ def fixture_prompts() -> list[str]:
             for i in range(len(index)):
                 try:
                     s = read_sample(index, i, "auto", "all", None)
-                except Exception:  # a record the producer would refuse  # noqa: BLE001
+                except Rejected:  # a record the producer would refuse
                     continue
                 text = prompt_text(s.prompt, s.conversation)
                 if text and text.strip():

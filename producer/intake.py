@@ -19,6 +19,7 @@ from budget_service.ledger import prompt_digest
 from foundation.config import RunConfig
 from foundation.wire import CONTAMINATED, NEAR_DUPLICATE, DeadLetter, Outcome, Pending
 from producer.contamination import Benchmarks
+from producer.formats.records import Rejected
 from producer.near_dups import Kept, NearDuplicates
 from producer.readers.index import Sample
 from producer.shingles import prompt_text, word_hashes
@@ -70,7 +71,7 @@ class Intake:
             return None
         try:
             return sample_text(source.read(kept.position))
-        except Exception:  # a record that cannot be read now is no evidence  # noqa: BLE001
+        except (Rejected, OSError):  # a record that cannot be read now is no evidence
             return None
 
     def _same_record(self, a: Kept, b: Kept) -> bool:
