@@ -10,7 +10,8 @@ told from the records): each record's user turns are its item, its id the record
 
 Items and prompts are read the same way (`producer.shingles`: normalised words, n-grams).
 An item of at least n words contributes its n-grams; an item of MIN_ITEM_WORDS to n-1
-words is one n-gram of its own length, matched when the prompt holds it whole; a shorter
+words is one n-gram of its own length, matched when the prompt holds it whole (found where
+the prompt holds its first MIN_ITEM_WORDS words, then compared word by word); a shorter
 item (MT-bench's second turns such as "Does it always work?") is not used: such a phrase in
 a prompt says nothing of contamination. The first benchmark in the config's order that a
 prompt shares an n-gram with, and its item, are named in the refusal.
@@ -101,7 +102,9 @@ class Benchmarks:
         self.names = [benchmark_name(e) for e in entries]
         self.shingler = Shingler()
         self._grams: dict[int, int] = {}  # n-gram hash -> item number
-        self._short: dict[int, dict[int, int]] = {}  # words -> hash of the whole item -> item
+        # an item under n words: the hash of its first MIN_ITEM_WORDS words -> (its item
+        # number, its words' hashes), the whole item checked where a prompt holds that start
+        self._short: dict[int, list[tuple[int, np.ndarray]]] = {}
         self._items: list[Hit] = []
         self.items = dict.fromkeys(self.names, 0)
         self.unused = dict.fromkeys(self.names, 0)  # items under MIN_ITEM_WORDS words
@@ -110,8 +113,10 @@ class Benchmarks:
             items = shipped_items(entry) if entry in BENCHMARKS else file_items(entry, field)
             for item, text in items:
                 self._add(self.names[k], item, text)
-        self._frozen = [(self.n, _frozen(self._grams))] + [
-            (length, _frozen(table)) for length, table in sorted(self._short.items())]
+        self._keys, self._numbers = _frozen(self._grams)
+        anchors = {h: k for k, h in enumerate(self._short)}
+        self._anchors = _frozen(anchors)
+        self._anchored = list(self._short.values())
         log.info("decontaminating against %s", ", ".join(
             f"{name} ({self.items[name]} items)" for name in self.names) or "nothing")
 
@@ -126,10 +131,12 @@ class Benchmarks:
         self.items[name] += 1
         number = len(self._items)
         self._items.append(Hit(name, item))
-        hashes = self.shingler.ngram_hashes(ws, self.n)
-        table = self._grams if len(ws) >= self.n else self._short.setdefault(len(ws), {})
-        for h in hashes.tolist():
-            table.setdefault(h, number)
+        if len(ws) < self.n:
+            anchor = int(self.shingler.ngram_hashes(ws[:MIN_ITEM_WORDS], MIN_ITEM_WORDS)[0])
+            self._short.setdefault(anchor, []).append((number, ws))
+            return
+        for h in self.shingler.ngram_hashes(ws, self.n).tolist():
+            self._grams.setdefault(h, number)
 
     def hit(self, text: str | None, wh: np.ndarray | None = None) -> Hit | None:
         """The first item (in the config's order, then the file's) whose n-gram the text
@@ -137,17 +144,25 @@ class Benchmarks:
         if text is None or not self._items:
             return None
         ws = word_hashes(text) if wh is None else wh
-        first: int | None = None
-        for length, (keys, items) in self._frozen:
-            if len(ws) < length or keys.size == 0:
-                continue
-            hashes = self.shingler.ngram_hashes(ws, length)
-            at = np.minimum(np.searchsorted(keys, hashes), keys.size - 1)
-            hit = items[at[keys[at] == hashes]]
-            if hit.size:
-                k = int(hit.min())
-                first = k if first is None else min(first, k)
-        return None if first is None else self._items[first]
+        found = _lookup(self._keys, self._numbers, self.shingler.ngram_hashes(ws, self.n)) \
+            if len(ws) >= self.n else []
+        if self._anchored and len(ws) >= MIN_ITEM_WORDS:
+            starts = self.shingler.ngram_hashes(ws, MIN_ITEM_WORDS)
+            keys, anchored = self._anchors
+            at = np.minimum(np.searchsorted(keys, starts), keys.size - 1)
+            for pos in np.flatnonzero(keys[at] == starts).tolist():
+                for number, item in self._anchored[int(anchored[at[pos]])]:
+                    if np.array_equal(ws[pos:pos + item.size], item):
+                        found.append(number)
+        return self._items[min(found)] if found else None
+
+
+def _lookup(keys: np.ndarray, numbers: np.ndarray, hashes: np.ndarray) -> list[int]:
+    """The numbers of the `hashes` found among `keys` (sorted: `searchsorted`, in C)."""
+    if keys.size == 0:
+        return []
+    at = np.minimum(np.searchsorted(keys, hashes), keys.size - 1)
+    return numbers[at[keys[at] == hashes]].tolist()
 
 
 def _frozen(table: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:

@@ -62,10 +62,6 @@ TextOf = Callable[[Kept], "str | None"]
 SameRecord = Callable[[Kept, Kept], bool]
 
 
-def _identity(v: int) -> int:
-    return v
-
-
 class NearDuplicates:
     """The run's near-duplicate index: every category's fed prompts, one LSH."""
 
@@ -79,7 +75,7 @@ class NearDuplicates:
         self.same_record = same_record
         self.shingler = Shingler()
         self._lsh = MinHashLSH(num_perm=NUM_PERM, params=(BANDS, ROWS))
-        self._template = MinHash(num_perm=NUM_PERM, seed=SEED, hashfunc=_identity,
+        self._template = MinHash(num_perm=NUM_PERM, seed=SEED, hashfunc=int,
                                  scheme=SCHEME)
         self.size = 0
 

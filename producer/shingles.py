@@ -32,7 +32,7 @@ _NUMBERING = re.compile(
 # bytes made spaces: every ASCII byte but a letter or digit (UTF-8's bytes past ASCII are
 # kept: a non-ASCII character that is no letter or digit is replaced whole, `_odd`)
 _SPACES = bytes(b if chr(b).isalnum() else 32 for b in range(128)) + bytes(range(128, 256))
-_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_ASCII_RUNS = re.compile(r"[\x00-\x7f]+")
 _ODD: dict[str, bool] = {}  # non-ASCII character -> is it no letter or digit
 _SPACE = np.uint8(32)
 _P = np.uint64(0x100000001B3)  # odd: invertible modulo 2^64
@@ -77,12 +77,15 @@ def tokens(text: str) -> list[bytes]:
 
 def _spaced(text: str) -> bytes:
     """The normalised text as UTF-8 with every byte of what is no letter or digit a space
-    (found at C speed: `bytes.translate`, and a replace per odd non-ASCII character)."""
+    (at C speed: `bytes.translate`, and a replace per non-ASCII character that is no letter
+    or digit)."""
     if text.isascii():
         return _NUMBERING.sub("", text).encode().lower().translate(_SPACES)
-    text = _NUMBERING.sub("", unicodedata.normalize("NFKC", text).casefold())
+    if not unicodedata.is_normalized("NFKC", text):  # the check is ~10x cheaper
+        text = unicodedata.normalize("NFKC", text)
+    text = _NUMBERING.sub("", text.casefold())
     raw = text.encode()
-    for ch in set(_NON_ASCII.findall(text)):
+    for ch in set(_ASCII_RUNS.sub("", text)):  # the non-ASCII characters, each once
         odd = _ODD.get(ch)
         if odd is None:
             odd = _ODD[ch] = not ch.isalnum()
