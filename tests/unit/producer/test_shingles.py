@@ -3,6 +3,8 @@ copy of a prompt."""
 
 from __future__ import annotations
 
+import unicodedata
+
 from producer.formats.conversation import Conversation
 from producer.shingles import Shingler, prompt_text, words
 
@@ -15,6 +17,11 @@ def test_words_drop_case_punctuation_spacing_and_leading_numbering() -> None:
             "- What is 2 + 2?  Explain, briefly.",
             "Ｗｈａｔ is 2 + 2? Explain, briefly."]  # NFKC: full-width letters
     assert {tuple(words(t)) for t in same} == {("what", "is", "2", "2", "explain", "briefly")}
+    # NFKC line by line is the whole text's
+    from producer.shingles import _nfkc
+    mixed = "Ｗｈａｔ is\ne\u0301 caf\u00e9\n\u0301x ﬁne ²"
+    assert _nfkc(mixed) == unicodedata.normalize("NFKC", mixed)
+    assert words(mixed) == words(unicodedata.normalize("NFKC", mixed))
     # a number that begins a line inside the text stays a word
     assert words("Add\n3. apples") == ["add", "3", "apples"]
 
