@@ -34,6 +34,7 @@ from bench import (
     footprint,
     gate,
     hidden_states,
+    near_dups,
     saturation,
     tail,
     tokenize,
@@ -52,6 +53,7 @@ SCENARIOS: dict[str, Callable[[context.Bench], dict[str, Any]]] = {
     "gate": gate.run,
     "export": export.run,
     "hidden_states": hidden_states.run,
+    "near_dups": near_dups.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results.json"
 DESCRIPTION = "Run tokencap's benchmark scenarios; print one table; write bench/results.json."

@@ -73,17 +73,20 @@ class FeedingLedger(Ledger):
 
     def feed(self, category: str, cursor: int, new_cursor: int, deadline_ms: int,
              samples: Sequence[Pending], rejected: Sequence[DeadLetter],
-             others: Sequence[str] = ()) -> list[str] | None:
+             others: Sequence[str] = (), near: Sequence[bytes] = ()) -> list[str] | None:
         """Record `samples` (pending, leased until `deadline_ms`) and `rejected` (final) and
         move the cursor from `cursor` to `new_cursor`, in one call. A sample whose prompt ids
         a category of `others` fed already is rejected as duplicate_prompt (read from their
-        prompt digests first: a script touches one category's slot). Returns the ids
+        prompt digests first: a script touches one category's slot). `near`, beside
+        `samples` (or empty): each one's near-duplicate record (`producer.near_dups`, b""
+        for none), appended to the category's `near` when it is fed. Returns the ids
         recorded now, or None when Redis's cursor is not `cursor` (nothing written)."""
         digests = [prompt_digest(p.prompt_ids) for p in samples]
         elsewhere = self.fed_elsewhere(others, digests)
         args: list[Any] = [cursor, new_cursor, deadline_ms, 0]
         dropped: list[DeadLetter] = []
-        for p, digest, first in zip(samples, digests, elsewhere, strict=True):
+        records = list(near) or [b""] * len(samples)
+        for p, digest, first, record in zip(samples, digests, elsewhere, records, strict=True):
             dup = DeadLetter(id=p.sample_id, category=category, outcome=Outcome.REJECTED,
                              reason="duplicate_prompt", where=p.where,
                              message=f"same prompt token ids as {first or 'an earlier sample'}",
@@ -92,7 +95,7 @@ class FeedingLedger(Ledger):
             if first is not None:
                 dropped.append(dup)
                 continue
-            args += [p.sample_id, digest, encode(p), encode(dup)]
+            args += [p.sample_id, digest, encode(p), encode(dup), record]
         args[3] = len(samples) - len(dropped)
         for d in [*rejected, *dropped]:
             args += [d.id, d.reason, encode(d)]
@@ -100,6 +103,11 @@ class FeedingLedger(Ledger):
         if as_str(out[0]) == "stale":
             return None
         return [as_str(v) for v in out[1:]]
+
+    def near_records(self, category: str) -> bytes:
+        """The category's near-duplicate records (the `near` string), for the producer to
+        rebuild its index at start."""
+        return cast(bytes, self.redis.get(self._ck(category).near) or b"")
 
     def fed_elsewhere(self, categories: Sequence[str], digests: Sequence[str]
                       ) -> list[str | None]:

@@ -55,6 +55,10 @@ category gets all of them as KEYS, in `CategoryKeys` order (`lua/_lib.lua` names
 |                      |        | mode: rows, counted tokens;     | the live page, the |           |
 |                      |        | field `<mode> rows` / `<mode>   | report             |           |
 |                      |        | tokens`)                        |                    |           |
+| `P:{cat}:near`       | string | feed (each fed prompt's near-   | the producer at    | run       |
+|                      |        | duplicate record, 132 bytes:    | start (rebuilds its|           |
+|                      |        | record position, MinHash;       | index: producer/   |           |
+|                      |        | APPEND)                         | near_dups.py)      |           |
 | `P:producer`         | string | the producer's lease (lease.py) | producer           | lease TTL |
 | `P:writer`           | string | the writer's lease (`lease.py`) | status, `up`       | lease TTL |
 | `P:writer:state`     | hash   | set_writer_error (error, at)    | status, `/metrics` | run       |
@@ -126,6 +130,7 @@ class CategoryKeys(NamedTuple):
     engine_of: str
     extra: str
     modes: str
+    near: str
 
 
 class Keys:

@@ -81,6 +81,9 @@ UNCAPPED: Final = "none"
 # take from a model's generation_config.json as sampling defaults
 MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 GENERATION_CONFIG = "generation_config.json"
+# the benchmarks shipped with tokencap that `decontaminate` names (producer/benchmarks/); any
+# other entry is a file of the user's own, read as a source is
+BENCHMARKS = ("mt_bench", "humaneval", "gsm8k")
 
 
 class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -157,6 +160,16 @@ class Category(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     @property
     def paths(self) -> list[str]:
         return ([self.source] if self.source else []) + list(self.sources)
+
+
+class NearDuplicates(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`[near_duplicates]`: a prompt whose text shares at least `threshold` (Jaccard) of its
+    word `ngram`-grams with a prompt fed before, in any category, is refused at intake as
+    `near_duplicate` (producer/near_dups.py; docs/MIX.md)."""
+
+    enabled: bool = True
+    threshold: Annotated[float, Meta(gt=0, le=1)] = 0.8
+    ngram: Annotated[int, Meta(ge=1, le=32)] = 5
 
 
 StatesDtype = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
@@ -286,6 +299,11 @@ class RunConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # set by tokencap: "hidden_states" for the run that extracts a run's states
     # (`<run>.hs`, `tokencap/extraction.py`), whose workers extract instead of generate
     stage: Literal["generate", "hidden_states"] = "generate"
+    near_duplicates: NearDuplicates = NearDuplicates()
+    # benchmarks whose items no prompt may share a word `decontaminate_ngram`-gram with
+    # (`contaminated`): names of BENCHMARKS, or files (resolved against the config's folder)
+    decontaminate: list[str] = []
+    decontaminate_ngram: Annotated[int, Meta(ge=1, le=64)] = 13
     category: list[Category] = []
 
     @property
@@ -397,7 +415,8 @@ def _did_you_mean(message: str, where: str) -> str:
     tail = re.sub(r"\[\d+\]", "", where).rsplit(".", 1)[-1]
     tables: dict[str, tuple[str, ...]] = {
         "category": Category.__struct_fields__, "sampling": SamplingParams.__struct_fields__,
-        "hidden_states": HiddenStates.__struct_fields__, "modes": Mode.__struct_fields__}
+        "hidden_states": HiddenStates.__struct_fields__, "modes": Mode.__struct_fields__,
+        "near_duplicates": NearDuplicates.__struct_fields__}
     fields = tables.get(tail, RunConfig.__struct_fields__)
     close = difflib.get_close_matches(m.group(1), fields, n=1, cutoff=0.6)
     return f"; did you mean `{close[0]}`?" if close else ""
@@ -508,8 +527,27 @@ def _resolve(cfg: RunConfig, path: Path) -> RunConfig:
     assert cap is not None
     return msgspec.structs.replace(
         cfg, cap_tokens=cap, category=cats, tokenizer=tok, output_dir=out, generation_config=gen,
-        hidden_states=hs,
+        hidden_states=hs, decontaminate=_benchmarks(cfg.decontaminate, rel, str(path)),
     )
+
+
+def _benchmarks(names: list[str], rel: Callable[[str], str], path: str) -> list[str]:
+    """`decontaminate` resolved: each a shipped benchmark's name, or a file of the user's own
+    (its absolute path); a name tokencap does not ship that is not a file is refused."""
+    out: list[str] = []
+    for i, name in enumerate(names):
+        if name in BENCHMARKS:
+            out.append(name)
+            continue
+        file = rel(name)
+        if not Path(file).is_file():
+            raise ConfigError(path, f"$.decontaminate[{i}]: {name!r} is neither a benchmark "
+                              f"tokencap ships ({', '.join(BENCHMARKS)}) nor a file: no such "
+                              f"file {file}")
+        out.append(file)
+    if len(set(out)) != len(out):
+        raise ConfigError(path, "$.decontaminate: a benchmark is named twice")
+    return out
 
 
 def _a_folder(folder: str, field: str, path: str) -> None:

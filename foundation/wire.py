@@ -161,6 +161,19 @@ class Outcome(enum.StrEnum):
     STOPPED = "stopped"
 
 
+# reasons the producer's intake screens refuse a prompt with (producer/intake.py)
+NEAR_DUPLICATE = "near_duplicate"
+CONTAMINATED = "contaminated"
+
+
+def contaminated_by(letter: DeadLetter) -> str | None:
+    """The benchmark a `contaminated` dead letter names (its message starts "<benchmark>
+    item <id>:"), else None."""
+    if letter.reason != CONTAMINATED or " item " not in letter.message:
+        return None
+    return letter.message.split(" item ", 1)[0]
+
+
 class DeadLetter(Struct, frozen=True):
     """A sample that ended rejected or dead, written to `<out>/<category>/failed.jsonl`; or a
     conversation's turn cut (`Outcome.CUT`) or stopped (`Outcome.STOPPED`), written to

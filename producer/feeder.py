@@ -39,6 +39,7 @@ import math
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,12 +50,14 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.estimator import LengthModel, admission
 from budget_service.keys import Keys
-from budget_service.ledger import CategoryState, now_ms, run_ended
+from budget_service.ledger import CategoryState, now_ms, prompt_digest, run_ended
 from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError, SourceError
 from foundation.modes import most_new_tokens
+from foundation.wire import Pending
 from producer.followups import FollowUps
-from producer.readers.index import SourceIndex
+from producer.intake import Intake, Screened
+from producer.readers.index import Sample, SourceIndex
 from producer.recovery import Recovery
 from producer.source import CategorySource
 
@@ -164,6 +167,21 @@ class Producer:
         self._affinity = self._shared_key if cfg.affinity else None
         self.followups = FollowUps(cfg, self.budget, renderer, self._enqueue,
                                            self._affinity)
+        # near-duplicates and benchmark contamination, refused at intake (rebuilt from the
+        # ledger by `load_intake` before the first feed)
+        self.intake = Intake(cfg, self._source_of)
+        self._intake_loaded = False
+
+    def _source_of(self, name: str) -> CategorySource | None:
+        feed = self.feeds.get(name)
+        return feed.source if feed else None
+
+    def load_intake(self, keep_alive: Callable[[], None] | None = None) -> None:
+        """Rebuild the near-duplicate index from what the ledger recorded (once, before the
+        first feed; again after the run was created anew); `keep_alive()` now and then
+        while it takes (the producer's lease renewed)."""
+        self.intake.load(self.budget, keep_alive)
+        self._intake_loaded = True
 
     # -- setup -------------------------------------------------------------------------
     def open_category(self, name: str, index: SourceIndex | None = None) -> None:
@@ -213,6 +231,8 @@ class Producer:
         """Take Redis's cursor of every category (the run was created again: from 0)."""
         for feed in self.feeds.values():
             feed.resync(self.budget.feeding.cursor(feed.cat.name))
+        self.intake = Intake(self.cfg, self._source_of)
+        self._intake_loaded = False
 
     # -- the tick ----------------------------------------------------------------------
     def tick(self) -> int:
@@ -309,9 +329,12 @@ class Producer:
             prepared, too_long = feed.source.prepare(samples, None, self._affinity)
             # a prompt another category fed already is not generated twice
             others = [c for c in self.feeds if c != name]
+            screened = self._screen(name, samples, prepared, others)
+            prepared = screened.samples
             ids = self.budget.feeding.feed(name, start, start + len(positions),
                                            now_ms() + self.lease_ms, prepared,
-                                           rejected + too_long, others)
+                                           rejected + too_long + screened.refused, others,
+                                           screened.near)
             if ids is None:
                 self.resync(feed)
                 return fed
@@ -322,6 +345,18 @@ class Producer:
             fed += len(positions)
             room -= max(1, len(ids))
         return fed
+
+    def _screen(self, name: str, samples: list[Sample], prepared: list[Pending],
+                others: list[str]) -> Screened:
+        """The intake screens on a batch (`producer.intake`); exact copies of a prompt fed
+        before are left to the feed script."""
+        if not self.intake.active:
+            return Screened(prepared, [], [])
+        if not self._intake_loaded:
+            self.load_intake()
+        owners = self.budget.feeding.fed_elsewhere(
+            [name, *others], [prompt_digest(p.prompt_ids) for p in prepared])
+        return self.intake.screen(name, samples, prepared, owners)
 
     def _shared_key(self, ids: list[int]) -> str:
         """The prompt's affinity key if an earlier prompt had it ("" otherwise, and for a

@@ -174,6 +174,10 @@ class CategorySource:
         """A record's ``path:line`` as rows say it: relative to the output folder."""
         return relative_where(where, self.out_dir)
 
+    def sample_id_at(self, pos: int) -> str:
+        """The sample id of record `pos` (its record's, before any turn)."""
+        return sample_id(self.index, pos)
+
     def first_id_of(self, sid: str) -> str:
         """The sample id of what is fed first of record `sid`: itself, or its turn 1."""
         return turn_id(sid, 1) if self.turns else sid

@@ -7,7 +7,7 @@ local K = {
   prompts = KEYS[10], reasons = KEYS[11], worst = KEYS[12], var = KEYS[13], seq = KEYS[14],
   written = KEYS[15], follow = KEYS[16], history = KEYS[17], cut = KEYS[18],
   events = KEYS[19], retried = KEYS[20], cache = KEYS[21], engine_of = KEYS[22],
-  extra = KEYS[23], modes = KEYS[24],
+  extra = KEYS[23], modes = KEYS[24], near = KEYS[25],
 }
 -- entries kept in a category's event log (`events`, a stream)
 local EVENTS_MAXLEN = 1000

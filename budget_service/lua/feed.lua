@@ -2,8 +2,9 @@
 -- KEYS: the category's keys (_lib.lua)
 -- ARGV[1] the cursor the batch was read from (compare-and-set)  ARGV[2] the cursor after it
 -- ARGV[3] lease deadline (ms)  ARGV[4] n, the samples to feed
--- ARGV[5..]: n groups of 4 (sample id, prompt digest, Pending JSON, the dead letter to write
--- if another sample of the category has the same prompt), then groups of 3 for the records
+-- ARGV[5..]: n groups of 5 (sample id, prompt digest, Pending JSON, the dead letter to write
+-- if another sample of the category has the same prompt, and its near-duplicate record to
+-- append to K.near when it is fed: "" for none), then groups of 3 for the records
 -- rejected while reading (sample id, reason, dead-letter JSON)
 -- Returns {'stale', cursor} and writes nothing when Redis's cursor is not ARGV[1] (Redis lost
 -- the last feeds, or another producer fed); else {'ok', id, ...}: the samples recorded now,
@@ -22,10 +23,11 @@ for _ = 1, tonumber(ARGV[4]) do
     else
       if not first then redis.call('HSET', K.prompts, digest, s) end
       pend(s, ARGV[i + 2], ARGV[3])
+      if ARGV[i + 4] ~= '' then redis.call('APPEND', K.near, ARGV[i + 4]) end
       out[#out + 1] = s
     end
   end
-  i = i + 4
+  i = i + 5
 end
 reject_each(i)
 redis.call('HSET', K.state, 'cursor', ARGV[2])

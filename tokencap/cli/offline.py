@@ -363,6 +363,9 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
             why = ", ".join(f"{k} {v:,}" for k, v in c.rejected.items()) or "none"
             lines.append(f"{r.category}: {c.usable:,} of {c.records:,} records usable, "
                          f"{c.generations:,} generations; rejected: {why}")
+            if c.contaminated:
+                lines.append(f"{r.category}: contaminated, by benchmark: " + ", ".join(
+                    f"{b} {n:,}" for b, n in c.contaminated.items()))
             lines += [f"  {example}" for shown in c.examples.values() for example in shown]
             if c.unread:
                 lines.append(unread_text(r.category, c.unread, c.records))
@@ -385,7 +388,9 @@ def _plan_table(rows: list[Any], total: Any, tok_s: float) -> str:
 @click.option("--check", is_flag=True,
               help="Read and render every record as the producer does, and plan with the "
                    "usable ones only (their turns, with turns = \"all\"); prints the rejects "
-                   "per reason. Slower: it tokenizes the whole source.")
+                   "per reason, the near-duplicates and the contaminated prompts (by "
+                   "benchmark) the producer would refuse among them. Slower: it tokenizes "
+                   "the whole source.")
 def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
     """Plan CONFIG: per category the prompts available, tokens per row, the rows (generated
     replies, one training row each) and tokens its cap needs (an uncapped category: its

@@ -67,9 +67,11 @@ from foundation.outputs import (
     BadLine,
     RowRule,
     categories_on_disk,
+    read_dead_letters,
     row_verdicts,
     truncated_turns,
 )
+from foundation.wire import NEAR_DUPLICATE, contaminated_by
 from producer.manifest import manifest_path
 from tokencap.export import length
 from tokencap.export.conversations import (
@@ -181,6 +183,22 @@ class Shaping(NamedTuple):
     seed: int = DEFAULT_SEED
     limits: Limits = NO_LIMITS
     mode: str | None = None  # keep the rows of this decode mode only (`--mode`)
+
+
+def refused_at_intake(cat_dir: Path) -> dict[str, Any]:
+    """A category's prompts refused at intake, from its dead letters: near-duplicates, and
+    contaminated ones by benchmark."""
+    near = 0
+    by_bench: dict[str, int] = {}
+    for d in read_dead_letters(cat_dir):
+        if isinstance(d, BadLine):
+            continue
+        bench = contaminated_by(d)
+        if bench is not None:
+            by_bench[bench] = by_bench.get(bench, 0) + 1
+        elif d.reason == NEAR_DUPLICATE:
+            near += 1
+    return {"near_duplicate": near, "contaminated": dict(sorted(by_bench.items()))}
 
 
 def copy_manifests(out_dir: Path, dest: Path, made_by: list[str]) -> list[Path]:
@@ -433,6 +451,8 @@ def export(
         "files": [str(sink.path) for sink in all_sinks],
         "manifests": [str(p) for p in manifests],
         "categories": {name: asdict(stats) for name, stats in per_cat.items()},
+        # prompts the intake screens refused, per category (docs/MIX.md)
+        "refused_at_intake": {name: refused_at_intake(out_dir / name) for name in per_cat},
         "total": total_dict,
         "missing": missing,
         "mode": mode,

@@ -28,6 +28,7 @@ row counts published drafter recipes train on (`RECIPES`; docs/MIX.md cites them
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -41,6 +42,7 @@ from foundation.errors import TokencapError
 from foundation.outputs import BadLine, category_dir, read_results
 
 if TYPE_CHECKING:
+    from producer.intake import Intake
     from producer.render import Renderer
     from producer.source import CategorySource
 
@@ -79,6 +81,9 @@ class SourceCheck(msgspec.Struct):
     examples: dict[str, list[str]] = {}
     # keys with text that neither the format nor the field_map reads: key -> records
     unread: dict[str, int] = {}
+    # the usable records the intake screens would refuse as `contaminated`, by benchmark
+    # (their total, and the near-duplicates', are in `rejected`)
+    contaminated: dict[str, int] = {}
 
 
 class PlanRow(msgspec.Struct):
@@ -254,31 +259,75 @@ def survey(cfg: RunConfig, renderer: Renderer | None, check: bool = False,
     counted with the generations they ask for and the rejects by reason; for the categories
     in `prompt_tokens_of`, the mean prompt tokens as the producer renders them (with `check`:
     over every usable record; else over the first `sample_size` prompts of the shuffled
-    order; 0.0 when none renders). `on_progress(category, done, total)` is called now and
-    then while checking."""
+    order; 0.0 when none renders). With `check`, the intake screens too (`_screen`): the
+    prompts refused as near-duplicates or contaminated are counted among the rejects.
+    `on_progress(category, done, total)` is called now and then while checking."""
+    from producer.intake import Intake
     from producer.source import CategorySource
 
     out = {}
     context = context_for_check(cfg, renderer)[0] if check else cfg.context_length
-    for cat in cfg.category:
-        mean = cat.name in prompt_tokens_of
-        with CategorySource.open(cfg, cat, renderer, context) as source:
+    opened: dict[str, CategorySource] = {}  # with `check`, open to the end: the screens
+    intake = Intake(cfg, opened.get) if check else None  # read kept prompts back
+    digests: set[str] = set()
+    with contextlib.ExitStack() as stack:
+        for cat in cfg.category:
+            mean = cat.name in prompt_tokens_of
+            source = stack.enter_context(CategorySource.open(cfg, cat, renderer, context))
+            opened[cat.name] = source
             checked = lengths = None
             if check:
-                checked, lengths = _check(source, on_progress)
+                checked, lengths, usable = _check(source, on_progress)
+                if intake is not None and intake.active:
+                    checked = _screen(source, checked, usable, intake, digests)
             elif mean:
                 lengths = [len(item[2]) for item in _shuffled_prompts(source, renderer,
                                                                       sample_size)
                            if len(item) == 3]
             tokens = (sum(lengths) / len(lengths) if lengths else 0.0) if mean else None
             out[cat.name] = Survey(len(source), checked, tokens)
+            if not check:
+                stack.close()  # nothing reads it again
     return out
 
 
+def _screen(source: CategorySource, checked: SourceCheck,
+            usable: list[tuple[int, str, int]], intake: Intake, digests: set[str]
+            ) -> SourceCheck:
+    """The usable records the intake screens would refuse, in the run's shuffled order (the
+    categories in the config's order, each after the one before: docs/MIX.md): counted in
+    `rejected` and out of `usable` and `generations`, the contaminated ones by benchmark too.
+    Exact copies of a prompt (`digests`: those seen) are left out, as the producer leaves
+    them to the feed script."""
+    from foundation.wire import CONTAMINATED, Pending, contaminated_by
+
+    name = source.cat.name
+    rank = {pos: k for k, pos in enumerate(source.order)}
+    rejected, by_bench = dict(checked.rejected), dict(checked.contaminated)
+    usable_n, generations = checked.usable, checked.generations
+    for pos, digest, turns in sorted(usable, key=lambda u: rank[u[0]]):
+        s = source.read(pos)
+        p = Pending(sample_id=source.first_id(s), ordinal=pos, prompt_ids=[], sampling={})
+        exact = "" if digest in digests else None
+        digests.add(digest)
+        out = intake.screen(name, [s], [p], [exact])
+        for d in out.refused:
+            rejected[d.reason] = rejected.get(d.reason, 0) + 1
+            if d.reason == CONTAMINATED:
+                bench = contaminated_by(d) or "?"
+                by_bench[bench] = by_bench.get(bench, 0) + 1
+            usable_n -= 1
+            generations -= turns
+    return msgspec.structs.replace(checked, usable=usable_n, generations=generations,
+                                   rejected=dict(sorted(rejected.items())),
+                                   contaminated=by_bench)
+
+
 def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] | None
-           ) -> tuple[SourceCheck, list[int]]:
-    """Every record of `source` read, rendered and checked; the check and the usable
-    records' prompt lengths."""
+           ) -> tuple[SourceCheck, list[int], list[tuple[int, str, int]]]:
+    """Every record of `source` read, rendered and checked; the check, the usable records'
+    prompt lengths, and each usable record's (position, prompt digest, generations)."""
+    from budget_service.ledger import prompt_digest
     from producer.formats.records import Rejected
 
     name = source.cat.name
@@ -287,6 +336,7 @@ def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] 
     lengths: list[int] = []
     generations = 0
     unread: dict[str, int] = {}
+    usable: list[tuple[int, str, int]] = []
     for i in range(len(source)):
         try:
             s = source.read(i)
@@ -300,12 +350,14 @@ def _check(source: CategorySource, on_progress: Callable[[str, int, int], None] 
                 shown.append(f"{exc.where or source.where(i)}: {exc}")
             continue
         lengths.append(len(prompt.ids))
-        generations += s.conversation.turns if s.conversation else 1
+        turns = s.conversation.turns if s.conversation else 1
+        generations += turns
+        usable.append((i, prompt_digest(prompt.ids), turns))
         if on_progress and (i + 1) % CHECK_PROGRESS_EVERY == 0:
             on_progress(name, i + 1, len(source))
     return SourceCheck(len(source), len(lengths), generations,
                        dict(sorted(rejected.items())), examples,
-                       dict(sorted(unread.items()))), lengths
+                       dict(sorted(unread.items()))), lengths, usable
 
 
 def unread_text(name: str, unread: dict[str, int], of: int) -> str:

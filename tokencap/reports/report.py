@@ -43,6 +43,7 @@ from budget_service.ledger import CategoryState, cap_text
 from budget_service.telemetry import RunStatus, SeriesPoint
 from foundation.outputs import BadLine, category_dir, read_committed, read_dead_letters
 from foundation.units import size_text
+from foundation.wire import NEAR_DUPLICATE, contaminated_by
 from tokencap.reports.rates import tok_s
 
 FIGURES = ("lengths", "finish", "budget", "throughput", "tail", "failures")
@@ -76,11 +77,15 @@ def _collect(budget: Budget, out_dir: Path, names: list[str]) -> dict[str, dict[
                 if r.reusable_tokens:
                     c["reusable"] += r.reusable_tokens
                     c["reused"] += min(r.cached_tokens or 0, r.reusable_tokens)
+        screened: Counter[str] = Counter()  # refused at intake: near_duplicate, benchmarks
         for d in read_dead_letters(cat_dir):
             if not isinstance(d, BadLine) and d.outcome != "cut":
                 failures[f"{d.outcome}: {d.reason}"] += 1
+                bench = contaminated_by(d)
+                if bench is not None or d.reason == NEAR_DUPLICATE:
+                    screened[bench or d.reason] += 1
         data[name] = {"lengths": lengths, "finish": finish, "failures": failures, "gated": gated,
-                      "cache": cache, "freq": freq}
+                      "cache": cache, "freq": freq, "screened": screened}
     return data
 
 
@@ -364,6 +369,12 @@ def build_report(budget: Budget, out_dir: Path, dest: Path) -> Path:
         f"<td>{int((f.counts > 0).sum()):,}</td>"
         + "".join(f"<td>{pct(v)}</td>" for v in f.coverage().values()) + "</tr>"
         for n, f in freqs.items())
+    benches = sorted({b for n in names for b in data[n]["screened"]} - {NEAR_DUPLICATE})
+    intake_rows = "".join(
+        f'<tr data-category="{_esc(n)}"><td>{_esc(n)}</td>'
+        + "".join(f"<td>{data[n]['screened'][k]:,}</td>" for k in [NEAR_DUPLICATE, *benches])
+        + "</tr>" for n in names)
+    intake_heads = "".join(f"<th>contaminated: {_esc(b)}</th>" for b in benches)
     simulated = ('<p class="warn">SIMULATED: an engine of this run is the simulator; its '
                  "outputs are synthetic.</p>") if status.simulated else ""
     modes = _modes_section(status)
@@ -386,6 +397,11 @@ figure{{margin:16px 0}}img{{max-width:100%}}.warn{{color:#b54708;font-weight:600
 {rows}</table>
 {modes}
 {states}
+<h2>Refused at intake</h2>
+<p>Prompts refused before generation (docs/MIX.md): near-duplicates of a prompt kept, and
+prompts sharing a word n-gram with a benchmark's item, by benchmark.</p>
+<table id="intake"><tr><th>category</th><th>near_duplicate</th>{intake_heads}</tr>
+{intake_rows}</table>
 <h2>Engines</h2><ul>{engines}</ul>
 <h2>Prefix cache</h2>
 <p>Prompt tokens the engine served from its prefix cache, and those a conversation's turn

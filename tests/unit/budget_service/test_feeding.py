@@ -58,6 +58,20 @@ def test_feed_records_once(budget: Budget) -> None:
     assert budget.feeding.cursor("code") == 3
 
 
+def test_feed_appends_the_near_duplicate_record_of_what_it_feeds(budget: Budget) -> None:
+    # Given three samples, b an exact copy of a's prompt ids, each with its record
+    samples = [pending("a", (1, 2)), pending("b", (1, 2)), pending("c", (3,))]
+    records = [b"A" * 132, b"B" * 132, b""]
+    ids = budget.feeding.feed("code", 0, 3, now_ms() + LEASE_MS, samples, [], (), records)
+    # Then the records of those fed are appended, in order; b (duplicate_prompt) adds none
+    assert ids == ["a", "c"]
+    assert budget.feeding.near_records("code") == b"A" * 132
+    # and a stale feed appends nothing
+    stale = budget.feeding.feed("code", 0, 4, now_ms() + LEASE_MS, [pending("d", (4,))], [], (),
+                                [b"D" * 132])
+    assert stale is None and budget.feeding.near_records("code") == b"A" * 132
+
+
 def test_feed_with_a_stale_cursor_writes_nothing(budget: Budget) -> None:
     assert feed(budget, "a") == 1
     # a producer that believes the cursor is 5 (Redis lost feeds it made)

@@ -38,6 +38,14 @@ sampling = {{ {sampling} }}
     ("", "", "max_new_tokens = 0", "$.category[0].sampling.max_new_tokens"),
     ("count = 'input'", "", "max_new_tokens = 1", "$.count"),
     ("heartbeat_s = 0", "", "max_new_tokens = 1", "$.heartbeat_s"),
+    ("decontaminate = ['mmlu']", "", "max_new_tokens = 1", "$.decontaminate[0]"),
+    ("decontaminate = ['gsm8k', 'evals/nope.jsonl']", "", "max_new_tokens = 1",
+     "$.decontaminate[1]"),
+    ("decontaminate = ['gsm8k', 'gsm8k']", "", "max_new_tokens = 1", "$.decontaminate"),
+    ("decontaminate_ngram = 0", "", "max_new_tokens = 1", "$.decontaminate_ngram"),
+    ("[near_duplicates]\nthreshold = 1.5", "", "max_new_tokens = 1",
+     "$.near_duplicates.threshold"),
+    ("[near_duplicates]\nthreshhold = 0.7", "", "max_new_tokens = 1", "`threshold`"),
 ])
 def test_bad_fields_are_named(tmp_path, extra, cat_extra, sampling, field) -> None:
     path = tmp_path / "bad.toml"
@@ -46,6 +54,18 @@ def test_bad_fields_are_named(tmp_path, extra, cat_extra, sampling, field) -> No
         load_config(path)
     assert str(path) in str(err.value)
     assert field in str(err.value)
+
+
+def test_decontaminate_takes_shipped_names_and_files(tmp_path) -> None:
+    own = tmp_path / "evals" / "mine.jsonl"
+    own.parent.mkdir()
+    own.write_text('{"question": "q"}\n')
+    path = tmp_path / "c.toml"
+    path.write_text(base("decontaminate = ['humaneval', 'evals/mine.jsonl']"))
+    cfg = load_config(path)
+    assert cfg.decontaminate == ["humaneval", str(own)]
+    assert cfg.near_duplicates.enabled and cfg.near_duplicates.threshold == 0.8
+    assert cfg.near_duplicates.ngram == 5 and cfg.decontaminate_ngram == 13
 
 
 def test_missing_source_file_is_named(tmp_path) -> None:

@@ -125,6 +125,26 @@ def test_specforge_rows_supervise_exactly_the_generated_tokens(tmp_path, built, 
     assert summary["total"]["rows"] == 2 * (PER_CATEGORY - 1)
 
 
+def test_the_manifest_counts_prompts_refused_at_intake_by_benchmark(tmp_path, built):
+    from foundation.wire import DeadLetter, Outcome, encode
+    from producer.intake import contamination_message
+
+    out = _write_out(tmp_path, built)
+    cat = next(iter(built))
+    (out / cat / "failed.jsonl").write_bytes(b"".join(encode(DeadLetter(
+        id=str(k), category=cat, outcome=Outcome.REJECTED, reason=reason, message=msg)) + b"\n"
+        for k, (reason, msg) in enumerate([
+            ("near_duplicate", "near-duplicate of x/y:1 (Jaccard 0.95 ...)"),
+            ("contaminated", contamination_message("humaneval", "HumanEval/3", 13)),
+            ("contaminated", contamination_message("humaneval", "HumanEval/8", 13)),
+            ("empty_prompt", "prompt has no tokens")])))
+    summary = export(out, tmp_path / "dest", ["specforge"])
+    assert summary["refused_at_intake"][cat] == {"near_duplicate": 1,
+                                                 "contaminated": {"humaneval": 2}}
+    on_disk = json.loads((tmp_path / "dest" / "export-manifest.json").read_text())
+    assert on_disk["refused_at_intake"] == summary["refused_at_intake"]
+
+
 def test_truncated_are_dropped_and_counted_unless_kept(tmp_path, built):
     out = _write_out(tmp_path, built)
     runner = CliRunner()

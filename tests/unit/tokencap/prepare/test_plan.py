@@ -320,7 +320,8 @@ def test_plan_check_counts_usable_records_and_their_turns(tmp_path):
     # 8 records: 3 rejected for a reason each; the 5 others ask for 3+2+4+2+2 generations
     examples = row["checked"].pop("examples")
     assert row["checked"] == {"records": 8, "usable": 5, "generations": 13, "rejected": {
-        "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}, "unread": {}}
+        "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}, "unread": {},
+        "contaminated": {}}
     # each reject named where it is: file:line (field)
     assert examples["invalid_json"] == [
         f"{CONVERSATIONS}:8: invalid_json (messages[1].tool_calls[0].function.arguments): not "
@@ -387,6 +388,23 @@ def test_plan_check_refuses_tool_results_that_answer_no_call(tmp_path) -> None:
                             "an assistant turn that made 1 call(s)")
     # "first" renders the conversation up to its first user turn: only what comes before it
     assert _check_agent(tmp_path, src, "first", usable=4) == [second]
+
+
+def test_plan_check_counts_what_the_intake_screens_would_refuse(tmp_path) -> None:
+    # Given GSM8K test questions with GSM8K decontaminated, and MATH-Minerva problems, two
+    # pairs of which are near copies (subproblem chains)
+    path = _config(tmp_path, head='decontaminate = ["gsm8k", "mt_bench"]', cats=(
+        f'[[category]]\nname = "qa"\nsource = "{DATASETS}/question_answer/'
+        'gsm8k_test_first200.jsonl"\nsampling = { max_new_tokens = 64 }\n'
+        f'[[category]]\nname = "math"\nsource = "{DATASETS}/problem_solution/'
+        'qwen25math_minerva_math_test.jsonl"\nsampling = { max_new_tokens = 64 }\n'))
+    res = CliRunner().invoke(plan_cmd, [str(path), "--check", "--json"])
+    # Then plan --check counts each category's losses, by benchmark
+    rows = {r["category"]: r["checked"] for r in json.loads(res.stdout)["categories"]}
+    assert rows["qa"]["rejected"] == {"contaminated": 200}
+    assert rows["qa"]["contaminated"] == {"gsm8k": 200} and rows["qa"]["usable"] == 0
+    assert rows["math"]["rejected"] == {"near_duplicate": 2} and rows["math"]["usable"] == 270
+    assert res.exit_code != 0  # qa has no usable record left
 
 
 def test_plan_check_fails_when_a_category_has_no_usable_record(tmp_path) -> None:

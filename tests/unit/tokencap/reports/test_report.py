@@ -86,3 +86,24 @@ def test_the_report_has_each_mode_against_its_weight(tmp_path, redis) -> None:
             "<td>conv</td><td>think</td><td>2</td><td>66.7%</td><td>60</td><td>60.0%</td>"
             "<td>75.0%</td></tr>") in text
     assert 'data-category="tok" data-mode="fast" data-rows="1" data-tokens="20"' in text
+
+
+def test_the_report_counts_prompts_refused_at_intake_by_benchmark(tmp_path) -> None:
+    from foundation.wire import DeadLetter, Outcome, encode
+    from producer.intake import contamination_message
+    from tokencap.reports.report import _collect
+
+    def letter(sid: str, reason: str, message: str = "") -> bytes:
+        return encode(DeadLetter(id=sid, category="a", outcome=Outcome.REJECTED,
+                                 reason=reason, message=message)) + b"\n"
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "failed.jsonl").write_bytes(
+        letter("1", "near_duplicate", "near-duplicate of a/x:1 (Jaccard 0.90 ...)")
+        + letter("2", "contaminated", contamination_message("gsm8k", "test:4", 13))
+        + letter("3", "contaminated", contamination_message("my_eval", "q7", 13))
+        + letter("4", "contaminated", contamination_message("gsm8k", "test:9", 13))
+        + letter("5", "duplicate_prompt"))
+    data = _collect(None, tmp_path, ["a"])  # type: ignore[arg-type]
+    assert data["a"]["screened"] == {"near_duplicate": 1, "gsm8k": 2, "my_eval": 1}
+    assert data["a"]["failures"]["rejected: contaminated"] == 3
