@@ -63,9 +63,9 @@ def _git() -> dict[str, Any]:
     """The commit measured, and whether the tree had changes outside bench/."""
     import subprocess
 
-    def git(*args: str) -> str:
+    def git(*args: str) -> str:  # (not strip(): a status line starts with a space)
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
-                              text=True, check=False).stdout.strip()
+                              text=True, check=False).stdout.rstrip("\n")
 
     dirty = [line[3:] for line in git("status", "--porcelain").splitlines()
              if not line[3:].startswith("bench/")]
