@@ -115,7 +115,7 @@ def venv() -> Path:
 
 TRAINERS = ("specforge==0.2.0", "speculators==0.9.0", "hs-connectors==0.9.0")
 TRAINERS_DEPS = ("datasets<=5.1.0", "accelerate", "loguru<=0.7.3", "redis", "rq", "msgspec",
-                 "zstandard", "ml_dtypes")
+                 "zstandard", "ml_dtypes", "datasketch>=2.0,<3")
 
 
 def trainers_venv(engine_python: Path) -> Path:
