@@ -427,3 +427,12 @@ def fp8_server() -> tuple[str, str | None]:
                         "FP8 extraction server")
         pytest.skip("no FP8 extraction server (TOKENCAP_EXTRACT_FP8_URL)")
     return url.rstrip("/"), os.environ.get("TOKENCAP_EXTRACT_FP8_STORAGE")
+
+
+def by_conversation(rows: list[Result]) -> dict[str, list[Result]]:
+    """Rows by conversation id, each conversation's turns in order."""
+    out: dict[str, list[Result]] = {}
+    for r in sorted(rows, key=lambda r: (r.conversation_id or "", r.turn)):
+        assert r.conversation_id is not None
+        out.setdefault(r.conversation_id, []).append(r)
+    return out

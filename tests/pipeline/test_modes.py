@@ -18,11 +18,11 @@ import pytest
 
 from foundation import modes
 from foundation.config import RunConfig
-from foundation.wire import Result
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import Pipeline
 from tests.conftest import QWEN, write_config
+from tests.helpers import by_conversation
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +60,6 @@ sampling = {{ max_new_tokens = 128, temperature = 0.9 }}
 {MODES}
 {share}
 """)
-
-
-def by_conversation(rows: list[Result]) -> dict[str, list[Result]]:
-    out: dict[str, list[Result]] = {}
-    for r in sorted(rows, key=lambda r: (r.conversation_id or "", r.turn)):
-        assert r.conversation_id is not None
-        out.setdefault(r.conversation_id, []).append(r)
-    return out
 
 
 def test_two_modes_by_conversation_survive_a_kill_and_resume(tmp_path, redis_url) -> None:

@@ -19,7 +19,7 @@ import pytest
 from foundation.config import RunConfig
 from foundation.errors import ConfigError
 from foundation.outputs import category_dir
-from foundation.wire import Result, split_turn_id, turn_id
+from foundation.wire import split_turn_id, turn_id
 from producer.readers.index import SourceIndex, read_sample, sample_id
 from producer.render import Renderer
 from producer.reply_parser import ReplyParser
@@ -28,6 +28,7 @@ from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
 from testing.harness import RedisServer, final_marks, started
 from tests.conftest import DATASETS, QWEN, write_config
+from tests.helpers import by_conversation
 from tokencap.export.conversations import SourceMessages
 from tokencap.export.exporter import export
 
@@ -104,14 +105,6 @@ def done(request, tmp_path_factory):
                           committed=committed,
                           renderer=renderer, summaries=summaries, tmp=tmp,
                           replies=ReplyParser(renderer.tokenizer, renderer.template))
-
-
-def by_conversation(rows: list[Result]) -> dict[str, list[Result]]:
-    out: dict[str, list[Result]] = {}
-    for r in sorted(rows, key=lambda r: (r.conversation_id or "", r.turn)):
-        assert r.conversation_id is not None
-        out.setdefault(r.conversation_id, []).append(r)
-    return out
 
 
 def source_of(cfg: RunConfig, name: str):
