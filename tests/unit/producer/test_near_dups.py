@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+from datasketch import MinHash
+
 from foundation.config import NearDuplicates as Settings
-from producer.near_dups import SIGNATURE_BYTES, Kept, NearDuplicates
+from producer.near_dups import SCHEME, SEED, SIGNATURE_BYTES, Kept, NearDuplicates, jaccard
 
 RNG = random.Random(45)
 VOCAB = [f"w{k}" for k in range(3000)]
@@ -59,3 +62,24 @@ def test_the_index_is_rebuilt_from_the_records() -> None:
     # Then a copy is refused, and a record fed again is new (its own key)
     assert again.screen(Kept("b", 5), "1. " + TEXTS[11]).kept == Kept("a", 11)
     assert again.screen(Kept("a", 11), TEXTS[11]).kept is None
+
+
+def test_the_minhash_is_datasketchs_update_batch() -> None:
+    # The index applies datasketch's pre-mix and permutations to the array at once: the
+    # values must be those datasketch's own update gives (a change of datasketch shows here)
+    nd = index({})
+    rng = np.random.default_rng(45)
+    for size in (1, 5, 2000):
+        hashes = rng.integers(0, 2**64, size=size, dtype=np.uint64)
+        ours = nd.minhash(hashes)
+        theirs = MinHash(num_perm=32, seed=SEED, hashfunc=int, scheme=SCHEME)
+        theirs.update_batch([int(h ^ (h >> np.uint64(32))) & 0xFFFFFFFF for h in hashes])
+        assert np.array_equal(ours.hashvalues, theirs.hashvalues)
+        assert ours.hashvalues.dtype == theirs.hashvalues.dtype
+
+
+def test_jaccard_of_sorted_unique_hashes() -> None:
+    a, b = np.array([1, 2, 3, 4], np.uint64), np.array([3, 4, 5], np.uint64)
+    assert jaccard(a, b) == 2 / 5
+    assert jaccard(a, a) == 1.0 and jaccard(a, b[2:]) == 0.0
+    assert jaccard(a[:0], b[:0]) == 1.0
