@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 
@@ -36,6 +36,19 @@ def _draws(cfg: RunConfig) -> dict[str, list[tuple[str, float]]]:
     the seed also draws the record order)."""
     return {c.split_of or c.name: [(m.name, m.weight) for m in c.modes]
             for c in cfg.category if c.modes}
+
+
+class Seen(NamedTuple):
+    """A batch's prompts as the ledger knows them, beside the batch: each one's prompt
+    digest, and the first sample that fed the same ids ("category/sample id"), or None."""
+
+    digests: list[str]
+    owners: list[str | None]
+
+    def keep(self, kept: Sequence[bool]) -> Seen:
+        """The entries of the prompts kept (`kept`, beside them)."""
+        return Seen([d for d, k in zip(self.digests, kept, strict=True) if k],
+                    [o for o, k in zip(self.owners, kept, strict=True) if k])
 
 
 class FeedingLedger(Ledger):
@@ -73,25 +86,28 @@ class FeedingLedger(Ledger):
 
     def feed(self, category: str, cursor: int, new_cursor: int, deadline_ms: int,
              samples: Sequence[Pending], rejected: Sequence[DeadLetter],
-             others: Sequence[str] = (), near: Sequence[bytes] = ()) -> list[str] | None:
+             others: Sequence[str] = (), near: Sequence[bytes] = (),
+             seen: Seen | None = None) -> list[str] | None:
         """Record `samples` (pending, leased until `deadline_ms`) and `rejected` (final) and
         move the cursor from `cursor` to `new_cursor`, in one call. A sample whose prompt ids
         a category of `others` fed already is rejected as duplicate_prompt (read from their
-        prompt digests first: a script touches one category's slot). `near`, beside
-        `samples` (or empty): each one's near-duplicate record (`producer.near_dups`, b""
-        for none), appended to the category's `near` when it is fed. Returns the ids
-        recorded now, or None when Redis's cursor is not `cursor` (nothing written)."""
-        digests = [prompt_digest(p.prompt_ids) for p in samples]
-        elsewhere = self.fed_elsewhere(others, digests)
+        prompt digests first, `seen`: a script touches one category's slot; `seen`, when the
+        caller asked already, is not asked again: an owner in `category` itself is left to
+        the script). `near`, beside `samples` (or empty): each one's near-duplicate record
+        (`producer.near_dups`, b"" for none), appended to the category's `near` when it is
+        fed. Returns the ids recorded now, or None when Redis's cursor is not `cursor`
+        (nothing written)."""
+        if seen is None:
+            seen = self.seen(others, samples)
         args: list[Any] = [cursor, new_cursor, deadline_ms, 0]
         dropped: list[DeadLetter] = []
         records = list(near) or [b""] * len(samples)
-        for p, digest, first, record in zip(samples, digests, elsewhere, records, strict=True):
-            dup = DeadLetter(id=p.sample_id, category=category, outcome=Outcome.REJECTED,
-                             reason="duplicate_prompt", where=p.where,
-                             message=f"same prompt token ids as {first or 'an earlier sample'}",
-                             conversation_id=p.conversation_id, turn=p.turn,
-                             turns_total=p.turns_total)
+        mine = f"{category}/"
+        for p, digest, owner, record in zip(samples, seen.digests, seen.owners, records,
+                                            strict=True):
+            first = None if owner is None or owner.startswith(mine) else owner
+            dup = DeadLetter.of(p, category, Outcome.REJECTED, "duplicate_prompt",
+                                f"same prompt token ids as {first or 'an earlier sample'}")
             if first is not None:
                 dropped.append(dup)
                 continue
@@ -103,6 +119,13 @@ class FeedingLedger(Ledger):
         if as_str(out[0]) == "stale":
             return None
         return [as_str(v) for v in out[1:]]
+
+    def seen(self, categories: Sequence[str], samples: Sequence[Pending]) -> Seen:
+        """The prompt digests of `samples` and, for each, the sample of `categories` that
+        fed it first (`fed_elsewhere`): computed once per batch, for the intake screens and
+        the feed."""
+        digests = [prompt_digest(p.prompt_ids) for p in samples]
+        return Seen(digests, self.fed_elsewhere(categories, digests))
 
     def near_records(self, category: str) -> bytes:
         """The category's near-duplicate records (the `near` string), for the producer to

@@ -297,11 +297,7 @@ def _failed(rc: RunContext, cat: Category, p: Pending, exc: EngineError) -> str:
         outcome = Outcome.DEAD if exc.retryable else Outcome.REJECTED
         log.warning("%s/%s %s after %d attempt(s): %s", cat.name, p.sample_id, outcome,
                     failures, exc)
-        rc.ledger.fail(DeadLetter(
-            id=p.sample_id, category=cat.name, outcome=outcome, reason=exc.kind.value,
-            message=str(exc), where=p.where, attempts=failures,
-            conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total,
-        ))
+        rc.ledger.fail(DeadLetter.of(p, cat.name, outcome, exc.kind.value, str(exc), failures))
         return outcome
     log.info("%s/%s attempt %d failed (%s), will retry: %s", cat.name, p.sample_id, failures,
              exc.kind.value, exc)

@@ -190,6 +190,15 @@ class DeadLetter(Struct, frozen=True):
     turn: int = 0
     turns_total: int = 0
 
+    @classmethod
+    def of(cls, p: Pending, category: str, outcome: Outcome, reason: str, message: str = "",
+           attempts: int = 0) -> DeadLetter:
+        """The dead letter that ends the sample `p`: its id, where its record is, its place
+        in its conversation."""
+        return cls(id=p.sample_id, category=category, outcome=outcome, reason=reason,
+                   message=message, where=p.where, attempts=attempts,
+                   conversation_id=p.conversation_id, turn=p.turn, turns_total=p.turns_total)
+
 
 def turn_id(conversation_id: str, turn: int) -> str:
     """The sample id of turn `turn` (1-based) of a conversation."""

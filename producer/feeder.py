@@ -50,7 +50,7 @@ from budget_service import jobs
 from budget_service.budget import Budget
 from budget_service.estimator import LengthModel, admission
 from budget_service.keys import Keys
-from budget_service.ledger import CategoryState, now_ms, prompt_digest, run_ended
+from budget_service.ledger import CategoryState, now_ms, run_ended
 from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError, SourceError
 from foundation.modes import most_new_tokens
@@ -334,7 +334,7 @@ class Producer:
             ids = self.budget.feeding.feed(name, start, start + len(positions),
                                            now_ms() + self.lease_ms, prepared,
                                            rejected + too_long + screened.refused, others,
-                                           screened.near)
+                                           screened.near, screened.seen)
             if ids is None:
                 self.resync(feed)
                 return fed
@@ -349,14 +349,15 @@ class Producer:
     def _screen(self, name: str, samples: list[Sample], prepared: list[Pending],
                 others: list[str]) -> Screened:
         """The intake screens on a batch (`producer.intake`); exact copies of a prompt fed
-        before are left to the feed script."""
+        before are left to the feed script. Each prompt's digest and who fed it first are
+        asked once, for the screens and the feed (`Screened.seen`: the other categories
+        first, whose copies the feed refuses)."""
+        seen = self.budget.feeding.seen([*others, name], prepared)
         if not self.intake.active:
-            return Screened(prepared, [], [])
+            return Screened(prepared, [], [], seen)
         if not self._intake_loaded:
             self.load_intake()
-        owners = self.budget.feeding.fed_elsewhere(
-            [name, *others], [prompt_digest(p.prompt_ids) for p in prepared])
-        return self.intake.screen(name, samples, prepared, owners)
+        return self.intake.screen(name, samples, prepared, seen)
 
     def _shared_key(self, ids: list[int]) -> str:
         """The prompt's affinity key if an earlier prompt had it ("" otherwise, and for a

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from budget_service.budget import Budget
-from budget_service.ledger import prompt_digest
+from budget_service.feeding import Seen
 from foundation.config import RunConfig
 from foundation.wire import CONTAMINATED, NEAR_DUPLICATE, DeadLetter, Outcome, Pending
 from producer.contamination import Benchmarks
@@ -29,12 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class Screened(NamedTuple):
-    """A batch screened: the samples to feed with their near-duplicate records, and the
-    dead letters of those refused."""
+    """A batch screened: the samples to feed with their near-duplicate records (empty: none)
+    and what the ledger knows of their prompts (`Seen`), and the dead letters of those
+    refused."""
 
     samples: list[Pending]
     near: list[bytes]
     refused: list[DeadLetter]
+    seen: Seen
 
 
 def contamination_message(benchmark: str, item: str, n: int) -> str:
@@ -88,35 +90,32 @@ class Intake:
                 self.near.load(cat.name, budget.feeding.near_records(cat.name), keep_alive)
 
     def screen(self, category: str, samples: Sequence[Sample], prepared: Sequence[Pending],
-               owners: Sequence[str | None]) -> Screened:
-        """Screen `prepared` (made from `samples`; `owners`, beside `prepared`: the sample
-        that fed the same prompt ids already, as `fed_elsewhere` says, or None)."""
+               seen: Seen) -> Screened:
+        """Screen `prepared` (made from `samples`; `seen`: their prompt digests and the
+        sample that fed the same prompt ids already, `FeedingLedger.seen`)."""
         if not self.active:
-            return Screened(list(prepared), [], [])
+            return Screened(list(prepared), [], [], seen)
         source = self.sources(category)
         by_id: Mapping[str, Sample] = (
             {source.first_id(s): s for s in samples} if source else {})
         keep: list[Pending] = []
+        kept: list[bool] = []
         near: list[bytes] = []
         refused: list[DeadLetter] = []
         digests: set[str] = set()
-        for p, owner in zip(prepared, owners, strict=True):
-            digest = prompt_digest(p.prompt_ids)
+        for p, digest, owner in zip(prepared, seen.digests, seen.owners, strict=True):
             s = by_id.get(p.sample_id)
             exact = (owner is not None and owner != f"{category}/{p.sample_id}") \
                 or digest in digests
             digests.add(digest)
-            if s is None or exact:  # the feed script refuses the exact copy
-                keep.append(p)
-                near.append(b"")
-                continue
-            letter, record = self._check(category, p, s)
+            letter, record = (None, b"") if s is None or exact else self._check(category, p, s)
+            kept.append(letter is None)  # the feed script refuses the exact copy
             if letter is not None:
                 refused.append(letter)
                 continue
             keep.append(p)
             near.append(record)
-        return Screened(keep, near, refused)
+        return Screened(keep, near, refused, seen.keep(kept))
 
     def _check(self, category: str, p: Pending, s: Sample) -> tuple[DeadLetter | None, bytes]:
         """The prompt's refusal (None: it passes), and its near-duplicate record."""
@@ -140,7 +139,4 @@ class Intake:
     def _letter(self, category: str, p: Pending, reason: str, message: str) -> DeadLetter:
         log.info("%s: refused %s at %s: %s: %s", category, p.sample_id, p.where, reason,
                  message)
-        return DeadLetter(id=p.sample_id, category=category, outcome=Outcome.REJECTED,
-                          reason=reason, message=message, where=p.where,
-                          conversation_id=p.conversation_id, turn=p.turn,
-                          turns_total=p.turns_total)
+        return DeadLetter.of(p, category, Outcome.REJECTED, reason, message)

@@ -128,11 +128,9 @@ class Recovery:
                 continue
             failures = p.failures + (1 if entry.in_flight else 0)
             if failures >= self.cfg.max_attempts:
-                self.budget.samples.fail(DeadLetter(id=sid, category=name, outcome=Outcome.DEAD,
-                                            reason=ErrorKind.LOST.value, where=p.where,
-                                            message="worker lost the sample too often",
-                                            attempts=failures, conversation_id=p.conversation_id,
-                                            turn=p.turn, turns_total=p.turns_total))
+                self.budget.samples.fail(DeadLetter.of(
+                    p, name, Outcome.DEAD, ErrorKind.LOST.value,
+                    "worker lost the sample too often", failures))
                 continue
             if entry.in_flight:
                 log.warning("%s/%s: lease expired in flight, re-enqueueing", name, sid)

@@ -299,6 +299,7 @@ def _screen(source: CategorySource, checked: SourceCheck,
     `rejected` and out of `usable` and `generations`, the contaminated ones by benchmark too.
     Exact copies of a prompt (`digests`: those seen) are left out, as the producer leaves
     them to the feed script."""
+    from budget_service.feeding import Seen
     from foundation.wire import CONTAMINATED, Pending, contaminated_by
 
     name = source.cat.name
@@ -310,7 +311,7 @@ def _screen(source: CategorySource, checked: SourceCheck,
         p = Pending(sample_id=source.first_id(s), ordinal=pos, prompt_ids=[], sampling={})
         exact = "" if digest in digests else None
         digests.add(digest)
-        out = intake.screen(name, [s], [p], [exact])
+        out = intake.screen(name, [s], [p], Seen([digest], [exact]))
         for d in out.refused:
             rejected[d.reason] = rejected.get(d.reason, 0) + 1
             if d.reason == CONTAMINATED:

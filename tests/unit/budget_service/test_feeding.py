@@ -99,6 +99,27 @@ def test_a_prompt_another_category_fed_is_rejected_as_duplicate(redis) -> None:
     assert final_marks(budget, "code") == {}  # nothing of code was touched
 
 
+def test_the_feed_takes_what_the_producer_asked_already(redis) -> None:
+    # Given a batch the producer asked about once (its screens and the feed share it), the
+    # other category first and the category's own last
+    budget = Budget(redis, Keys("tokencap", "x"))
+    budget.feeding.init_run(make_cfg(cats=("code", "chat")))
+    deadline = now_ms() + LEASE_MS
+    assert budget.feeding.feed("code", 0, 1, deadline, [pending("a", (7, 8))], []) == ["a"]
+    assert budget.feeding.feed("chat", 0, 1, deadline, [pending("b", (5,))], []) == ["b"]
+    batch = [pending("c", (7, 8)), pending("d", (5,)), pending("e", (6,))]
+    seen = budget.feeding.seen(["code", "chat"], batch)
+    assert seen.owners == ["code/a", "chat/b", None]
+    # When chat feeds it with that answer: code's copy is dropped here, its own copy is left
+    # to the script (both duplicate_prompt), and Redis is not asked again
+    asked: list[object] = []
+    budget.feeding.fed_elsewhere = lambda *a: asked.append(a)  # type: ignore[method-assign]
+    ids = budget.feeding.feed("chat", 1, 4, deadline, batch, [], ["code"], seen=seen)
+    assert ids == ["e"] and asked == []
+    marks = final_marks(budget, "chat")
+    assert marks == {"c": "r:duplicate_prompt", "d": "r:duplicate_prompt"}
+
+
 def test_feed_leases_records_rejections_and_duplicate_prompts(budget: Budget) -> None:
     bad = DeadLetter(id="x", category="code", outcome="rejected", reason="invalid_json",
                      where="f:3")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from budget_service.feeding import Seen
+from budget_service.ledger import prompt_digest
 from foundation.wire import CONTAMINATED, NEAR_DUPLICATE, contaminated_by
 from producer.intake import Intake
 from producer.readers.index import Sample
@@ -14,6 +16,11 @@ GSM1 = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every m
         "bakes muffins for her friends every day with four.")
 LONG = ("Write a short story about a lighthouse keeper who finds a message in a bottle "
         "that was written by her grandmother sixty years ago, and tell it in five parts.")
+
+
+def unseen(prepared: list) -> Seen:
+    """A batch no sample fed before."""
+    return Seen([prompt_digest(p.prompt_ids) for p in prepared], [None] * len(prepared))
 
 
 class Source:
@@ -43,10 +50,12 @@ def test_screens_refuse_contaminated_then_near_copies_and_leave_exact_copies() -
     intake = Intake(cfg, lambda name: source)  # type: ignore[arg-type,return-value]
     prepared = [pending(s.sample_id, (k, k)) for k, s in enumerate(source.samples)]
     prepared[3] = pending("s:4", (0, 0))  # the same prompt ids as s:1
-    out = intake.screen("code", source.samples, prepared, [None] * 5)
+    out = intake.screen("code", source.samples, prepared, unseen(prepared))
     assert [p.sample_id for p in out.samples] == ["s:1", "s:4", "s:5"]
     # the exact copy is left to the feed script (duplicate_prompt), with no record
     assert [len(r) for r in out.near] == [132, 0, 132]
+    # what the ledger knew of each prompt goes on with it to the feed, asked once
+    assert out.seen == unseen(out.samples)
     got = {d.id: d for d in out.refused}
     assert got["s:2"].reason == CONTAMINATED and contaminated_by(got["s:2"]) == "gsm8k"
     assert got["s:2"].message.startswith("gsm8k item test:1:")
@@ -60,7 +69,7 @@ def test_nothing_is_screened_when_both_are_off() -> None:
         cfg.near_duplicates, enabled=False))
     intake = Intake(cfg, lambda name: None)
     assert not intake.active
-    out = intake.screen("code", [], [pending("a")], [None])
+    out = intake.screen("code", [], [pending("a")], unseen([pending("a")]))
     assert [p.sample_id for p in out.samples] == ["a"] and out.refused == []
 
 
@@ -70,13 +79,13 @@ def test_one_record_fed_by_two_categories_is_no_near_copy_of_itself() -> None:
     source = Source(texts)
     cfg = make_cfg(cats=("think", "fast"))
     intake = Intake(cfg, lambda name: source)  # type: ignore[arg-type,return-value]
-    first = intake.screen("think", source.samples[:2], [pending("s:1", (1,)),
-                                                         pending("s:2", (2,))], [None] * 2)
+    batch = [pending("s:1", (1,)), pending("s:2", (2,))]
+    first = intake.screen("think", source.samples[:2], batch, unseen(batch))
     assert first.refused == []
     # When the second category feeds the same records (other ids: another template), and the
     # near-copy record s:3
-    out = intake.screen("fast", source.samples, [pending(s.sample_id, (9, k)) for k, s in
-                                                 enumerate(source.samples)], [None] * 3)
+    batch = [pending(s.sample_id, (9, k)) for k, s in enumerate(source.samples)]
+    out = intake.screen("fast", source.samples, batch, unseen(batch))
     # Then its own records pass, and the near-copy is refused naming the first category's
     assert [p.sample_id for p in out.samples] == ["s:1", "s:2"]
     [letter] = out.refused
