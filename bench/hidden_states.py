@@ -12,10 +12,13 @@ again) and removes the engine's name.
 1. Small states (4 layers x 128, bf16, the simulator's states a copy of a table row per
    token, as below): the stage's rows/s against the same rows as prompts
    of a plain generation run with `max_new_tokens = 1` (the request an extraction is) on the
-   same simulator without extraction, through the same pipeline (both timed from the start
-   of their worker processes to the last row written). What vLLM itself spends extracting
-   (15-45% more CPU per request on a tiny model, measured by `make test-engine`'s server)
-   is not here: the simulator stands in.
+   same simulator without extraction, through the same pipeline: the one stage runner
+   (`tokencap.stack.stage.StageRun`), its writer and workers processes of their own, as
+   `tokencap up` runs generation (both timed from the start of their processes to the last
+   row written). What vLLM itself spends extracting (15-45% more CPU per request on a tiny
+   model, measured by `make test-engine`'s server) is not here: the simulator stands in,
+   and what it spends writing each file (a copy of a table row per token, written under its
+   lock) is on the same two cores.
 2. Kimi-K2.5's states (4 layers x 7168 per token: 57,352 B in bf16, 28,684 B in FP8), three
    ways: bf16 (the engine's folder on the output's file system), FP8 written by tokencap's
    connector (the simulator writes the FP8 file and its metadata, as
@@ -155,8 +158,9 @@ def run(bench: Bench) -> dict[str, Any]:
 def _small(bench: Bench) -> dict[str, Any]:
     from foundation.outputs import rows_file
     from sglang_sim.testing import SimServer
-    from testing.harness import started
-    from tokencap.stack.stage import run_hidden_states
+    from tokencap.stack import processes
+    from tokencap.stack.stage import Stage, StageRun, run_hidden_states
+    from tokencap.stack.supervisor import Supervisor
 
     work = bench.sub(NAME)
     gen = work / "gen"
@@ -183,13 +187,14 @@ def _small(bench: Bench) -> dict[str, Any]:
     plain_out = work / "plain"
     plain_cfg = _config(work, plain_out, work / "unused",
                         rows_file(cfg.states().output_dir, "chat"), "{ max_new_tokens = 1 }")
-    bench.fresh_redis()
+    redis = bench.fresh_redis()
     with SimServer(flavor="vllm", time_scale=1000.0) as sim:
-        t0 = time.perf_counter()  # its workers' start counted, as the stage's are
-        with started(plain_cfg, bench.redis.url, [sim.url], WORKERS) as pipe:
-            plain_status = pipe.run()
+        t0 = time.perf_counter()  # its workers' and writer's start counted, as the stage's are
+        plain_status = StageRun(Stage(plain_cfg, bench.redis.url, sim.url, WORKERS), redis,
+                                Supervisor(processes.Table(None)),
+                                say=lambda line: None).run(progress_s=1.0)
         plain_s = time.perf_counter() - t0
-    plain_rows = plain_status["categories"]["chat"]["samples"]
+    plain_rows = plain_status.categories["chat"].samples
     stage_rate = st.samples / stage_s
     plain_rate = plain_rows / plain_s
     figures = {"rows": rows, "stage_rows": st.samples, "stage_s": stage_s,

@@ -9,6 +9,7 @@ by the worker at start, or from the environment at first call, never at import.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -252,9 +253,8 @@ def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms:
     finally:
         _heartbeat.track(None)
         rc.client.stats.flush(rc.ledger)
-    if gen is not None:  # a file kept: its folder has room, whoever saw it full (one call)
-        rc.ledger.record_disk_trouble(str(path.parent), None, now_ms())
-        _disk_pauses.discard(rc.cfg.run)
+    if gen is not None:  # a file kept: its folder has room, whoever saw it full
+        _room_again(rc, str(path.parent))
     status, used = rc.ledger.commit(extract.result(p, rc.cfg, cat.name, desc, gen, sent_at_ms),
                                     0, 0.0)
     log.debug("%s/%s %s: states of %d tokens, used %d", cat.name, p.sample_id, status,
@@ -264,6 +264,22 @@ def _extract(rc: RunContext, cat: Category, p: Pending, rate: float, sent_at_ms:
 
 # the runs whose states folder this worker found full (said once a pause)
 _disk_pauses: set[str] = set()
+# per states folder, when this worker last cleared its disk trouble (monotonic s)
+_trouble_cleared: dict[str, float] = {}
+TROUBLE_CLEAR_S = 2.0
+
+
+def _room_again(rc: RunContext, folder: str) -> None:
+    """A file kept in `folder`: its disk trouble cleared (`record_disk_trouble`), at once by
+    a worker that saw the pause, else at most every TROUBLE_CLEAR_S (a pause another worker
+    saw shows in status that much longer): a call for every row cost a round trip as long
+    as the commit's."""
+    now = time.monotonic()
+    if rc.cfg.run in _disk_pauses or now - _trouble_cleared.get(folder, -math.inf) \
+            >= TROUBLE_CLEAR_S:
+        rc.ledger.record_disk_trouble(folder, None, now_ms())
+        _trouble_cleared[folder] = now
+        _disk_pauses.discard(rc.cfg.run)
 DISK_PAUSE_MAX_S = 60.0
 
 

@@ -240,26 +240,27 @@ def check(path: str | Path, tensors: dict[str, Tensor], ids: list[int], layers: 
         raise BadFile(path, "dtype", f"hidden_states dtype {hs.dtype}, want {dtype or 'a float'}")
     if hs.dtype == FP8:
         _check_scales(path, tensors.get(SCALES), len(ids))
-    # on the raw bits (no widening): not finite = exponent all ones (FP8 e4m3fn: no inf,
-    # NaN = all but the sign set); zero = all but the sign clear
+    # on the raw bits (no widening), per layer the largest magnitude (the sign cleared): not
+    # finite = the exponent all ones, so a magnitude at least `exp` (FP8 e4m3fn: no inf, NaN
+    # = all but the sign set); a layer all zeros = its largest magnitude 0. One AND and one
+    # reduction a value: 5x the rate of testing each apart on a row of 4 x 128 states
     exp, mag, kind = {"BF16": (0x7F80, 0x7FFF, np.uint16), "F16": (0x7C00, 0x7FFF, np.uint16),
                       "F32": (0x7F800000, 0x7FFFFFFF, np.uint32),
                       FP8: (0x7F, 0x7F, np.uint8)}[hs.dtype]
     bits = np.frombuffer(hs.data, dtype=kind).reshape(hs.shape)
     # a chunk of tokens at a time (its temporaries stay in a core's cache: 3x the rate of
-    # the whole row at Kimi-K2.5's size); a layer once seen non-zero is not looked at again
+    # the whole row at Kimi-K2.5's size)
     step = max(1, FP8_CHUNK_VALUES // max(1, math.prod(hs.shape[1:])))
     seen = np.zeros(layers, dtype=bool)
     for a in range(0, hs.shape[0], step):
         chunk = bits[a:a + step]
-        bad = (chunk & exp) == exp
-        if bad.any():
-            where = np.argwhere(bad)[0].tolist()
+        top = (chunk & kind(mag)).max(axis=(0, 2))
+        if (top >= exp).any():
+            where = np.argwhere((chunk & kind(exp)) == exp)[0].tolist()
             where[0] += a
             raise BadFile(path, "not_finite",
                           f"a value is not finite at [token, layer, i] = {where}")
-        if not seen.all():
-            seen |= ((chunk & mag) != 0).any(axis=(0, 2))
+        seen |= top != 0
     zero = [k for k in range(layers) if not seen[k]]
     if zero:
         raise BadFile(path, "zero_layer", f"layer slot(s) {zero} all zeros (the engine gave "

@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import struct
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Literal, NamedTuple
@@ -34,6 +33,12 @@ from foundation import hsfile
 from foundation.errors import SourceError
 from foundation.outputs import STATES_DIR
 from foundation.wire import Result
+
+try:  # Intel ISA-L's CRC32 (python-isal): zlib's values at 5x zlib's rate (measured on a
+    # Kimi-K2.5 row: 11 ms against 56 ms for 115 MB); zlib's own where no wheel installs
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform isal has no wheel for
+    from zlib import crc32
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = "tokencap-states-manifest/1"
@@ -82,14 +87,14 @@ class ManifestError(SourceError):
 
 def crc32s(tensors: dict[str, hsfile.Tensor]) -> dict[str, int]:
     """zlib's CRC32 of each tensor's bytes."""
-    return {name: zlib.crc32(t.data) for name, t in tensors.items()}
+    return {name: crc32(t.data) for name, t in tensors.items()}
 
 
 def header_crc32(data: bytes | memoryview) -> int:
     """zlib's CRC32 of a safetensors file's header (its length and JSON: dtypes, shapes,
     offsets, metadata), from the file's bytes or at least their start."""
     (n,) = struct.unpack("<Q", bytes(data[:8]))
-    return zlib.crc32(data[:8 + n])
+    return crc32(data[:8 + n])
 
 
 def manifest_path(states_out: str | Path, category: str) -> Path:
@@ -171,10 +176,10 @@ def read_crc32s(path: str | Path, header_only: bool = False) -> FileRead:
                     chunk = f.read(min(left, READ_CHUNK_BYTES))
                     if not chunk:
                         raise hsfile.BadFile(p, "torn", f"tensor {name}: past the end")
-                    crc = zlib.crc32(chunk, crc)
+                    crc = crc32(chunk, crc)
                     left -= len(chunk)
                 crcs[name] = crc
-    return FileRead(crcs, zlib.crc32(start + raw), size)
+    return FileRead(crcs, crc32(start + raw), size)
 
 
 def complete(root: str | Path, entry: StatesFile, earlier: StatesFile | None = None

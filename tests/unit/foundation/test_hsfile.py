@@ -135,3 +135,31 @@ def test_a_file_says_its_layers_only_where_tokencap_s_connector_wrote_them() -> 
     assert hsfile.file_layers({hsfile.META_LAYERS: "2,4,5,8"}) == ((2, 4, 5, 8), ("pre",) * 4)
     assert hsfile.file_layers({hsfile.META_LAYERS: "1,8", hsfile.META_FINAL_NORM: "pre,post"}
                               ) == ((1, 8), ("pre", "post"))
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_value_not_finite_is_found_where_it_is_past_the_first_chunk(dtype: str,
+                                                                     bad: float) -> None:
+    import numpy as np
+
+    tokens, layers, hidden = 200, 2, 4096  # 64 tokens a chunk
+    np_dtype = {"BF16": np.float32, "F16": np.float16, "F32": np.float32}[dtype]
+    values = np.full((tokens, layers, hidden), 0.5, dtype=np_dtype)
+    values[130, 1, 7] = bad
+    values[:, 0, :] = -0.0  # a layer all (negative) zeros is caught only when all is finite
+    ids = list(range(tokens))
+    tok = hsfile.Tensor("I64", (tokens,), np.asarray(ids, dtype=np.int64).tobytes())
+    hs = _bf16(values) if dtype == "BF16" else hsfile.Tensor(dtype, values.shape,
+                                                             values.tobytes())
+    with pytest.raises(hsfile.BadFile, match=r"\[token, layer, i\] = \[130, 1, 7\]"):
+        hsfile.check("f", {"hidden_states": hs, "token_ids": tok}, ids, layers, hidden, dtype)
+    values[130, 1, 7] = 0.25
+    hs = _bf16(values) if dtype == "BF16" else hsfile.Tensor(dtype, values.shape,
+                                                             values.tobytes())
+    with pytest.raises(hsfile.BadFile, match=r"layer slot\(s\) \[0\] all zeros"):
+        hsfile.check("f", {"hidden_states": hs, "token_ids": tok}, ids, layers, hidden, dtype)
+    values[:, 0, 5] = 1.0
+    hs = _bf16(values) if dtype == "BF16" else hsfile.Tensor(dtype, values.shape,
+                                                             values.tobytes())
+    hsfile.check("f", {"hidden_states": hs, "token_ids": tok}, ids, layers, hidden, dtype)
