@@ -280,6 +280,8 @@ def _room_again(rc: RunContext, folder: str) -> None:
         rc.ledger.record_disk_trouble(folder, None, now_ms())
         _trouble_cleared[folder] = now
         _disk_pauses.discard(rc.cfg.run)
+
+
 DISK_PAUSE_MAX_S = 60.0
 
 

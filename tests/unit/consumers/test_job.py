@@ -138,3 +138,29 @@ def test_a_full_states_folder_is_tried_more_seldom_the_longer_it_stays_full() ->
     waits = [disk_pause_s(age, jitter=0.0) for age in (0, 1, 10, 60, 3600)]
     assert waits == sorted(waits) and waits[0] == 1.0 and waits[-1] == DISK_PAUSE_MAX_S
     assert disk_pause_s(10, jitter=0.25) == 5.25
+
+
+def test_a_kept_file_clears_the_disk_trouble_at_once_where_the_pause_was_seen(
+        monkeypatch) -> None:
+    # Given a worker that keeps files: the record of a full disk is cleared at most every
+    # TROUBLE_CLEAR_S (a Redis call a row cost as much as the commit), but at once by a
+    # worker that saw the pause itself
+    from types import SimpleNamespace
+
+    calls: list[tuple[str, str | None]] = []
+    ledger = SimpleNamespace(record_disk_trouble=lambda f, why, at: calls.append((f, why)))
+    rc = SimpleNamespace(cfg=SimpleNamespace(run="r.hs"), ledger=ledger)
+    clock = [1000.0]
+    monkeypatch.setattr(worker_job.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(worker_job, "_trouble_cleared", {})
+    monkeypatch.setattr(worker_job, "_disk_pauses", set())
+    worker_job._room_again(rc, "/hs/a")  # type: ignore[arg-type]
+    clock[0] += 1.0
+    worker_job._room_again(rc, "/hs/a")  # type: ignore[arg-type]
+    assert calls == [("/hs/a", None)]
+    worker_job._disk_pauses.add("r.hs")  # this worker saw the disk full
+    worker_job._room_again(rc, "/hs/a")  # type: ignore[arg-type]
+    assert len(calls) == 2 and "r.hs" not in worker_job._disk_pauses
+    clock[0] += worker_job.TROUBLE_CLEAR_S
+    worker_job._room_again(rc, "/hs/a")  # type: ignore[arg-type]
+    assert len(calls) == 3
