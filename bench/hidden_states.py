@@ -14,11 +14,14 @@ again) and removes the engine's name.
    of a plain generation run with `max_new_tokens = 1` (the request an extraction is) on the
    same simulator without extraction, through the same pipeline: the one stage runner
    (`tokencap.stack.stage.StageRun`), its writer and workers processes of their own, as
-   `tokencap up` runs generation (both timed from the start of their processes to the last
-   row written). What vLLM itself spends extracting (15-45% more CPU per request on a tiny
-   model, measured by `make test-engine`'s server) is not here: the simulator stands in,
-   and what it spends writing each file (a copy of a table row per token, written under its
-   lock) is on the same two cores.
+   `tokencap up` runs generation. Both rates are taken while rows are made, from the first
+   row's request to the last row's reply (read from the rows), as the Kimi-size figures
+   are: a run's start (its processes' imports, the stage's plan over the run's rows) is a
+   fixed cost a long run does not see; a second row gives both runs whole. What vLLM itself
+   spends extracting (15-45% more CPU per request on a tiny model, measured by `make
+   test-engine`'s server) is not here: the simulator stands in, and what it spends writing
+   each file (a copy of a table row per token, written under its lock) is on the same two
+   cores.
 2. Kimi-K2.5's states (4 layers x 7168 per token: 57,352 B in bf16, 28,684 B in FP8), three
    ways: bf16 (the engine's folder on the output's file system), FP8 written by tokencap's
    connector (the simulator writes the FP8 file and its metadata, as
@@ -156,7 +159,7 @@ def run(bench: Bench) -> dict[str, Any]:
 
 
 def _small(bench: Bench) -> dict[str, Any]:
-    from foundation.outputs import rows_file
+    from foundation.outputs import category_dir, rows_file
     from sglang_sim.testing import SimServer
     from tokencap.stack import processes
     from tokencap.stack.stage import Stage, StageRun, run_hidden_states
@@ -195,19 +198,36 @@ def _small(bench: Bench) -> dict[str, Any]:
                                 say=lambda line: None).run(progress_s=1.0)
         plain_s = time.perf_counter() - t0
     plain_rows = plain_status.categories["chat"].samples
-    stage_rate = st.samples / stage_s
-    plain_rate = plain_rows / plain_s
+    stage_rate = _keeping_rate(category_dir(Path(cfg.states().output_dir), "chat"))
+    plain_rate = _keeping_rate(category_dir(plain_out, "chat"))
     figures = {"rows": rows, "stage_rows": st.samples, "stage_s": stage_s,
                "bytes": kept.used, "plain_rows": plain_rows, "plain_s": plain_s,
+               "stage_rows_s": stage_rate, "plain_rows_s": plain_rate,
                "layers": LAYERS, "hidden": HIDDEN, "workers": WORKERS}
     return {"figures": figures, "rows": [
-        row(NAME, f"stage rows/s (states of {len(LAYERS)} x {HIDDEN}, bf16, checked and "
-            "kept) vs plain max_tokens = 1 requests, same pipeline and simulator",
-            stage_rate, plain_rate, "rows/s", f"ratio >= {TARGET_RATIO:g}",
+        row(NAME, f"stage rows/s while keeping rows (states of {len(LAYERS)} x {HIDDEN}, "
+            "bf16, checked and kept) vs plain max_tokens = 1 requests, same runner and "
+            "simulator", stage_rate, plain_rate, "rows/s", f"ratio >= {TARGET_RATIO:g}",
             stage_rate / plain_rate >= TARGET_RATIO and st.samples == rows),
+        row(NAME, "the same, each run whole (its processes' start and the stage's plan "
+            "included)", st.samples / stage_s, plain_rows / plain_s, "rows/s"),
         row(NAME, "bytes of states kept per second (small states)", kept.used / stage_s / 1e6,
             None, "MB/s"),
     ]}
+
+
+def _keeping_rate(cat_dir: Path) -> float:
+    """Rows per second of a run's category from its first row's request sent to its last
+    row's reply, read from the rows (`sent_at_ms`, `latency_s`): a run's start (its
+    processes' imports, the stage's plan) is a fixed cost a long run does not see, as the
+    Kimi-size figures leave it out."""
+    from foundation.outputs import read_committed
+    from foundation.wire import Result
+
+    done = [r for r in read_committed(cat_dir) if isinstance(r, Result)]
+    first = min(r.sent_at_ms for r in done) / 1000
+    last = max(r.sent_at_ms / 1000 + r.latency_s for r in done)
+    return (len(done) - 1) / (last - first)
 
 
 # (the way's name, the engine's dtype, the config's dtype, tokencap's connector's metadata,

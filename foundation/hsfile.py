@@ -516,10 +516,13 @@ def engine_files(folder: str | Path, marker: str) -> list[Path]:
     """The engine's files (and their locks) in `folder` whose names hold `marker` (a request
     id prefix of tokencap's), e.g. those a killed attempt left."""
     f = Path(folder)
-    if not f.is_dir():
+    try:
+        with os.scandir(f) as entries:  # names compared as they are: no pattern compiled
+            names = [e.name for e in entries]  # for each row's marker (a glob did: 0.6 ms)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return [p for p in f.glob(f"*{glob.escape(marker)}*")
-            if p.name.endswith((".safetensors", ".safetensors.lock"))]
+    return [f / n for n in names
+            if marker in n and n.endswith((".safetensors", ".safetensors.lock"))]
 
 
 def read_engine_file(path: str | Path) -> bytes:

@@ -163,3 +163,19 @@ def test_a_value_not_finite_is_found_where_it_is_past_the_first_chunk(dtype: str
     hs = _bf16(values) if dtype == "BF16" else hsfile.Tensor(dtype, values.shape,
                                                              values.tobytes())
     hsfile.check("f", {"hidden_states": hs, "token_ids": tok}, ids, layers, hidden, dtype)
+
+
+def test_the_engine_files_of_a_marker_are_found_by_name(tmp_path: Path) -> None:
+    # vLLM names a file cmpl-<request id>-<i>-<random>.safetensors, its lock beside it
+    marker = hsfile.row_marker("run.hs", tmp_path / "states" / "r[1]*.safetensors")
+    mine = [f"cmpl-{marker}0-ab12.safetensors", f"cmpl-{marker}0-ab12.safetensors.lock",
+            f"cmpl-{marker}1-cd34.safetensors"]
+    others = [f"cmpl-{hsfile.row_marker('run.hs', 'r2.safetensors')}0-ef.safetensors",
+              f"cmpl-{marker}0-ab12.safetensors.tmp", "notes.txt"]
+    for name in mine + others:
+        (tmp_path / name).write_bytes(b"x")
+    found = hsfile.engine_files(tmp_path, marker)
+    assert sorted(p.name for p in found) == sorted(mine)
+    assert all(p.parent == tmp_path for p in found)
+    assert hsfile.engine_files(tmp_path / "absent", marker) == []
+    assert hsfile.engine_files(tmp_path / "notes.txt", marker) == []
