@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from foundation import modes
 from foundation.config import Category, Mode, RunConfig
 from producer.formats.conversation import Conversation
 from producer.reply_parser import ReplyParser, Unparsed, reply_parser
-from producer.source import template_kwargs
 
 if TYPE_CHECKING:
     from producer.render import Renderer
@@ -64,7 +64,7 @@ class Replay:
             start = self.parser.reasoning.start if self.parser.reasoning else None
             opened = False
             if start is not None and self.renderer is not None and self.cfg is not None:
-                kwargs = template_kwargs(self.cfg, cat, mode) if cat \
+                kwargs = modes.template_kwargs(self.cfg, cat, mode) if cat \
                     else self.cfg.chat_template_kwargs
                 opened = self.renderer.opens_reasoning(start, kwargs or None)
             self._opened[name] = opened

@@ -97,7 +97,7 @@ class CategorySource:
         self.index = index
         self.renderer = renderer
         self.context_length = context_length
-        self.kwargs: dict[str, Any] = template_kwargs(cfg, cat)
+        self.kwargs: dict[str, Any] = modes.template_kwargs(cfg, cat, None)
         self.turns = cat.turns == "all"
         # a hidden-state stage: each record is a `foundation.outputs.StatesRow`, its `id` the
         # training row the sample extracts (`Pending.row_id`)
@@ -285,8 +285,10 @@ class CategorySource:
             prev = self.render([turns[k].previous for k in chat], [tools[k] for k in chat],
                                [mode_of[k] for k in chat])
             before = dict(zip(chat, prev, strict=True))
-        sampling_of = {m.name if m else None: msgspec.to_builtins(self.sampling_of(m))
-                       for m in {id(m): m for m in mode_of}.values()}
+        sampling_of: dict[str | None, dict[str, Any]] = {}  # each mode's, made once
+        for m in mode_of:
+            if (m.name if m else None) not in sampling_of:
+                sampling_of[m.name if m else None] = msgspec.to_builtins(self.sampling_of(m))
         fed_at = now_ms()
         prepared: list[Pending] = []
         rejected: list[DeadLetter] = []
@@ -296,8 +298,6 @@ class CategorySource:
                 "conversation_id": s.sample_id, "turn": numbers[k], "turns_total": conv.turns}
             out = outs[k]
             mode = mode_of[k]
-            if mode is not None:
-                fields["mode"] = mode.name
             why = out if isinstance(out, Rejected) else self.fit(out.ids, mode)
             if why is not None:
                 if not isinstance(why, DoesNotFit):
@@ -305,8 +305,10 @@ class CategorySource:
                 rejected.append(DeadLetter(id=ids_of[k], category=cat.name,
                                            outcome=Outcome.REJECTED, reason=why.reason,
                                            message=str(why), where=self.row_where(s.where),
-                                           **{f: v for f, v in fields.items() if f != "mode"}))
+                                           **fields))
                 continue
+            if mode is not None:
+                fields["mode"] = mode.name
             assert isinstance(out, Prompt)
             prev_out = before.get(k)
             if turns and out.text is not None and isinstance(prev_out, Prompt):
@@ -352,12 +354,6 @@ class CategorySource:
             good += 1
             if good >= want:
                 return
-
-
-def template_kwargs(cfg: RunConfig, cat: Category, mode: Mode | None = None) -> dict[str, Any]:
-    """The chat-template keyword arguments of `cat`: its own merged over the run's (and
-    `mode`'s over both: `foundation.modes.template_kwargs`)."""
-    return modes.template_kwargs(cfg, cat, mode)
 
 
 def prefix(nxt: NextTurn, previous_ids: list[int], ids: list[int], text: str

@@ -20,7 +20,7 @@ from foundation import modes
 from foundation.config import RunConfig
 from sglang_sim.config import LengthDist
 from sglang_sim.testing import SimServer
-from testing.harness import Pipeline
+from testing.harness import Pipeline, started
 from tests.conftest import QWEN, write_config
 from tests.helpers import by_conversation
 
@@ -76,14 +76,8 @@ def test_two_modes_by_conversation_survive_a_kill_and_resume(tmp_path, redis_url
         first.stop_writer()
         before = {r.id: r.mode for r in first.committed("chat")}
         # When everything is started again
-        second = Pipeline(cfg, redis_url, [sim.url])
-        second.build()
-        second.start_writer()
-        second.start_workers(6)
-        try:
+        with started(cfg, redis_url, [sim.url], 6) as second:
             status = second.run()
-        finally:
-            second.close()
     second.check_invariants(status)
     rows = second.committed("chat")
     convs = by_conversation(rows)
@@ -127,14 +121,8 @@ def test_share_tokens_closes_each_mode_at_its_share_of_the_cap(tmp_path, redis_u
     cfg = config(tmp_path, share='share = "tokens"', cap="6000")
     assert [c.name for c in cfg.category] == ["chat.think", "chat.fast"]
     with SimServer(time_scale=400.0, tokenizer=str(QWEN3), default_length=SHORT) as sim:
-        pipe = Pipeline(cfg, redis_url, [sim.url])
-        pipe.build()
-        pipe.start_writer()
-        pipe.start_workers(6)
-        try:
+        with started(cfg, redis_url, [sim.url], 6) as pipe:
             status = pipe.run()
-        finally:
-            pipe.close()
     pipe.check_invariants(status)
     plain = config(tmp_path)
     for cat, share in zip(cfg.category, (0.7, 0.3), strict=True):

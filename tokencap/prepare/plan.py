@@ -444,8 +444,6 @@ def preview(
         from producer.run import load_renderer
 
         renderer = load_renderer(cfg)
-    from foundation import modes as modes_of
-    from producer.source import template_kwargs
 
     parsers = ""
     if renderer is not None:  # the stop ids and reply parsers the run would use
@@ -463,45 +461,53 @@ def preview(
         drawn: list[Mode | None] = [m for m in cat.modes
                                     if cat.only_mode in (None, m.name)] or [None]
         for mode in drawn:
-            kwargs = template_kwargs(cfg, cat, mode)
-            params = modes_of.sampling(cat, mode)
-            sampling = msgspec.to_builtins(params)
-            common_warnings = [f"chat_template_kwargs key {k!r} is never read by the template"
-                               for k in unused_kwargs(renderer, kwargs)]
-            skipped: list[str] = []
-            shown = 0
-            name = mode.name if mode else ""
-            for item in _first_prompts(cfg, cat, renderer, n, mode.name if mode else None):
-                if len(item) == 2:
-                    skipped.append(f"{item[0]}: {item[1]}")
-                    continue
-                sample, text, ids = item
-                warnings = list(common_warnings)
-                if sample.unread:
-                    warnings.append(f"text in {', '.join(sample.unread)} is never sent: "
-                                    "neither the format nor field_map reads it")
-                need = len(ids) + params.max_new_tokens
-                if cfg.context_length is not None and need > cfg.context_length:
-                    warnings.append(f"prompt ({len(ids)}) + max_new_tokens exceeds "
-                                    f"context_length {cfg.context_length}: it would be "
-                                    "rejected")
-                messages = sample.prompt if sample.prompt and isinstance(
-                    sample.prompt[0], dict) else None
-                out.append(Preview(
-                    category=cat.name, sample_id=sample.sample_id, where=sample.where,
-                    messages=messages, text=text, prompt_tokens=len(ids), prompt_ids=ids,
-                    sampling=sampling, chat_template_kwargs=kwargs, skipped=skipped,
-                    warnings=warnings, mode=name,
-                    parsers=parsers if cat.turns == "all" else "",
-                ))
-                skipped, shown = [], shown + 1
-            if shown == 0:
-                out.append(Preview(
-                    category=cat.name, sample_id=None, where=None, messages=None, text=None,
-                    prompt_tokens=0, prompt_ids=[], sampling=sampling,
-                    chat_template_kwargs=kwargs, skipped=skipped, mode=name,
-                    warnings=[*common_warnings, "no record could be rendered"],
-                ))
+            out += _preview_mode(cfg, cat, mode, renderer, n, parsers)
+    return out
+
+
+def _preview_mode(cfg: RunConfig, cat: Category, mode: Mode | None,
+                  renderer: Renderer | None, n: int, parsers: str) -> list[Preview]:
+    """`preview` of one category in one of its modes (None: it has none): its first `n`
+    prompts drawn to it, rendered with its kwargs and sampling."""
+    from foundation import modes as modes_of
+
+    kwargs = modes_of.template_kwargs(cfg, cat, mode)
+    params = modes_of.sampling(cat, mode)
+    sampling = msgspec.to_builtins(params)
+    common_warnings = [f"chat_template_kwargs key {k!r} is never read by the template"
+                       for k in unused_kwargs(renderer, kwargs)]
+    out: list[Preview] = []
+    skipped: list[str] = []
+    name = mode.name if mode else ""
+    for item in _first_prompts(cfg, cat, renderer, n, mode.name if mode else None):
+        if len(item) == 2:
+            skipped.append(f"{item[0]}: {item[1]}")
+            continue
+        sample, text, ids = item
+        warnings = list(common_warnings)
+        if sample.unread:
+            warnings.append(f"text in {', '.join(sample.unread)} is never sent: neither the "
+                            "format nor field_map reads it")
+        need = len(ids) + params.max_new_tokens
+        if cfg.context_length is not None and need > cfg.context_length:
+            warnings.append(f"prompt ({len(ids)}) + max_new_tokens exceeds context_length "
+                            f"{cfg.context_length}: it would be rejected")
+        messages = sample.prompt if sample.prompt and isinstance(sample.prompt[0], dict) \
+            else None
+        out.append(Preview(
+            category=cat.name, sample_id=sample.sample_id, where=sample.where,
+            messages=messages, text=text, prompt_tokens=len(ids), prompt_ids=ids,
+            sampling=sampling, chat_template_kwargs=kwargs, skipped=skipped,
+            warnings=warnings, mode=name, parsers=parsers if cat.turns == "all" else "",
+        ))
+        skipped = []
+    if not out:
+        out.append(Preview(
+            category=cat.name, sample_id=None, where=None, messages=None, text=None,
+            prompt_tokens=0, prompt_ids=[], sampling=sampling, chat_template_kwargs=kwargs,
+            skipped=skipped, mode=name,
+            warnings=[*common_warnings, "no record could be rendered"],
+        ))
     return out
 
 

@@ -26,6 +26,16 @@ sampling = {{ max_new_tokens = 64, temperature = 1.0 }}
 """)
 
 
+def category(tmp_path, name: str) -> str:
+    """Another category's table over the same source."""
+    return f"""[[category]]
+name = "{name}"
+source = "{tmp_path / 'ids.jsonl'}"
+format = "input_ids"
+sampling = {{ max_new_tokens = 64, temperature = 1.0 }}
+"""
+
+
 @pytest.mark.parametrize(("modes", "field"), [
     ('modes = [{ name = "x", weight = 1 }, { name = "x", weight = 2 }]',
      "$.category[0].modes[1].name: duplicate mode 'x'"),
@@ -53,12 +63,7 @@ def test_share_tokens_needs_a_cap(tmp_path) -> None:
 
 
 def test_a_mode_budget_may_not_take_a_categorys_name(tmp_path) -> None:
-    other = f"""[[category]]
-name = "a.x"
-source = "{tmp_path / 'ids.jsonl'}"
-format = "input_ids"
-sampling = {{ max_new_tokens = 64, temperature = 1.0 }}
-"""
+    other = category(tmp_path, "a.x")
     with pytest.raises(ConfigError, match="'a.x' is both a category and the budget of a mode"):
         load(tmp_path, 'share = "tokens"\nmodes = [{ name = "x", weight = 1 }]',
              extra_category=other)
@@ -74,12 +79,7 @@ def test_modes_survive_the_configs_json_copy(tmp_path) -> None:
 
 
 def test_a_budgets_table_is_its_categorys(tmp_path) -> None:
-    other = f"""[[category]]
-name = "b"
-source = "{tmp_path / 'ids.jsonl'}"
-format = "input_ids"
-sampling = {{ max_new_tokens = 64, temperature = 1.0 }}
-"""
+    other = category(tmp_path, "b")
     cfg = load(tmp_path, 'share = "tokens"\nmodes = [{ name = "x", weight = 1 }, '
                '{ name = "y", weight = 1 }]', extra_category=other)
     assert [c.name for c in cfg.category] == ["a.x", "a.y", "b"]

@@ -13,11 +13,12 @@ import msgspec
 import pytest
 
 from foundation.config import RunConfig
+from foundation.modes import template_kwargs
 from foundation.wire import Outcome, turn_id
 from producer.formats.records import Rejected
 from producer.readers.index import sample_id
 from producer.render import Renderer
-from producer.source import CategorySource, DoesNotFit, template_kwargs
+from producer.source import CategorySource, DoesNotFit
 from tests.conftest import QWEN, write_config
 
 MAX_NEW = 16
@@ -144,7 +145,7 @@ def test_fit_and_the_text_guard_before_tokenizing(tmp_path, qwen) -> None:
 
 def test_template_kwargs_are_the_categorys_over_the_runs(tmp_path, qwen) -> None:
     with opened(tmp_path, qwen) as src:
-        assert template_kwargs(src.cfg, src.cat) == {"a": 1, "b": 3} == src.kwargs
+        assert template_kwargs(src.cfg, src.cat, None) == {"a": 1, "b": 3} == src.kwargs
 
 
 def test_turns_all_reads_a_conversation_and_feeds_its_first_turn(tmp_path, qwen) -> None:
