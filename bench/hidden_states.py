@@ -32,7 +32,11 @@ again) and removes the engine's name.
    (a) the state bytes kept per second while the stage keeps rows (from its first kept row
        to its last: a worker's start is a fixed cost a 5 TB run does not see) against the
        disk's own rate for the same bytes: files of the same sizes written whole and
-       fsynced one after the other in the same folder, right after;
+       fsynced one after the other in the same folder, right after, each dropped from the
+       page cache once fsynced as the stage drops the files it keeps
+       (`foundation.hsfile.drop_cache`; on this VM a page cache that grows takes fresh
+       memory at 2.3 s a GB, and before both dropped, whichever side grew it paid: the
+       stage's disk baseline then ran at 400-780 MB/s on a disk that takes 1.3 GB/s);
    (c) the bytes written to storage per byte kept: the kernel's count (`write_bytes` less
        `cancelled_write_bytes` of /proc/self/io: this process, its simulator thread, and
        its workers and writer once reaped; tmpfs is not storage), over the stage.
@@ -255,6 +259,7 @@ def _kimi(bench: Bench, way: tuple[str, str, str, bool, bool]) -> dict[str, Any]
     import shutil
     import tempfile
 
+    from foundation import hsfile
     from sglang_sim.testing import SimServer
     from tokencap.stack.stage import run_hidden_states
 
@@ -326,6 +331,7 @@ def _kimi(bench: Bench, way: tuple[str, str, str, bool, bool]) -> dict[str, Any]
             f.write(buffer[:size])
             f.flush()
             os.fsync(f.fileno())
+        hsfile.drop_cache(base / f"{i}.safetensors")  # as the stage drops each kept file
     folder = os.open(base, os.O_RDONLY)
     try:
         os.fsync(folder)

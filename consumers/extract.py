@@ -115,8 +115,11 @@ def kept(path: Path, spec: StatesSpec, ids: list[int], output_dir: str, row_id: 
         log.warning("%s: redone (%s)", path, exc)
         return None
     hsfile.remove_temps(path)  # an earlier attempt killed while writing it
-    return _description(path, spec, ids, tensors, data, layers, path.stat().st_size,
+    desc = _description(path, spec, ids, tensors, data, layers, path.stat().st_size,
                         output_dir, row_id, "")
+    del tensors, data  # the map released, so that its pages can be dropped
+    hsfile.drop_cache(path)
+    return desc
 
 
 def _check(path: Path, tensors: dict[str, hsfile.Tensor], meta: dict[str, str],
@@ -153,7 +156,9 @@ def take(gen: Generation, path: Path, spec: StatesSpec, ids: list[int], row_id: 
                               "and its KV connector (docs/HIDDEN_STATES.md)")
     src = Path(gen.hidden_states_path)
     try:
-        return _keep(src, gen, path, spec, ids, row_id, output_dir)
+        desc = _keep(src, gen, path, spec, ids, row_id, output_dir)
+        hsfile.drop_cache(path)  # once `_keep`'s map of it is gone
+        return desc
     finally:
         hsfile.remove_engine_file(src)
         if marker:

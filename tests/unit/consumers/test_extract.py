@@ -135,6 +135,63 @@ def test_the_engine_s_file_is_kept_as_it_is_with_no_byte_written_again(tmp_path:
     assert kept(path, sp, ids, str(out), "r1") == msgspec.structs.replace(desc, engine="")
 
 
+def _cached_share(path: Path) -> float:
+    """The share of a file's pages in the kernel's page cache (mincore(2) on a mapping that
+    touches none of them)."""
+    import ctypes
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
+        try:
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vec) == 0, f"mincore: {ctypes.get_errno()}"
+            return sum(b & 1 for b in vec.raw) / pages
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_kept_file_leaves_the_page_cache(tmp_path: Path) -> None:
+    """States are written once and read much later: the kept file's pages are dropped from
+    the page cache once it is fsynced and the worker's map of it is gone (`take`; so is a
+    file a rerun finds, `kept`), where the file system drops pages at all (not tmpfs)."""
+    import os
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * (1 << 20))
+    hsfile.keep_file(probe, tmp_path / "probe-kept")  # fsynced
+    hsfile.drop_cache(probe)
+    if _cached_share(probe) > 0:
+        pytest.skip(f"{tmp_path}'s file system keeps a file's clean pages (tmpfs)")
+    src = engine_file(tmp_path, hsfile.encode(big_states()))
+    assert _cached_share(src) == 1.0  # just written
+    ids = list(range(100, 164))
+    out = tmp_path / "hs"
+    sp = msgspec.structs.replace(spec(out), hidden_size=4096)
+    path = states_file(out, "code", "r1")
+    take(gen(src), path, sp, ids, "r1", str(out))
+    assert _cached_share(path) == 0.0
+    hsfile.read(path)  # read again (an export): cached, then a rerun drops it
+    assert _cached_share(path) == 1.0
+    assert kept(path, sp, ids, str(out), "r1") is not None
+    assert _cached_share(path) == 0.0
+
+
 def test_across_file_systems_the_file_is_copied_once(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
