@@ -21,7 +21,10 @@ again) and removes the engine's name.
    spends extracting (15-45% more CPU per request on a tiny model, measured by `make
    test-engine`'s server) is not here: the simulator stands in, and what it spends writing
    each file (a copy of a table row per token, written under its lock) is on the same two
-   cores.
+   cores. A third row gives each whole run's CPU per row (`getrusage` of the bench process
+   and of its reaped workers and writer): both runs are CPU-bound here, so the rows/s ratio
+   is about the inverse of this one, and a plain request's CPU times 1/0.9 is what a
+   stage's row may cost to meet the target, the simulator's file writes included.
 2. Kimi-K2.5's states (4 layers x 7168 per token: 57,352 B in bf16, 28,684 B in FP8), three
    ways: bf16 (the engine's folder on the output's file system), FP8 written by tokencap's
    connector (the simulator writes the FP8 file and its metadata, as
@@ -182,10 +185,10 @@ def _small(bench: Bench) -> dict[str, Any]:
     with SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage), hs_states="table", hs_metadata=True) as sim:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _all_cpu()
         status = run_hidden_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
                                    redis=redis, progress_s=1.0, say=lambda line: None)
-        stage_s = time.perf_counter() - t0
+        stage_s, stage_cpu = time.perf_counter() - t0, _all_cpu() - cpu0
     st = status.categories["chat"]
     kept = status.state_bytes(st)
     assert kept is not None  # a hidden-state stage's status says its bytes
@@ -196,17 +199,20 @@ def _small(bench: Bench) -> dict[str, Any]:
                         rows_file(cfg.states().output_dir, "chat"), "{ max_new_tokens = 1 }")
     redis = bench.fresh_redis()
     with SimServer(flavor="vllm", time_scale=1000.0) as sim:
-        t0 = time.perf_counter()  # its workers' and writer's start counted, as the stage's are
+        # its workers' and writer's start counted, as the stage's are
+        t0, cpu0 = time.perf_counter(), _all_cpu()
         plain_status = StageRun(Stage(plain_cfg, bench.redis.url, sim.url, WORKERS), redis,
                                 Supervisor(processes.Table(None)),
                                 say=lambda line: None).run(progress_s=1.0)
-        plain_s = time.perf_counter() - t0
+        plain_s, plain_cpu = time.perf_counter() - t0, _all_cpu() - cpu0
     plain_rows = plain_status.categories["chat"].samples
     stage_rate = _keeping_rate(category_dir(Path(cfg.states().output_dir), "chat"))
     plain_rate = _keeping_rate(category_dir(plain_out, "chat"))
     figures = {"rows": rows, "stage_rows": st.samples, "stage_s": stage_s,
                "bytes": kept.used, "plain_rows": plain_rows, "plain_s": plain_s,
                "stage_rows_s": stage_rate, "plain_rows_s": plain_rate,
+               "stage_cpu_ms_per_row": stage_cpu / max(1, st.samples) * 1000,
+               "plain_cpu_ms_per_row": plain_cpu / max(1, plain_rows) * 1000,
                "layers": LAYERS, "hidden": HIDDEN, "workers": WORKERS}
     return {"figures": figures, "rows": [
         row(NAME, f"stage rows/s while keeping rows (states of {len(LAYERS)} x {HIDDEN}, "
@@ -215,6 +221,11 @@ def _small(bench: Bench) -> dict[str, Any]:
             stage_rate / plain_rate >= TARGET_RATIO and st.samples == rows),
         row(NAME, "the same, each run whole (its processes' start and the stage's plan "
             "included)", st.samples / stage_s, plain_rows / plain_s, "rows/s"),
+        row(NAME, "the same, CPU per row of each whole run: the bench process (the producer, "
+            "the simulator's threads: its file writes are the stage's) and its workers and "
+            "writer (both runs are CPU-bound on 2 cores: the rows/s ratio follows this one's "
+            "inverse)", figures["stage_cpu_ms_per_row"], figures["plain_cpu_ms_per_row"],
+            "ms/row"),
         row(NAME, "bytes of states kept per second (small states)", kept.used / stage_s / 1e6,
             None, "MB/s"),
     ]}
@@ -245,6 +256,15 @@ def _io() -> int:
     """Bytes this process (its threads, and its children once reaped) sent to storage."""
     fields = dict(line.split(":") for line in Path("/proc/self/io").read_text().splitlines())
     return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+
+
+def _all_cpu() -> float:
+    """CPU seconds of this process (its threads: the producer, the simulator) and of its
+    reaped children (the run's workers and writer)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _children_cpu() -> float:
