@@ -143,11 +143,47 @@ def read_rejected(cat_dir: Path) -> Iterator[Result | BadLine]:
     return read_lines([path] if path.exists() else [], Result)
 
 
+def committed_files(cat_dir: Path) -> list[Path]:
+    """The files of a category's committed samples: its part files, then the replies the
+    gate kept out (where there are any)."""
+    path = rejected_path(cat_dir)
+    return [*part_files(cat_dir), *([path] if path.exists() else [])]
+
+
 def read_committed(cat_dir: Path) -> Iterator[Result | BadLine]:
     """Every committed sample on disk for one category: its training rows, then the
     replies the gate kept out."""
-    path = rejected_path(cat_dir)
-    return read_lines([*part_files(cat_dir), *([path] if path.exists() else [])], Result)
+    return read_lines(committed_files(cat_dir), Result)
+
+
+def count_committed(cat_dir: Path) -> int:
+    """How many committed samples a category has on disk (`read_committed`'s items, a bad
+    line included), counted without decoding one."""
+    n = 0
+    for path in committed_files(cat_dir):
+        with path.open("rb") as f:
+            n += sum(1 for line in f if line.strip())
+    return n
+
+
+class _TurnEnd(msgspec.Struct):
+    """What `truncated_turns` reads of a result line: a `Result`'s fields, the large ones
+    (ids, text, sampling) only found there (`Raw`: parsed past, never built), so that a line
+    that is no result (a field of one missing, or of another type) says nothing of its turn
+    here either, as `read_results` calls it bad; only the large fields' types go unchecked."""
+
+    id: str
+    category: str
+    prompt_ids: msgspec.Raw
+    output_ids: msgspec.Raw
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    text: msgspec.Raw
+    sampling: msgspec.Raw
+    counted_tokens: int
+    conversation_id: str | None = None
+    turn: int = 0
 
 
 def truncated_turns(cat_dir: Path) -> dict[str, int]:
@@ -155,7 +191,7 @@ def truncated_turns(cat_dir: Path) -> dict[str, int]:
     are no training row (they go on from a reply the model did not finish). The one rule the
     export and the hidden-state stage both apply."""
     first: dict[str, int] = {}
-    for item in read_results(cat_dir):
+    for item in read_lines(part_files(cat_dir), _TurnEnd):
         if not isinstance(item, BadLine) and item.conversation_id is not None \
                 and item.finish_reason == TRUNCATED:
             first[item.conversation_id] = min(item.turn, first.get(item.conversation_id,

@@ -62,6 +62,7 @@ from foundation.outputs import (
     BadLine,
     StatesRow,
     category_dir,
+    count_committed,
     read_committed,
     read_dead_letters,
     repair_tail,
@@ -168,17 +169,19 @@ def rows_on_disk(stage: StatesStage) -> dict[str, RowTokens]:
     out = {}
     for name in stage.budgets:
         cat_dir = category_dir(Path(stage.cfg.output_dir), name)
-        rows = list(training_rows(cat_dir))
-        output = sum(len(r.output_ids) for r in rows)
-        final = sum(1 for _ in read_committed(cat_dir)) + sum(
-            1 for d in read_dead_letters(cat_dir)
-            if isinstance(d, BadLine) or d.outcome != Outcome.CUT)
         path = rows_file(stage.spec.output_dir, name)
         listed = _listed(path, with_tokens=True)
-        new = [len(r.prompt_ids) + len(r.output_ids) for r in rows if r.id not in listed]
-        lengths = [*listed.values(), *new]
-        out[name] = RowTokens(len(lengths), sum(lengths), output, final,
-                              len(new) if path.is_file() else 0)
+        output = new = new_tokens = 0
+        for r in training_rows(cat_dir):  # streamed: a category's rows can be gigabytes
+            output += len(r.output_ids)
+            if r.id not in listed:
+                new += 1
+                new_tokens += len(r.prompt_ids) + len(r.output_ids)
+        final = count_committed(cat_dir) + sum(
+            1 for d in read_dead_letters(cat_dir)
+            if isinstance(d, BadLine) or d.outcome != Outcome.CUT)
+        out[name] = RowTokens(len(listed) + new, sum(listed.values()) + new_tokens, output,
+                              final, new if path.is_file() else 0)
     return out
 
 

@@ -17,6 +17,7 @@ from foundation.outputs import (
     BadLine,
     RowRule,
     categories_on_disk,
+    count_committed,
     letter_files,
     letter_path,
     part_files,
@@ -94,6 +95,8 @@ def test_every_line_is_read_in_order_and_a_bad_one_named_by_its_place(tmp_path: 
     [bad] = [r for r in got if isinstance(r, BadLine)]
     assert bad.where == f"{part_path(cat, 0)}:3"  # the blank line counts
     assert [r.id for r in read_committed(cat) if isinstance(r, Result)] == ["a", "b", "g"]
+    # counted without decoding: every committed line, the bad one too, no blank one
+    assert count_committed(cat) == len(list(read_committed(cat))) == 4
     append(cat / LEGACY_DEAD_FILE, DeadLetter("old", "code", Outcome.DEAD, "timeout"))
     append(cat / STOPPED_FILE, DeadLetter("c#t2", "code", Outcome.CUT, "cap"))
     append(cat / FAILED_FILE, row("not-a-letter"))
@@ -113,6 +116,10 @@ def test_a_cut_reply_and_the_later_turns_of_its_conversation_are_no_training_row
         ("a", "", False), ("c#t1", "", False), ("c#t2", "dropped_truncated", False),
         ("c#t3", "dropped_after_truncated", False), ("b", "dropped_truncated", False),
         ("d#t1", "", False), ("d#t2", "", False)]
+    assert [r.id for r in training_rows(cat)] == ["a", "c#t1", "d#t1", "d#t2"]
+    # a line that is no result (the cut is read from three fields) says nothing of its turn
+    append(part_path(cat, 1), b'{"finish_reason": "length", "conversation_id": "d", '
+           b'"turn": 1}\n')
     assert [r.id for r in training_rows(cat)] == ["a", "c#t1", "d#t1", "d#t2"]
 
 
