@@ -26,6 +26,7 @@ import psutil
 from rq import Queue, Worker
 from rq.registry import FinishedJobRegistry
 
+from bench import noop
 from bench.context import PY, Bench, log, row, wait_for
 from bench.measure import Pipeline, Sampler, commandstats, counters, delta
 from bench.sim import Sim, SimSettings
@@ -186,11 +187,15 @@ def plain_rq(bench: Bench, sim: Sim | None = None) -> dict[str, Any]:
         out = _measure(bench, lambda: _enqueue(q, func, args), lambda: int(redis.zcard(key)),
                        pids)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(15)
+        _stop(procs)
     return out
+
+
+def _stop(procs: list[subprocess.Popen], terminate: bool = True) -> None:
+    killed = noop.stop(procs, terminate)
+    if killed:
+        log(f"{NAME}: {len(killed)} plain RQ worker(s) outlived their stop by "
+            f"{noop.STOP_GRACE_S:g} s (RQ's pubsub thread, bench/noop.py): killed")
 
 
 def plain_rq_burst(bench: Bench) -> dict[str, Any]:
@@ -204,8 +209,7 @@ def plain_rq_burst(bench: Bench) -> dict[str, Any]:
         procs.extend(_rq_workers(bench, q.name, burst=True))
 
     out = _measure(bench, start, lambda: int(redis.zcard(key)))
-    for p in procs:
-        p.wait(60)
+    _stop(procs, terminate=False)
     return out
 
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import noop
 from bench.context import PY, Bench, log, row, wait_for
 from bench.measure import Pipeline, mem_mb
 from bench.sim import Sim, SimSettings
@@ -73,18 +74,9 @@ def consumers(bench: Bench) -> dict[str, Any]:
         time.sleep(1.5)
         rq_idle = mem_mb(rq.pid)
     finally:
-        rq.terminate()
-        try:
-            rq.wait(15)
-        except subprocess.TimeoutExpired:
-            # its size is measured: a worker that outlives SIGTERM is killed, and what it
-            # said is shown (once seen in 30+ runs, at load 2.6: the log was gone with the
-            # bench's folder)
-            rq.kill()
-            rq.wait()
-            said = log_path.read_text(errors="replace")[-2000:]
-            log(f"{NAME}: the plain RQ worker outlived SIGTERM by 15 s: killed; it said:\n"
-                f"{said}")
+        if noop.stop([rq]):  # its size is measured: one that outlives its stop is killed
+            log(f"{NAME}: the plain RQ worker outlived its stop by {noop.STOP_GRACE_S:g} s "
+                "(RQ's pubsub thread, bench/noop.py): killed")
 
     def peak(ms: list[dict[str, float]], k: str) -> float:
         return max(m[k] for m in ms)

@@ -24,7 +24,9 @@ again) and removes the engine's name.
    cores. A third row gives each whole run's CPU per row (`getrusage` of the bench process
    and of its reaped workers and writer): both runs are CPU-bound here, so the rows/s ratio
    is about the inverse of this one, and a plain request's CPU times 1/0.9 is what a
-   stage's row may cost to meet the target, the simulator's file writes included.
+   stage's row may cost to meet the target, the simulator's file writes included. A fourth
+   gives the simulator's own threads' share of it (read from /proc per thread): what the
+   engine's work adds to a row, which a GPU node's engine does on cores of its own.
 2. Kimi-K2.5's states (4 layers x 7168 per token: 57,352 B in bf16, 28,684 B in FP8), three
    ways: bf16 (the engine's folder on the output's file system), FP8 written by tokencap's
    connector (the simulator writes the FP8 file and its metadata, as
@@ -185,10 +187,11 @@ def _small(bench: Bench) -> dict[str, Any]:
     with SimServer(flavor="vllm", time_scale=1000.0, extract_hidden_states=True,
                    hs_layer_ids=LAYERS, hs_hidden_size=HIDDEN, hs_dtype="bfloat16",
                    hs_storage_path=str(storage), hs_states="table", hs_metadata=True) as sim:
-        t0, cpu0 = time.perf_counter(), _all_cpu()
+        t0, cpu0, sim0 = time.perf_counter(), _all_cpu(), _sim_cpu()
         status = run_hidden_states(cfg, bench.redis.url, WORKERS, extract_url=sim.url,
                                    redis=redis, progress_s=1.0, say=lambda line: None)
         stage_s, stage_cpu = time.perf_counter() - t0, _all_cpu() - cpu0
+        stage_sim = _since(_sim_cpu(), sim0)
     st = status.categories["chat"]
     kept = status.state_bytes(st)
     assert kept is not None  # a hidden-state stage's status says its bytes
@@ -200,11 +203,12 @@ def _small(bench: Bench) -> dict[str, Any]:
     redis = bench.fresh_redis()
     with SimServer(flavor="vllm", time_scale=1000.0) as sim:
         # its workers' and writer's start counted, as the stage's are
-        t0, cpu0 = time.perf_counter(), _all_cpu()
+        t0, cpu0, sim0 = time.perf_counter(), _all_cpu(), _sim_cpu()
         plain_status = StageRun(Stage(plain_cfg, bench.redis.url, sim.url, WORKERS), redis,
                                 Supervisor(processes.Table(None)),
                                 say=lambda line: None).run(progress_s=1.0)
         plain_s, plain_cpu = time.perf_counter() - t0, _all_cpu() - cpu0
+        plain_sim = _since(_sim_cpu(), sim0)
     plain_rows = plain_status.categories["chat"].samples
     stage_rate = _keeping_rate(category_dir(Path(cfg.states().output_dir), "chat"))
     plain_rate = _keeping_rate(category_dir(plain_out, "chat"))
@@ -213,6 +217,8 @@ def _small(bench: Bench) -> dict[str, Any]:
                "stage_rows_s": stage_rate, "plain_rows_s": plain_rate,
                "stage_cpu_ms_per_row": stage_cpu / max(1, st.samples) * 1000,
                "plain_cpu_ms_per_row": plain_cpu / max(1, plain_rows) * 1000,
+               "stage_sim_cpu_ms_per_row": stage_sim / max(1, st.samples) * 1000,
+               "plain_sim_cpu_ms_per_row": plain_sim / max(1, plain_rows) * 1000,
                "layers": LAYERS, "hidden": HIDDEN, "workers": WORKERS}
     return {"figures": figures, "rows": [
         row(NAME, f"stage rows/s while keeping rows (states of {len(LAYERS)} x {HIDDEN}, "
@@ -225,6 +231,11 @@ def _small(bench: Bench) -> dict[str, Any]:
             "the simulator's threads: its file writes are the stage's) and its workers and "
             "writer (both runs are CPU-bound on 2 cores: the rows/s ratio follows this one's "
             "inverse)", figures["stage_cpu_ms_per_row"], figures["plain_cpu_ms_per_row"],
+            "ms/row"),
+        row(NAME, "the same, of it the simulator's threads (serving; for the stage also "
+            "writing each file, the engine's work): what the stage's row adds there counts "
+            "against the target's allowance, 0.1/0.9 of a plain request's CPU",
+            figures["stage_sim_cpu_ms_per_row"], figures["plain_sim_cpu_ms_per_row"],
             "ms/row"),
         row(NAME, "bytes of states kept per second (small states)", kept.used / stage_s / 1e6,
             None, "MB/s"),
@@ -256,6 +267,29 @@ def _io() -> int:
     """Bytes this process (its threads, and its children once reaped) sent to storage."""
     fields = dict(line.split(":") for line in Path("/proc/self/io").read_text().splitlines())
     return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+
+
+def _sim_cpu() -> dict[int, float]:
+    """CPU seconds of each of the simulator's threads (its event loop, `sglang_sim`, and the
+    loop's executor, `asyncio_*`, which writes the states files), by thread id."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for t in threading.enumerate():
+        if t.native_id is None or not (t.name == "sglang_sim" or t.name.startswith("asyncio")):
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
+        except OSError:  # ended
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[t.native_id] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _since(now: dict[int, float], before: dict[int, float]) -> float:
+    return sum(v - before.get(tid, 0.0) for tid, v in now.items())
 
 
 def _all_cpu() -> float:

@@ -7,9 +7,12 @@ pickle serializer, default result TTL) with the `work()` arguments a tokencap wo
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 _session = None
+# how long a stopped plain RQ worker is given before it is killed
+STOP_GRACE_S = 15.0
 
 
 def noop() -> None:
@@ -39,6 +42,28 @@ def main(argv: list[str]) -> int:
     worker = SimpleWorker([Queue(queue, connection=redis)], connection=redis)
     worker.work(burst="--burst" in argv, with_scheduler=False, logging_level="WARNING")
     return 0
+
+
+def stop(procs: list[subprocess.Popen], terminate: bool = True) -> list[int]:
+    """End the plain RQ workers `procs` once their figures are taken: SIGTERM (not for burst
+    workers, `terminate` False: they end on their own), then SIGKILL for any still alive
+    STOP_GRACE_S later. Returns the pids killed. A plain RQ 3.0 worker can outlive its stop
+    by up to a minute: its teardown sends UNSUBSCRIBE and waits for redis-py's pubsub
+    thread (redis-py >= 8.2 joins it), and a thread that read the reply before the stop
+    flag was cleared sleeps through another of RQ's 60 s polls. tokencap's worker listens
+    with a thread of its own (consumers/worker.py)."""
+    if terminate:
+        for p in procs:
+            p.terminate()
+    killed = []
+    for p in procs:
+        try:
+            p.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            killed.append(p.pid)
+    return killed
 
 
 if __name__ == "__main__":
