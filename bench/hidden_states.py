@@ -278,18 +278,12 @@ def _sim_cpu() -> dict[int, float]:
     loop's executor, `asyncio_*`, which writes the states files), by thread id."""
     import threading
 
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for t in threading.enumerate():
-        if t.native_id is None or not (t.name == "sglang_sim" or t.name.startswith("asyncio")):
-            continue
-        try:
-            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
-        except OSError:  # ended
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[t.native_id] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    import psutil
+
+    ours = {t.native_id for t in threading.enumerate()
+            if t.name == "sglang_sim" or t.name.startswith("asyncio")}
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()
+            if t.id in ours}
 
 
 def _since(now: dict[int, float], before: dict[int, float]) -> float:
@@ -301,8 +295,8 @@ def _all_cpu() -> float:
     reaped children (the run's workers and writer)."""
     import resource
 
-    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime + _children_cpu()
 
 
 def _children_cpu() -> float:
