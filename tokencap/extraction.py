@@ -2,9 +2,9 @@
 run (after it, or beside it category by category), extracted once per row by a vLLM server
 (`extract_hidden_states`), checked, kept in a file named by the row, under a byte budget per
 category. Its home: what the stage is (its rows and their arrival, its run, its disk plan
-and the lines that say it, `plan_summary` for `--plan`), and its one way in and out for the
-runner (`prepare`, `finish`); the one stage runner runs it (`tokencap/stack/stage.py`:
-`run_hidden_states`, `StatesBeside`).
+said and checked, `say_plan`; `say_disk_plan` for `--plan`), and its one way in and out
+for the runner (`prepare`, `end`); the one stage runner runs it
+(`tokencap/stack/stage.py`: `run_hidden_states`, `StatesBeside`).
 
 - Its source per category is `<hidden_states.output_dir>/<category>/rows.jsonl`
   (`foundation.outputs.rows_file`): one `StatesRow` (`id`: the training row, `input_ids`:
@@ -27,8 +27,10 @@ runner (`prepare`, `finish`); the one stage runner runs it (`tokencap/stack/stag
   category closes where the byte budget is reached, the way a token cap closes one.
 - Disk as a budget: `disk_plan` gives the bytes per category (the rows' tokens, up to each
   budget); `check_disk` refuses a stage whose bytes still to write exceed the free space of
-  the output folder (`DiskFull`). `--plan` prints the plan and writes nothing.
-- Its end (`finish`): each ended category's manifest, written last
+  the output folder less the states already kept (`DiskFull`), after the plan is said
+  (`say_plan`, one way for `--plan`, the stage and `tokencap plan`). `--plan` writes
+  nothing.
+- Its end (`end`, through `finish`): each ended category's manifest, written last
   (`<hidden_states.output_dir>/<category>/manifest.json`, `foundation.states_manifest`):
   every kept file with its bytes and CRC32s, what `tokencap verify` and the export check.
 """
@@ -330,14 +332,23 @@ def stage_config(stage: StatesStage) -> RunConfig:
         high_water=cfg.high_water, affinity=cfg.affinity, category=cats)
 
 
-def plan_summary(cfg: RunConfig) -> str:
-    """`hidden-states --plan`: the plan, checked against the free disk (`DiskFull` when it
-    does not fit). Writes nothing."""
+def say_plan(stage: StatesStage, plan: dict[str, CategoryPlan], say: Callable[[str], None],
+             generating: Collection[str] = ()) -> int:
+    """The plan said a line at a time (`plan_lines`), then checked against the free disk
+    less the states already kept (`check_disk`): returns the bytes still to write, or raises
+    `DiskFull` once the lines that explain it are said. `hidden-states --plan`, the stage's
+    way in (`prepare`) and `tokencap plan` all say and check a plan so."""
+    for line in plan_lines(stage, plan, generating):
+        say(line)
+    return check_disk(stage, plan, kept_bytes(stage))
+
+
+def say_disk_plan(cfg: RunConfig, say: Callable[[str], None]) -> None:
+    """`hidden-states --plan`: the plan of the rows on disk said and checked against the
+    free disk (`say_plan`). Writes nothing."""
     stage = StatesStage.of(cfg)
-    plan = disk_plan(stage)
-    need = check_disk(stage, plan, kept_bytes(stage))
-    return "\n".join([*plan_lines(stage, plan),
-                      f"  still to write: {size_text(need)}: fits the free space"])
+    need = say_plan(stage, disk_plan(stage), say)
+    say(f"  still to write: {size_text(need)}: fits the free space")
 
 
 class Prepared(NamedTuple):
@@ -361,11 +372,10 @@ def prepare(cfg: RunConfig, given_url: str | None = None,
     if not engines:
         raise TokencapError("no extraction server: pass --extract-url, set "
                             f"{EXTRACT_URL_ENV} or hidden_states.engine_url")
+    run = stage_config(stage)
     plan = disk_plan(stage)
-    for line in plan_lines(stage, plan, generating):  # said before a refusal, which it explains
-        say(line)
-    check_disk(stage, plan, kept_bytes(stage))
-    return Prepared(stage, stage_config(stage), engines, plan)
+    say_plan(stage, plan, say, generating)
+    return Prepared(stage, run, engines, plan)
 
 
 class Arrivals:
@@ -470,6 +480,15 @@ def finish(stage: StatesStage, ended: Iterable[str] = ()) -> int:
         if name in stage.budgets:
             write_manifest(stage, name)
     return removed
+
+
+def end(ready: Prepared, status: RunStatus) -> None:
+    """The stage's one way out, once every row is done and its workers are stopped
+    (`status`: its run's): the temporaries killed workers left removed and the manifest of
+    each category the stage ended written (`finish`), then the engine's files they left in
+    the folders the preflight found the servers write in (`sweep_engine_files`)."""
+    finish(ready.stage, [n for n, st in status.categories.items() if st.ended])
+    sweep_engine_files(ready.stage, (e.states_folder for e in status.engines.values()))
 
 
 def write_manifest(stage: StatesStage, name: str) -> Path:

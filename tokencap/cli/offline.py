@@ -455,27 +455,27 @@ def plan_cmd(config: str, tok_s: float, as_json: bool, check: bool) -> None:
 def _states_plan(cfg: Any, rows: list[Any], prompt_tokens: dict[str, float],
                  check: bool) -> None:
     """The hidden states the planned rows would make ([hidden_states]): bytes per token, per
-    category and in all, against the free space of their folder (`--check`: `DiskFull`,
-    exit 10, when they would not fit)."""
+    category and in all, against the free space of their folder less the states already
+    kept (`extraction.say_plan`; `--check`: `DiskFull`, exit 10, when they would not fit)."""
     from tokencap import extraction
 
     stage = extraction.StatesStage.of(cfg)
     planned = {r.category: (r.samples, r.avg_output_tokens, prompt_tokens.get(r.category, 0.0))
                for r in rows}
     tokens, how = extraction.row_token_plan(stage, planned)
-    est = extraction.plan_of(stage, tokens)
-    for line in extraction.plan_lines(stage, est):
-        click.echo(line)
+    refused: DiskFull | None = None
+    try:
+        extraction.say_plan(stage, extraction.plan_of(stage, tokens), click.echo)
+    except DiskFull as exc:
+        refused = exc
     click.echo("  states are of row tokens (prompt + output of every kept turn): "
                + "; ".join(f"{name} {ratio}" for name, ratio in how.items()))
     if not prompt_tokens and any("assumed" in r for r in how.values()):
         click.echo("  (prompt tokens not measured here: `plan --check` measures them)")
-    try:
-        extraction.check_disk(stage, est)
-    except DiskFull as exc:
+    if refused is not None:
         if check:
-            raise
-        click.echo(f"warning: {exc}", err=True)
+            raise refused
+        click.echo(f"warning: {refused}", err=True)
 
 
 @click.command("init", cls=Command)

@@ -105,8 +105,7 @@ def hidden_states(config: RunConfig, redis_url: str, extract_url: str | None, wo
     from tokencap.stack.stage import run_hidden_states
 
     if plan_only:
-        plan = extraction.plan_summary(config)
-        click.echo(plan)
+        extraction.say_disk_plan(config, click.echo)
         return
     stop = StopFlag()
     with stop.catch():

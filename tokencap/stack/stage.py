@@ -190,8 +190,8 @@ class StageRun:
             self.start()
 
         def stop() -> bool:
-            if on_states is not None and self.producer is not None \
-                    and self.producer.last_states is not None:
+            if (on_states is not None and self.producer is not None
+                    and self.producer.last_states is not None):
                 on_states(self.producer.last_states)
             if time.monotonic() - self._tended_at >= TEND_EVERY_S:
                 self._tended_at = time.monotonic()
@@ -236,7 +236,7 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
     if generation_over() and extraction.finished(ready, before):
         say(f"the hidden-state stage {ready.run.run} has every row it can take: nothing to "
             "extract")
-        _end_stage(ready, before)
+        extraction.end(ready, before)
         return before
     stopped = {"flag": False}
 
@@ -248,17 +248,8 @@ def run_hidden_states(cfg: RunConfig, redis_url: str, workers: int,
     status = runner.run(on_progress=on_progress, should_stop=stop, progress_s=progress_s,
                         arriving=arrivals)
     if not stopped["flag"]:  # every row done, the workers stopped: no file is being written
-        _end_stage(ready, runner.budget.telemetry.snapshot())
+        extraction.end(ready, runner.budget.telemetry.snapshot())
     return status
-
-
-def _end_stage(ready: extraction.Prepared, status: RunStatus) -> None:
-    """The stage's end: what killed workers left removed (their temporaries, and their
-    engine's files in the folders the preflight found the servers write in), and the
-    manifest of each category that ended written."""
-    extraction.finish(ready.stage, [n for n, st in status.categories.items() if st.ended])
-    extraction.sweep_engine_files(ready.stage,
-                                  (e.states_folder for e in status.engines.values()))
 
 
 class StatesBeside:

@@ -60,6 +60,42 @@ def test_plan_check_refuses_states_that_would_not_fit_the_disk(tmp_path) -> None
     assert res.exit_code == 10 and "GB free" in res.output and "Traceback" not in res.output
 
 
+def test_a_plan_is_said_then_checked_less_the_states_already_kept(tmp_path,
+                                                                   monkeypatch) -> None:
+    """`say_plan`, the one way `hidden-states --plan`, the stage and `tokencap plan` say and
+    check a plan: the lines first, then the bytes still to write (the plan's less what is
+    kept) against the free space."""
+    from foundation.errors import DiskFull
+    from foundation.outputs import states_dir
+    from foundation.wire import Result, encode
+    from tokencap import extraction
+
+    stage = extraction.StatesStage.of(load_config(config(tmp_path, 64)))
+    out = tmp_path / "out" / "a"
+    out.mkdir(parents=True)
+    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3, 4, 5], prompt_tokens=2,
+                 completion_tokens=3, finish_reason="stop", text="", sampling={},
+                 counted_tokens=3)
+    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    plan = extraction.disk_plan(stage)
+    whole = plan["a"].bytes
+    assert whole == 5 * stage.bytes_per_token
+    said: list[str] = []
+    assert extraction.say_plan(stage, plan, said.append) == whole
+    assert said == extraction.plan_lines(stage, plan)
+    folder = states_dir(stage.spec.output_dir, "a")
+    folder.mkdir(parents=True)
+    (folder / "s0.safetensors").write_bytes(b"k" * 1000)  # a kept file counts against the need
+    assert extraction.say_plan(stage, plan, said.append) == whole - 1000
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: real_usage(p)._replace(free=whole - 1000 - 1))
+    said.clear()
+    with pytest.raises(DiskFull):
+        extraction.say_plan(stage, plan, said.append)
+    assert said == extraction.plan_lines(stage, plan)  # said before the refusal
+
+
 @pytest.mark.parametrize("layers,extra", [(36, "layers = [2, 18, 33, 40]"),
                                           (36, "layers = [2, 18, 18, 36]"),
                                           (5, "")])

@@ -80,6 +80,31 @@ def test_hidden_states_plan_says_the_bytes_and_writes_nothing(tmp_path) -> None:
     assert "fits the free space" in res.output and not hs.exists()
 
 
+def test_hidden_states_plan_on_a_disk_too_small_says_the_plan_then_refuses(
+        tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from foundation.errors import DiskFull
+    from foundation.wire import Result, encode
+
+    hs = tmp_path / "hs"
+    path = ids_config(tmp_path, f'[hidden_states]\nmodel_config = "{tmp_path / "model.json"}"\n'
+                             f'output_dir = "{hs}"')
+    out = tmp_path / "out" / "a"
+    out.mkdir(parents=True)
+    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3, 4, 5], prompt_tokens=2,
+                 completion_tokens=3, finish_reason="stop", text="", sampling={},
+                 counted_tokens=3)
+    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))
+    res = CliRunner().invoke(main, ["hidden-states", path, "--plan"])
+    assert one_line_error(res, DiskFull.exit_code), res.output
+    # the plan that explains the refusal comes first, then the refusal
+    assert res.output.index("a: 1 rows, 5 tokens") < res.output.index("0.00 GB free")
+    assert "fits the free space" not in res.output and not hs.exists()
+
+
 def test_serve_on_a_port_taken_says_so_in_one_line(redis: Redis, redis_url) -> None:
     Budget(redis, Keys("tokencap", "t")).feeding.init_run(make_cfg(cap=1000))
     with socket.socket() as busy:
