@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from foundation.config import load_config
 from foundation.errors import ConfigError
 from tests.conftest import DATASETS, FIXTURES
+from tests.helpers import row_result, write_run
 from tokencap.cli.offline import plan_cmd
 
 GSM8K = DATASETS / "question_answer" / "gsm8k_test_first200.jsonl"
@@ -67,16 +68,10 @@ def test_a_plan_is_said_then_checked_less_the_states_already_kept(tmp_path,
     kept) against the free space."""
     from foundation.errors import DiskFull
     from foundation.outputs import states_dir
-    from foundation.wire import Result, encode
     from tokencap import extraction
 
     stage = extraction.StatesStage.of(load_config(config(tmp_path, 64)))
-    out = tmp_path / "out" / "a"
-    out.mkdir(parents=True)
-    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3, 4, 5], prompt_tokens=2,
-                 completion_tokens=3, finish_reason="stop", text="", sampling={},
-                 counted_tokens=3)
-    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    write_run(tmp_path / "out", {"a": [row_result("a", "s0", [1, 2], [3, 4, 5])]})
     plan = extraction.disk_plan(stage)
     whole = plan["a"].bytes
     assert whole == 5 * stage.bytes_per_token
@@ -210,16 +205,10 @@ def test_prepare_is_the_stage_s_one_way_in_and_writes_nothing(
         tmp_path, monkeypatch) -> None:
     from foundation.errors import DiskFull, TokencapError
     from foundation.outputs import rows_file, states_dir
-    from foundation.wire import Result, encode
     from tokencap import extraction
 
     cfg = load_config(config(tmp_path, 64))
-    out = tmp_path / "out" / "a"
-    out.mkdir(parents=True)
-    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3, 4, 5], prompt_tokens=2,
-                 completion_tokens=3, finish_reason="stop", text="", sampling={},
-                 counted_tokens=3)
-    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    write_run(tmp_path / "out", {"a": [row_result("a", "s0", [1, 2], [3, 4, 5])]})
     monkeypatch.delenv(extraction.EXTRACT_URL_ENV, raising=False)
     said: list[str] = []
     with pytest.raises(TokencapError, match="no extraction server"):

@@ -13,7 +13,7 @@ from redis import Redis
 
 from budget_service.budget import Budget
 from budget_service.keys import Keys
-from tests.helpers import ids_config, make_cfg, one_line_error
+from tests.helpers import ids_config, make_cfg, one_line_error, row_result, write_run
 from tokencap.cli.main import main
 
 NO_REDIS = "redis://127.0.0.1:1/0"  # nothing listens there: a command that needs Redis fails
@@ -85,17 +85,11 @@ def test_hidden_states_plan_on_a_disk_too_small_says_the_plan_then_refuses(
     import shutil
 
     from foundation.errors import DiskFull
-    from foundation.wire import Result, encode
 
     hs = tmp_path / "hs"
     path = ids_config(tmp_path, f'[hidden_states]\nmodel_config = "{tmp_path / "model.json"}"\n'
                              f'output_dir = "{hs}"')
-    out = tmp_path / "out" / "a"
-    out.mkdir(parents=True)
-    row = Result(id="s0", category="a", prompt_ids=[1, 2], output_ids=[3, 4, 5], prompt_tokens=2,
-                 completion_tokens=3, finish_reason="stop", text="", sampling={},
-                 counted_tokens=3)
-    (out / "part-00001.jsonl").write_bytes(encode(row) + b"\n")
+    write_run(tmp_path / "out", {"a": [row_result("a", "s0", [1, 2], [3, 4, 5])]})
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))
     res = CliRunner().invoke(main, ["hidden-states", path, "--plan"])
