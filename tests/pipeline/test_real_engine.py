@@ -274,6 +274,9 @@ def test_conversations_on_the_engine_extend_each_turn(tmp_path, engine, redis_ur
             if len(ids) == 1}
     bias[str(renderer.eos_token_id)] = END_BIAS
     table = "{ " + ", ".join(f'"{k}" = {v}' for k, v in bias.items()) + " }"
+    # min_new_tokens: with the end of turn this likely, a reply can be the end of turn alone;
+    # the gate rejects it as empty and its conversation stops there. Only three of the
+    # fixture's conversations can reach a second turn without tools, so by chance none may.
     cfg = _config(tmp_path, engine, f"""
 [[category]]
 name = "chat"
@@ -281,7 +284,7 @@ source = "{CONVERSATIONS}"
 turns = "all"
 role_map = {{ customer = "user", agent = "assistant" }}
 cap_tokens = "none"
-sampling = {{ max_new_tokens = 40, {FAST}, logit_bias = {table} }}""")
+sampling = {{ max_new_tokens = 40, min_new_tokens = 2, {FAST}, logit_bias = {table} }}""")
     with started(cfg, redis_url, [engine.url], 3) as pipe:
         status = pipe.run()
         pipe.check_category(status, "chat")
@@ -296,6 +299,7 @@ sampling = {{ max_new_tokens = 40, {FAST}, logit_bias = {table} }}""")
         body = [i for i in ids if i != renderer.eos_token_id]
         return renderer.encode(renderer.decode(body)) == body
 
+    assert later, "no conversation without tools reached a second turn"
     split = {r.id: canonical(by_turn[(r.conversation_id, r.turn - 1)].output_ids)
              for r in later}
     assert any(split.values()), "no reply of whole words: the bias did not hold"
