@@ -22,11 +22,12 @@ again) and removes the engine's name.
    test-engine`'s server) is not here: the simulator stands in, and what it spends writing
    each file (a copy of a table row per token, written under its lock) is on the same two
    cores. A third row gives each whole run's CPU per row (`getrusage` of the bench process
-   and of its reaped workers and writer): both runs are CPU-bound here, so the rows/s ratio
-   is about the inverse of this one, and a plain request's CPU times 1/0.9 is what a
-   stage's row may cost to meet the target, the simulator's file writes included. A fourth
-   gives the simulator's own threads' share of it (read from /proc per thread): what the
-   engine's work adds to a row, which a GPU node's engine does on cores of its own.
+   and of its reaped workers and writer): where both runs are CPU-bound (rows/s times CPU
+   per row near the cores), the rows/s ratio is about the inverse of this one, and a plain
+   request's CPU times 1/0.9 is what a stage's row may cost to meet the target, the
+   simulator's file writes included. A fourth gives the simulator's own threads' share of
+   it (psutil, per thread): what the engine's work adds to a row, which a GPU node's engine
+   does on cores of its own.
 2. Kimi-K2.5's states (4 layers x 7168 per token: 57,352 B in bf16, 28,684 B in FP8), three
    ways: bf16 (the engine's folder on the output's file system), FP8 written by tokencap's
    connector (the simulator writes the FP8 file and its metadata, as
@@ -233,7 +234,7 @@ def _small(bench: Bench) -> dict[str, Any]:
             "included)", st.samples / stage_s, plain_rows / plain_s, "rows/s"),
         row(NAME, "the same, CPU per row of each whole run: the bench process (the producer, "
             "the simulator's threads: its file writes are the stage's) and its workers and "
-            "writer (both runs are CPU-bound on 2 cores: the rows/s ratio follows this one's "
+            "writer (where both runs are CPU-bound, the rows/s ratio follows this one's "
             "inverse)", figures["stage_cpu_ms_per_row"], figures["plain_cpu_ms_per_row"],
             "ms/row"),
         row(NAME, "the same, of it the simulator's threads (serving; for the stage also "
@@ -251,13 +252,23 @@ def _keeping_rate(cat_dir: Path) -> float:
     row's reply, read from the rows (`sent_at_ms`, `latency_s`): a run's start (its
     processes' imports, the stage's plan) is a fixed cost a long run does not see, as the
     Kimi-size figures leave it out."""
+    done = _results(cat_dir)
+    first = min(r.sent_at_ms for r in done) / 1000
+    last = max(_replied_s(r) for r in done)
+    return (len(done) - 1) / (last - first)
+
+
+def _results(cat_dir: Path) -> list[Any]:
+    """A run's committed rows (`Result`s) in a category."""
     from foundation.outputs import read_committed
     from foundation.wire import Result
 
-    done = [r for r in read_committed(cat_dir) if isinstance(r, Result)]
-    first = min(r.sent_at_ms for r in done) / 1000
-    last = max(r.sent_at_ms / 1000 + r.latency_s for r in done)
-    return (len(done) - 1) / (last - first)
+    return [r for r in read_committed(cat_dir) if isinstance(r, Result)]
+
+
+def _replied_s(r: Any) -> float:
+    """When a row's reply came: its request's send time plus its latency (seconds)."""
+    return float(r.sent_at_ms / 1000 + r.latency_s)
 
 
 # (the way's name, the engine's dtype, the config's dtype, tokencap's connector's metadata,
@@ -419,12 +430,8 @@ def _steady_rate(cat_dir: Path) -> float:
     the bytes were asked for to the one by which 90% were (its workers' start, when a
     worker still importing shares the cores with the first rows, and the end, when fewer
     than all are busy, left out, as a 5 TB run does not see them)."""
-    from foundation.outputs import read_committed
-    from foundation.wire import Result
-
-    done = sorted((r.sent_at_ms / 1000 + r.latency_s, int(r.hidden_states["bytes"]))
-                  for r in read_committed(cat_dir)
-                  if isinstance(r, Result) and r.hidden_states)
+    done = sorted((_replied_s(r), int(r.hidden_states["bytes"]))
+                  for r in _results(cat_dir) if r.hidden_states)
     total = sum(b for _, b in done)
     cum, marks = 0, {}
     for t, b in done:

@@ -372,10 +372,9 @@ def prepare(cfg: RunConfig, given_url: str | None = None,
     if not engines:
         raise TokencapError("no extraction server: pass --extract-url, set "
                             f"{EXTRACT_URL_ENV} or hidden_states.engine_url")
-    run = stage_config(stage)
     plan = disk_plan(stage)
-    say_plan(stage, plan, say, generating)
-    return Prepared(stage, run, engines, plan)
+    say_plan(stage, plan, say, generating)  # its lines said before a refusal they explain
+    return Prepared(stage, stage_config(stage), engines, plan)
 
 
 class Arrivals:
