@@ -66,12 +66,21 @@ def test_two_modes_by_conversation_survive_a_kill_and_resume(tmp_path, redis_url
     cfg = config(tmp_path)
     cat = cfg.by_name("chat")
     with SimServer(time_scale=400.0, tokenizer=str(QWEN3), default_length=SHORT) as sim:
-        # Given a run stopped once a third of its conversations have a turn written
+        # Given a run stopped once a third of its conversations have a turn written, at a
+        # moment a conversation waits for its next turn: its first turn is on disk and only
+        # the producer feeds the second, so that one is sent after the resume. (Stopped on the
+        # count alone, the workers could drain the queue before the kill and leave every
+        # conversation begun whole.)
         first = Pipeline(cfg, redis_url, [sim.url])
         first.build()
         first.start_writer()
         first.start_workers(6)
-        first.run(should_stop=lambda: first.status()["chat"]["samples"] >= CONVERSATIONS // 3)
+
+        def midway() -> bool:
+            st = first.status()["chat"]
+            return st["samples"] >= CONVERSATIONS // 3 and st["followups"] > 0
+
+        first.run(should_stop=midway)
         first.kill_workers()  # SIGKILL: requests in flight are lost mid-way
         first.stop_writer()
         before = {r.id: r.mode for r in first.committed("chat")}
