@@ -21,7 +21,7 @@ above and the wait in the queue for a free worker).
 
 Single turns: the saturation scenario's mix of unique token-id prompts on the same four
 engines, affinity on and off, output tok/s over a window: a unique prompt has nothing to
-share and gets no affinity key (`producer.feeder.AFFINITY_KEYS_KEPT`), so the two agree.
+share and gets no affinity key (`producer.affinity`), so the two agree.
 """
 
 from __future__ import annotations

@@ -33,13 +33,9 @@ lease, which the reaper enqueues again once the lease has passed.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
-from array import array
-from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,6 +51,7 @@ from foundation.config import Category, RunConfig
 from foundation.errors import ConfigError, SourceError
 from foundation.modes import most_new_tokens
 from foundation.wire import Pending
+from producer.affinity import SharedKeys
 from producer.followups import FollowUps
 from producer.intake import Intake, Screened
 from producer.readers.index import Sample, SourceIndex
@@ -70,13 +67,6 @@ FEED_CHUNK = 64  # new samples read and rendered per category per tick, at most
 UNPARK_BATCH = 1024
 WORKER_COUNT_REFRESH_S = 2.0
 IDLE_TICK_S = 0.05
-# Prompts whose first AFFINITY_PREFIX_TOKENS ids agree share an affinity key: the engines send
-# them to one engine, whose prefix cache then holds that prefix once (a tool schema, a long
-# system prompt). A shorter shared prefix is cheap for every engine to hold.
-AFFINITY_PREFIX_TOKENS = 256
-# A prompt gets its key only once another prompt had it (a unique prompt has nothing to share:
-# it goes to the least loaded engine as without affinity); the keys seen, the last ones kept.
-AFFINITY_KEYS_KEPT = 1 << 16
 
 
 class CategoryFeed:
@@ -163,25 +153,16 @@ class Producer:
         self.last_states: dict[str, CategoryState] | None = None
         self._unpark_mark: dict[str, tuple[int | None, ...]] = {}
         self._feedable = len(cfg.category)  # categories that can be fed, as of the last tick
-        self._keys_seen: OrderedDict[str, None] = OrderedDict()  # affinity keys, last first
-        self._affinity = self._shared_key if cfg.affinity else None
+        self._affinity = SharedKeys() if cfg.affinity else None  # `producer.affinity`
         self.followups = FollowUps(cfg, self.budget, renderer, self._enqueue,
                                            self._affinity)
-        # near-duplicates and benchmark contamination, refused at intake (rebuilt from the
-        # ledger by `load_intake` before the first feed)
+        # near-duplicates and benchmark contamination, refused at intake (its index rebuilt
+        # from the ledger before the first feed: `producer.run` does, else the first screen)
         self.intake = Intake(cfg, self._source_of)
-        self._intake_loaded = False
 
     def _source_of(self, name: str) -> CategorySource | None:
         feed = self.feeds.get(name)
         return feed.source if feed else None
-
-    def load_intake(self, keep_alive: Callable[[], None] | None = None) -> None:
-        """Rebuild the near-duplicate index from what the ledger recorded (once, before the
-        first feed; again after the run was created anew); `keep_alive()` now and then
-        while it takes (the producer's lease renewed)."""
-        self.intake.load(self.budget, keep_alive)
-        self._intake_loaded = True
 
     # -- setup -------------------------------------------------------------------------
     def open_category(self, name: str, index: SourceIndex | None = None) -> None:
@@ -232,7 +213,6 @@ class Producer:
         for feed in self.feeds.values():
             feed.resync(self.budget.feeding.cursor(feed.cat.name))
         self.intake = Intake(self.cfg, self._source_of)
-        self._intake_loaded = False
 
     # -- the tick ----------------------------------------------------------------------
     def tick(self) -> int:
@@ -355,24 +335,9 @@ class Producer:
         seen = self.budget.feeding.seen([*others, name], prepared)
         if not self.intake.active:
             return Screened(prepared, [], [], seen)
-        if not self._intake_loaded:
-            self.load_intake()
+        if not self.intake.loaded:
+            self.intake.load(self.budget)
         return self.intake.screen(name, samples, prepared, seen)
-
-    def _shared_key(self, ids: list[int]) -> str:
-        """The prompt's affinity key if an earlier prompt had it ("" otherwise, and for a
-        prompt too short to have one)."""
-        key = affinity_key(ids)
-        if not key:
-            return ""
-        seen = self._keys_seen
-        if key in seen:
-            seen.move_to_end(key)
-            return key
-        seen[key] = None
-        if len(seen) > AFFINITY_KEYS_KEPT:
-            seen.popitem(last=False)
-        return ""
 
     def _enqueue(self, category: str, samples: list[tuple[str, int, int]],
                  at_front: bool = False) -> None:
@@ -408,11 +373,3 @@ class Producer:
                                                                   strict=True)])
         return len(got.leased)
 
-
-def affinity_key(ids: list[int]) -> str:
-    """The affinity key of a prompt: a digest of its first AFFINITY_PREFIX_TOKENS ids ("" for
-    a shorter prompt: nothing long to share)."""
-    if len(ids) <= AFFINITY_PREFIX_TOKENS:
-        return ""
-    head = array("i", ids[:AFFINITY_PREFIX_TOKENS]).tobytes()
-    return hashlib.blake2b(head, digest_size=8).hexdigest()

@@ -61,6 +61,7 @@ class Intake:
         self.near = (NearDuplicates(cfg.near_duplicates, [c.name for c in cfg.category],
                                     self._text_of, self._same_record)
                      if on and cfg.near_duplicates.enabled else None)
+        self.loaded = False  # the near-duplicate index rebuilt from the ledger (`load`)
 
     @property
     def active(self) -> bool:
@@ -83,8 +84,9 @@ class Intake:
             self.cfg.by_name(a.category).paths == self.cfg.by_name(b.category).paths
 
     def load(self, budget: Budget, keep_alive: Callable[[], None] | None = None) -> None:
-        """Rebuild the near-duplicate index from the ledger (at the producer's start;
-        `keep_alive()` now and then while it takes)."""
+        """Rebuild the near-duplicate index from the ledger (once, before the first screen;
+        `keep_alive()` now and then while it takes: the producer's lease renewed)."""
+        self.loaded = True
         if self.near is not None:
             for cat in self.cfg.category:
                 self.near.load(cat.name, budget.feeding.near_records(cat.name), keep_alive)

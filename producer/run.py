@@ -137,7 +137,7 @@ def run_to_end(
         watch = EngineWatch(producer.budget.telemetry, engine_specs(engine_urls))
         if before_feed is not None:
             before_feed(producer)
-        producer.load_intake(lock.renew)  # the near-duplicate index, before the first feed
+        producer.intake.load(producer.budget, lock.renew)  # before the first feed
 
         def stop() -> bool:
             lock.renew()

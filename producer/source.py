@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -104,6 +104,7 @@ class CategorySource:
         self.extracts = cfg.stage == "hidden_states"
         self.out_dir = Path(cfg.output_dir)
         self._order: array | None = None
+        self._sent: dict[str | None, dict[str, Any]] = {}  # each mode's sampling, as sent
 
     @classmethod
     def open(cls, cfg: RunConfig, cat: Category, renderer: Renderer | None = None,
@@ -204,6 +205,14 @@ class CategorySource:
         """The sampling params a sample of `mode` is sent with."""
         return modes.sampling(self.cat, mode)
 
+    def sampling_sent(self, mode: Mode | None) -> dict[str, Any]:
+        """`sampling_of(mode)` as a job carries it (`Pending.sampling`), made once per mode:
+        every sample of one mode shares the one dict, which nothing changes."""
+        key = mode.name if mode else None
+        if key not in self._sent:
+            self._sent[key] = msgspec.to_builtins(self.sampling_of(mode))
+        return self._sent[key]
+
     # -- prompts -----------------------------------------------------------------------
     def render(self, prompts: Sequence[list[dict] | list[int]],
                tools: Sequence[list[dict] | None],
@@ -285,10 +294,6 @@ class CategorySource:
             prev = self.render([turns[k].previous for k in chat], [tools[k] for k in chat],
                                [mode_of[k] for k in chat])
             before = dict(zip(chat, prev, strict=True))
-        sampling_of: dict[str | None, dict[str, Any]] = {}  # each mode's, made once
-        for m in mode_of:
-            if (m.name if m else None) not in sampling_of:
-                sampling_of[m.name if m else None] = msgspec.to_builtins(self.sampling_of(m))
         fed_at = now_ms()
         prepared: list[Pending] = []
         rejected: list[DeadLetter] = []
@@ -322,38 +327,12 @@ class CategorySource:
                     fields["prefer_engine"] = turns[k].engine
             if out.text is not None:
                 fields["chat_template_kwargs"] = self.kwargs_of(mode)
-            sampling = sampling_of[mode.name if mode else None]
             prepared.append(Pending(sample_id=ids_of[k], ordinal=s.ordinal, prompt_ids=out.ids,
-                                    sampling=sampling, where=self.row_where(s.where),
-                                    source_id=s.source_id, fed_at_ms=fed_at,
+                                    sampling=self.sampling_sent(mode),
+                                    where=self.row_where(s.where), source_id=s.source_id,
+                                    fed_at_ms=fed_at,
                                     row_id=s.source_id if self.extracts else None, **fields))
         return prepared, rejected
-
-    def first_prompts(self, want: int, scan: int, mode: str | None = None
-                      ) -> Iterator[tuple[Sample, Prompt] | tuple[str, Rejected]]:
-        """``(sample, prompt)`` of the first records in the shuffled order (of those drawn to
-        `mode`, when given) whose prompt renders in its mode (fit not checked: `fit` says),
-        or ``(where, Rejected)`` for one that does not; stops after `want` prompts or `scan`
-        records."""
-        good = 0
-        for pos in self.order[:scan]:
-            if not self.feeds(pos):
-                continue
-            try:
-                s = self.read(pos)
-                drawn = self.mode_of(s.sample_id)
-                if mode is not None and (drawn is None or drawn.name != mode):
-                    continue
-                out = self.render([s.prompt], [s.tools], [drawn])[0]
-                if isinstance(out, Rejected):
-                    raise out
-            except Rejected as exc:
-                yield (exc.where or self.index.where(pos), exc)
-                continue
-            yield (s, out)
-            good += 1
-            if good >= want:
-                return
 
 
 def prefix(nxt: NextTurn, previous_ids: list[int], ids: list[int], text: str

@@ -383,18 +383,33 @@ def _first_prompts(cfg: RunConfig, cat: Category, renderer: Renderer | None, wan
 def _shuffled_prompts(source: CategorySource, renderer: Renderer | None, want: int,
                       mode: str | None = None):
     """Yield ``(sample, text | None, ids)`` or ``(where, Rejected)`` in the shuffled order
-    (of the records drawn to `mode`, when given), stopping after `want` rendered prompts or
+    (of the records drawn to `mode`, when given), each prompt rendered in its own mode (fit
+    not checked: `CategorySource.fit` says), stopping after `want` rendered prompts or
     `PREVIEW_SCAN_LIMIT` records."""
     from producer.formats.records import Rejected
 
-    for first, prompt in source.first_prompts(want, PREVIEW_SCAN_LIMIT, mode):
-        if isinstance(prompt, Rejected):
-            yield (first, prompt)
+    good = 0
+    for pos in source.order[:PREVIEW_SCAN_LIMIT]:
+        if not source.feeds(pos):
+            continue
+        try:
+            s = source.read(pos)
+            drawn = source.mode_of(s.sample_id)
+            if mode is not None and (drawn is None or drawn.name != mode):
+                continue
+            prompt = source.render([s.prompt], [s.tools], [drawn])[0]
+            if isinstance(prompt, Rejected):
+                raise prompt
+        except Rejected as exc:
+            yield (exc.where or source.index.where(pos), exc)
             continue
         text = prompt.text
         if text is None and renderer is not None:
             text = renderer.decode(prompt.ids)
-        yield (first, text, prompt.ids)
+        yield (s, text, prompt.ids)
+        good += 1
+        if good >= want:
+            return
 
 
 class Preview(msgspec.Struct):

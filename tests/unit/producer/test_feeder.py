@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer import feeder, recovery
+from producer import recovery
 from sglang_sim.testing import SimServer
 from testing.harness import Pipeline
 from tests.faults.common import two_category_config
@@ -130,20 +130,6 @@ def test_feeds_redis_lost_are_fed_again(tmp_path, redis, redis_url, prompts: int
     pipe.check_invariants(status)
     assert status["categories"]["a"]["samples"] == status["categories"]["b"]["samples"] \
         == prompts
-
-
-def test_a_prompt_gets_an_affinity_key_once_another_prompt_had_its_first_tokens(
-        tmp_path, redis_url) -> None:
-    pipe = Pipeline(two_category_config(tmp_path), redis_url, ["http://127.0.0.1:9"])
-    producer = pipe.build()
-    n = feeder.AFFINITY_PREFIX_TOKENS
-    schema = list(range(1000, 1000 + n))
-    first, second = [*schema, 1, 2], [*schema, 3]
-    assert producer._shared_key(first) == ""  # nothing shared yet: least loaded, as before
-    key = producer._shared_key(second)
-    assert key and key == feeder.affinity_key(first)  # shared now: one engine for both
-    assert producer._shared_key([7] * n) == ""  # too short to have a key
-    assert producer._shared_key([9] * (n + 1)) == ""  # a new prefix
 
 
 def test_feeding_depth_is_shared_by_the_categories_that_can_still_be_fed(
