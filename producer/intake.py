@@ -85,11 +85,12 @@ class Intake:
 
     def load(self, budget: Budget, keep_alive: Callable[[], None] | None = None) -> None:
         """Rebuild the near-duplicate index from the ledger (once, before the first screen;
-        `keep_alive()` now and then while it takes: the producer's lease renewed)."""
-        self.loaded = True
+        `keep_alive()` now and then while it takes: the producer's lease renewed). One that
+        fails (Redis went away) is not `loaded`: the next screen loads it again."""
         if self.near is not None:
             for cat in self.cfg.category:
                 self.near.load(cat.name, budget.feeding.near_records(cat.name), keep_alive)
+        self.loaded = True
 
     def screen(self, category: str, samples: Sequence[Sample], prepared: Sequence[Pending],
                seen: Seen) -> Screened:

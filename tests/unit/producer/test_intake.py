@@ -4,6 +4,7 @@ feed script."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from budget_service.feeding import Seen
 from budget_service.ledger import prompt_digest
@@ -90,3 +91,25 @@ def test_one_record_fed_by_two_categories_is_no_near_copy_of_itself() -> None:
     assert [p.sample_id for p in out.samples] == ["s:1", "s:2"]
     [letter] = out.refused
     assert letter.id == "s:3" and "near-duplicate of think/s:1 " in letter.message
+
+
+def test_an_index_load_that_fails_is_not_loaded_and_the_next_one_is() -> None:
+    class Feeding:
+        calls = 0
+
+        def near_records(self, name: str) -> bytes:
+            Feeding.calls += 1
+            if Feeding.calls == 1:
+                raise ConnectionError("Redis went away")
+            return b""
+
+    class Budget:
+        feeding = Feeding()
+
+    intake = Intake(make_cfg(), lambda name: None)
+    assert intake.near is not None and not intake.loaded
+    with pytest.raises(ConnectionError):
+        intake.load(Budget())  # type: ignore[arg-type]
+    assert not intake.loaded  # the producer's next screen loads it again
+    intake.load(Budget())  # type: ignore[arg-type]
+    assert intake.loaded
